@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install trackdiag with everything the example and tests use.
+# CPU torch first: a torch requirement resolved by pip alone would pull several GB of CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+VPY=.venv/bin/python
+$VPY -m pip install -q --upgrade pip >/dev/null
+$VPY -c "import torch" 2>/dev/null || $VPY -m pip install -q "torch==2.13.0"
+$VPY -m pip install -q ".[all,test]"
+# a regular (non-editable) install of the current tree, so Hydra apps anywhere use the package as users get it
+$VPY -m pip install -q --no-deps --force-reinstall .

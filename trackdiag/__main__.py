@@ -1,0 +1,5 @@
+import sys
+
+from trackdiag.cli import main
+
+sys.exit(main())

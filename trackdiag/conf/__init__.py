@@ -1,0 +1,1 @@
+"""Packaged Hydra configs: the ``diag`` group (presets basic, advanced, extreme)."""

@@ -1,0 +1,86 @@
+"""Map parameter tensors to layers (their owning modules) and layers to metric-key groups."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+ROOT = "(root)"
+
+
+def layer_of(param_name: str) -> str:
+    """``encoder.0.weight`` -> ``encoder.0``; a parameter of the root module -> ``(root)``."""
+    head, _, _ = param_name.rpartition(".")
+    return head or ROOT
+
+
+def group_names(layers: list[str], budget: int) -> list[str]:
+    """Coarsen layer names (truncating at dots, deepest first) until at most ``budget`` distinct
+    groups remain. Returns the group name of each layer, in order."""
+    depth = max((n.count(".") + 1 for n in layers), default=1)
+    while depth > 0:
+        groups = [".".join(n.split(".")[:depth]) for n in layers]
+        if len(dict.fromkeys(groups)) <= budget:
+            return groups
+        depth -= 1
+    return ["all"] * len(layers)
+
+
+@dataclass
+class LayerIndex:
+    """The parameters one optimizer steps, named after the model and grouped by layer.
+
+    ``index[i]`` is the layer of ``params[i]``; ``group_index[j]`` the key group of ``layers[j]``.
+    Built once at attach: the hot path only uses the precomputed index tensors.
+    """
+
+    params: list[torch.Tensor]
+    names: list[str]
+    layers: list[str]
+    index: torch.Tensor
+    groups: list[str]
+    group_index: torch.Tensor
+    grouped: bool
+    _zeros: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, model: nn.Module | None, params: list[torch.Tensor], budget: int) -> "LayerIndex":
+        by_id = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        names = [by_id.get(id(p), f"param{i}") for i, p in enumerate(params)]
+        layer_names = [layer_of(n) for n in names]
+        layers = list(dict.fromkeys(layer_names))
+        pos = {n: i for i, n in enumerate(layers)}
+        device = params[0].device if params else torch.device("cpu")
+        index = torch.tensor([pos[n] for n in layer_names], dtype=torch.long, device=device)
+        group_of_layer = group_names(layers, budget)
+        groups = list(dict.fromkeys(group_of_layer))
+        gpos = {g: i for i, g in enumerate(groups)}
+        group_index = torch.tensor([gpos[g] for g in group_of_layer], dtype=torch.long, device=device)
+        return cls(params, names, layers, index, groups, group_index, grouped=len(groups) < len(layers))
+
+    def grads(self) -> list[torch.Tensor]:
+        """Each parameter's gradient; a zero scalar stands in where ``grad`` is None."""
+        out = []
+        for p in self.params:
+            g = p.grad
+            if g is None:
+                g = self._zeros.get(p.device)
+                if g is None:
+                    g = self._zeros[p.device] = torch.zeros((), device=p.device)
+            out.append(g)
+        return out
+
+    def per_layer_norm(self, norms: torch.Tensor) -> torch.Tensor:
+        """L2 norm per layer from per-tensor L2 norms (one index_add, no host sync)."""
+        sq = torch.zeros(len(self.layers), dtype=norms.dtype, device=norms.device)
+        return sq.index_add_(0, self.index.to(norms.device), norms * norms).sqrt_()
+
+    def per_layer_max(self, values: torch.Tensor) -> torch.Tensor:
+        """Max per layer from per-tensor values."""
+        out = torch.zeros(len(self.layers), dtype=values.dtype, device=values.device)
+        return out.scatter_reduce_(0, self.index.to(values.device), values, "amax", include_self=False)
+
+    def per_group_norm(self, layer_norms: torch.Tensor) -> torch.Tensor:
+        sq = torch.zeros(len(self.groups), dtype=layer_norms.dtype, device=layer_norms.device)
+        return sq.index_add_(0, self.group_index.to(layer_norms.device), layer_norms * layer_norms).sqrt_()

@@ -1,0 +1,70 @@
+"""The :class:`Probe` contract. Every hook is a documented no-op here."""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from trackdiag.context import Component, ProbeContext, StepInputs
+from trackdiag.record import Record
+from trackdiag.schedule import Every
+
+
+class Probe:
+    """Computes one family of diagnostics.
+
+    Life cycle per optimizer step: ``before_optimizer_step`` / ``after_optimizer_step`` (from the
+    optimizer's step hooks, per component), then ``on_step`` (from ``Diagnostics.step``). On a
+    logging step where the probe is due, ``collect`` returns device tensors (never ``.item()``);
+    the session copies all probes' tensors to the host at once and hands the host arrays to
+    ``publish``, which writes metric keys into the record.
+
+    Args:
+        enabled: switch the probe off without removing its config.
+        every: logging cadence in optimizer steps; ``None`` means the session's ``every``.
+    """
+
+    name: ClassVar[str] = ""
+    #: collect at every logging step even when not due (a probe with per-step buffers to flush)
+    always_collect: ClassVar[bool] = False
+
+    def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
+        self.enabled = enabled
+        self.every = every
+        self.schedule = Every(every or 1)
+
+    def bind(self, default_every: int) -> None:
+        """Called by the session once its cadence is known."""
+        self.schedule = Every(self.every or default_every)
+
+    def attach(self, ctx: ProbeContext) -> None:
+        """Register hooks or allocate buffers. Default: nothing."""
+
+    def detach(self) -> None:
+        """Undo ``attach``. Default: nothing."""
+
+    def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
+        """Gradients are final (unscaled, clipped) here. Default: nothing."""
+
+    def after_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
+        """Parameters are updated here. Default: nothing."""
+
+    def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        """Every step; must cost at most a few device ops. Default: nothing."""
+
+    def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
+        """Device tensors (or host numbers) to copy to the host at this logging step."""
+        return {}
+
+    def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
+        """Write host values into ``record``. Default: each value as a scalar under its own key."""
+        for k, v in values.items():
+            record.scalars[k] = float(v.reshape(-1)[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        """State a resumed run must keep (EMAs, counters)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict``."""

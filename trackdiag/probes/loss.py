@@ -1,0 +1,108 @@
+"""Loss probe: every step's loss value, kept on device between logging steps.
+
+Emits, per loss name (``loss`` or ``<component>/loss``):
+  series ``diag/[<c>/]loss``: the value at every step (full resolution, no per-step host sync);
+  ``diag/[<c>/]loss/ema``: EMA of the finite values;
+  ``diag/[<c>/]loss/nonfinite_steps``: non-finite values in the window since the last log.
+Cost: one device ``copy_`` per step and loss into a ring buffer; the buffer is copied to the host
+with every other diagnostic at the logging step.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from trackdiag.context import ProbeContext, StepInputs
+from trackdiag.probes.base import Probe
+from trackdiag.record import Record
+from trackdiag.stats import Ema
+
+
+class _Ring:
+    """Per-step values of one loss between two logging steps."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.buf: torch.Tensor | None = None
+        self.host: list[float] = []  # losses passed as Python numbers
+        self.steps: list[int] = []
+
+    def push(self, step: int, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if self.buf is None or self.buf.device != value.device:
+                self.buf = torch.empty(self.size, dtype=torch.float32, device=value.device)
+            pos = len(self.steps)
+            if pos >= self.size:  # a gap longer than the cadence: grow rather than lose values
+                self.buf = torch.cat([self.buf, torch.empty_like(self.buf)])
+                self.size = len(self.buf)
+            self.buf[pos].copy_(value.detach().reshape(()))
+        else:
+            self.host.append(float(value))
+        self.steps.append(step)
+
+    def take(self) -> tuple[list[int], torch.Tensor | list[float]]:
+        steps, n = self.steps, len(self.steps)
+        out: torch.Tensor | list[float] = self.host if self.host else self.buf[:n].clone()  # type: ignore[index]
+        self.steps, self.host = [], []
+        return steps, out
+
+
+class LossProbe(Probe):
+    """See module docstring. Args: ``ema_beta`` smoothing of ``loss/ema``."""
+
+    name = "loss"
+    always_collect = True
+
+    def __init__(self, *, enabled: bool = True, every: int | None = None, ema_beta: float = 0.98) -> None:
+        super().__init__(enabled=enabled, every=every)
+        self.ema_beta = ema_beta
+        self._rings: dict[str, _Ring] = {}
+        self._emas: dict[str, Ema] = {}
+        self._size = 1
+
+    def bind(self, default_every: int) -> None:
+        super().bind(default_every)
+        self._size = max(1, self.every or default_every)
+
+    def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        for name, value in inputs.losses.items():
+            if value is None:
+                continue
+            ring = self._rings.get(name)
+            if ring is None:
+                ring = self._rings[name] = _Ring(self._size)
+                self._emas[name] = Ema(self.ema_beta)
+            ring.push(ctx.step, value)
+
+    def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
+        out: dict[str, Any] = {}
+        self._steps: dict[str, list[int]] = {}
+        for name, ring in self._rings.items():
+            if ring.steps:
+                steps, vals = ring.take()
+                self._steps[name] = steps
+                out[name] = vals if isinstance(vals, torch.Tensor) else torch.tensor(vals, dtype=torch.float64)
+        return out
+
+    def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
+        for name, vals in values.items():
+            key = f"diag/{name}/loss" if name else "diag/loss"
+            steps = self._steps[name]
+            ema = self._emas[name]
+            points = [(s, float(v)) for s, v in zip(steps, vals.tolist())]
+            for _, v in points:
+                ema.update(v)
+            record.series[key] = points
+            record.scalars[f"{key}/ema"] = ema.value
+            record.scalars[f"{key}/nonfinite_steps"] = float(sum(not math.isfinite(v) for _, v in points))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"emas": {k: e.state_dict() for k, e in self._emas.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, s in state.get("emas", {}).items():
+            self._emas.setdefault(k, Ema(self.ema_beta)).load_state_dict(s)
+            self._rings.setdefault(k, _Ring(self._size))

@@ -1,0 +1,73 @@
+"""The :class:`Rule` contract: a judge of records that emits :class:`Alert` objects."""
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Sequence
+
+from trackdiag.alert import Alert
+from trackdiag.context import Component
+from trackdiag.record import Record
+
+
+class Rule:
+    """Judges each logging step's record against thresholds.
+
+    ``check`` sees the new record, the recent history (oldest first) and the components; it
+    returns the alerts to raise (the session applies cooldown and actions). Rules may keep small
+    host-side state (EMAs, streaks) and expose it through ``state_dict``.
+
+    Args:
+        enabled: switch the rule off.
+        action: what the session does when it fires: ``log`` | ``warn`` | ``stop`` | ``raise``.
+        cooldown: steps during which a repeat of the same kind at the same place is counted
+            but not emitted again.
+        severity: override the rule's default severity (``info`` | ``warning`` | ``critical``).
+    """
+
+    kind: ClassVar[str] = ""
+    severity: ClassVar[str] = "warning"
+    hint: ClassVar[str] = ""
+
+    def __init__(self, *, enabled: bool = True, action: str = "warn", cooldown: int = 100, severity: str | None = None) -> None:
+        self.enabled = enabled
+        self.action = action
+        self.cooldown = cooldown
+        self.level = severity or type(self).severity
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        """Alerts for ``record``. Default: none."""
+        return []
+
+    def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
+        """Alerts for an evaluation record from ``log_eval``. Default: none."""
+        return []
+
+    def make(self, step: int, message: str, value: float = math.nan, threshold: float = math.nan, where: str = "") -> Alert:
+        return Alert(self.kind, int(step), self.level, message, float(value), float(threshold), where, self.hint)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict``."""
+
+
+def loss_series(record: Record) -> dict[str, list[tuple[int, float]]]:
+    """The per-step loss series of a record: ``{key: [(step, value), ...]}``."""
+    return {k: v for k, v in record.series.items() if k.endswith("/loss") or k == "diag/loss"}
+
+
+def where_of(key: str) -> str:
+    """The component a loss key belongs to: ``diag/G/loss`` -> ``G``; ``diag/loss`` -> ``""``."""
+    parts = key.split("/")
+    return parts[1] if len(parts) == 3 else ""
+
+
+def layer_values(record: Record, prefix: str) -> dict[str, float]:
+    """Per-layer values under ``prefix`` (``diag/grad/norm``): the full table when the keys were
+    coarsened, else the per-layer scalar keys."""
+    table = record.tables.get(prefix)
+    if table is not None:
+        return table
+    start = prefix + "/"
+    return {k[len(start):]: v for k, v in record.scalars.items() if k.startswith(start)}

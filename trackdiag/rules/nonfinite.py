@@ -1,0 +1,65 @@
+"""NaN/Inf rules: ``nonfinite_loss``, ``nonfinite_grad``, ``nonfinite_param``."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from trackdiag.alert import Alert
+from trackdiag.context import Component
+from trackdiag.record import Record
+from trackdiag.rules.base import Rule, loss_series, where_of
+
+
+class NonfiniteLoss(Rule):
+    """Fires at the first step whose loss is NaN or Inf (exact step: the loss is kept every step)."""
+
+    kind = "nonfinite_loss"
+    severity = "critical"
+    hint = ("Lower the learning rate, clip gradients (clip_grad_norm_), guard log/div/sqrt with an eps "
+            "(log(x + 1e-8)), check the batch for NaN/Inf, and under fp16 AMP use a GradScaler or bf16.")
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        for key, points in loss_series(record).items():
+            for step, v in points:
+                if not math.isfinite(v):
+                    out.append(self.make(step, f"loss is {v}.", v, math.nan, where_of(key)))
+                    break
+        return out
+
+
+class _NonfiniteTensors(Rule):
+    family = ""  # "grad" or "param"
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        for comp in components:
+            n = record.scalars.get(comp.key(f"{self.family}/nonfinite_tensors"), 0.0)
+            if n > 0:
+                layers = record.tables.get(comp.key(f"{self.family}/nonfinite_layers"), {})
+                where = next(iter(layers), "") or comp.name
+                if comp.name and layers:
+                    where = f"{comp.name}.{where}"
+                what = "gradient" if self.family == "grad" else "parameter"
+                out.append(self.make(record.step, f"{int(n)} {what} tensor(s) hold NaN/Inf; first in {where or 'the model'}.", n, 0, where))
+        return out
+
+
+class NonfiniteGrad(_NonfiniteTensors):
+    """Fires when any gradient tensor holds NaN/Inf at the optimizer step; ``where`` is the first layer."""
+
+    kind = "nonfinite_grad"
+    severity = "critical"
+    family = "grad"
+    hint = ("Find the op that produces it (trackdiag's NaN replay or torch.autograd.set_detect_anomaly), guard "
+            "log/sqrt/div with an eps, clip gradients, lower the learning rate.")
+
+
+class NonfiniteParam(_NonfiniteTensors):
+    """Fires when any parameter holds NaN/Inf after the optimizer step; ``where`` is the first layer."""
+
+    kind = "nonfinite_param"
+    severity = "critical"
+    family = "param"
+    hint = ("The optimizer wrote NaN/Inf into the weights: restore the last good checkpoint, lower the "
+            "learning rate, clip gradients, check the optimizer's eps.")

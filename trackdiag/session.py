@@ -1,0 +1,289 @@
+"""The diagnostics session: hooks, schedules, the one host copy per logging step, rules, sinks."""
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import time
+from functools import partial
+from typing import Any, Mapping
+
+import torch
+
+from trackdiag.alert import Alert
+from trackdiag.alerting import AlertBook
+from trackdiag.components import batch_size_of, build_components
+from trackdiag.config import resolve, to_plain
+from trackdiag.context import Component, ProbeContext, StepInputs
+from trackdiag.errors import AlertRaised
+from trackdiag.probes.base import Probe
+from trackdiag.record import Record
+from trackdiag.registry import PROBES, RULES, SINKS, lookup
+from trackdiag.rules.base import Rule
+from trackdiag.runinfo import RunInfo, resolve_run
+from trackdiag.sinks.base import Sink, SinkHub
+from trackdiag.transfer import to_host
+
+log = logging.getLogger("trackdiag")
+
+
+def _build(family: dict[str, str], name: str, entry: Mapping[str, Any] | None) -> Any:
+    entry = dict(entry or {})
+    return lookup(family, name, entry)(**{k: v for k, v in entry.items() if k != "_target_"})
+
+
+class Diagnostics:
+    """Training diagnostics for one run. See the README for the metric keys and alert kinds.
+
+    Args:
+        model: an ``nn.Module`` or a dict of named modules.
+        optimizer: an optimizer or a dict of named optimizers (paired with the models by key).
+        scaler: the AMP ``GradScaler``, if any.
+        level: preset name (``basic`` | ``advanced`` | ``extreme``).
+        sinks: sink names (default: the preset's). hparams: the user's config, logged with the run.
+        **overrides: any preset key (``every=5``, ``rules={"grad_explosion": {"threshold": 50}}``).
+    Raises:
+        ConfigError: listing every problem of the merged config, before anything is hooked.
+    """
+
+    enabled = True
+
+    def __init__(self, model: Any, optimizer: Any = None, scaler: Any = None, *, level: str = "advanced",
+                 sinks: list[str] | None = None, hparams: Any = None, **overrides: Any) -> None:
+        cfg: dict[str, Any] = {"level": level, **overrides}
+        if sinks is not None:
+            cfg["sinks"] = list(sinks)
+        self._setup(resolve(cfg), model, optimizer, scaler, hparams)
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, model: Any, optimizer: Any = None, scaler: Any = None,
+                    hparams: Any = None) -> "Diagnostics | DisabledDiagnostics":
+        """A session from a Hydra ``diag`` node; a no-op session when ``cfg`` is None or disabled."""
+        from trackdiag.disabled import DisabledDiagnostics
+
+        plain = to_plain(cfg)
+        if plain is None or (isinstance(plain, Mapping) and plain.get("enabled", True) is False):
+            return DisabledDiagnostics()
+        self = cls.__new__(cls)
+        self._setup(resolve(plain), model, optimizer, scaler, hparams)
+        return self
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self, cfg: dict[str, Any], model: Any, optimizer: Any, scaler: Any, hparams: Any) -> None:
+        self.config = cfg
+        self.every: int = cfg["every"]
+        self.components: list[Component] = build_components(model, optimizer, cfg["max_layer_metrics"])
+        self._ctx = ProbeContext(self.components, self.every, cfg["max_layer_metrics"], scaler)
+        self.probes: list[Probe] = [_build(PROBES, n, e) for n, e in cfg["probes"].items() if (e or {}).get("enabled", True)]
+        self.rules: list[Rule] = [_build(RULES, n, e) for n, e in cfg["rules"].items() if (e or {}).get("enabled", True)]
+        sinks: list[Sink] = [_build(SINKS, n, cfg["sink"].get(n)) for n in dict.fromkeys(["local", *cfg["sinks"]])]
+        for p in self.probes:
+            p.bind(self.every)
+            p.attach(self._ctx)
+        name, out_dir, cwd, group, job = resolve_run(cfg["output_dir"], cfg["run_name"])
+        self.run = RunInfo(name, out_dir, cfg["level"], cfg, to_plain(hparams) or {}, cwd, group, job,
+                           components=[c.name for c in self.components])
+        self._hub = SinkHub(sinks)
+        self._book = AlertBook()
+        self._history: collections.deque[Record] = collections.deque(maxlen=cfg["history"])
+        self._disabled: dict[str, str] = {}
+        self._handles: list[Any] = []
+        self._step = 0
+        self._last_logged = -1
+        self._overhead = 0.0
+        self._window_overhead = 0.0
+        self._t_first: float | None = None
+        self._t_last = 0.0
+        self._opened = self._closed = False
+        self.should_stop = False
+        self.last_inputs: StepInputs | None = None
+        self._hook_optimizers()
+
+    def _hook_optimizers(self) -> None:
+        pre = [p for p in self.probes if type(p).before_optimizer_step is not Probe.before_optimizer_step]
+        post = [p for p in self.probes if type(p).after_optimizer_step is not Probe.after_optimizer_step]
+        for comp in self.components:
+            if comp.optimizer is None:
+                continue
+            if pre:
+                self._handles.append(comp.optimizer.register_step_pre_hook(partial(self._opt_hook, pre, "before_optimizer_step", comp)))
+            if post:
+                self._handles.append(comp.optimizer.register_step_post_hook(partial(self._opt_hook, post, "after_optimizer_step", comp)))
+
+    def _opt_hook(self, probes: list[Probe], method: str, comp: Component, *_: Any) -> None:
+        t0 = time.perf_counter()
+        for p in probes:
+            if p.enabled:
+                self._guard(p, method, self._ctx, comp)
+        self._window_overhead += time.perf_counter() - t0
+
+    def _guard(self, probe: Probe, method: str, *args: Any) -> Any:
+        """Call a probe; a probe that fails is disabled with one warning, never kills training."""
+        try:
+            return getattr(probe, method)(*args)
+        except Exception as exc:
+            probe.enabled = False
+            self._disabled[probe.name] = f"{type(exc).__name__} in {method}: {exc}"
+            log.warning("trackdiag: probe %r disabled: %s", probe.name, self._disabled[probe.name])
+            return None
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def alerts(self) -> list[Alert]:
+        """Every alert emitted so far (after cooldown), in order."""
+        return list(self._book.alerts)
+
+    @property
+    def global_step(self) -> int:
+        """Number of optimizer steps seen (the step the next ``step()`` call records)."""
+        return self._step
+
+    def __enter__(self) -> "Diagnostics":
+        self._open()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        status = "FINISHED" if exc_type is None else "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
+        self.close(status)
+
+    def _open(self) -> None:
+        if not self._opened:
+            self._opened = True
+            self._hub.open(self.run)
+            atexit.register(self.close)
+
+    def step(self, loss: Any = None, *, outputs: Any = None, batch: Any = None, batch_size: int | None = None) -> bool:
+        """Record one optimizer step. Call once per optimizer step, after it.
+
+        ``loss``/``outputs`` may be dicts keyed by component name. On non-logging steps this costs
+        a device copy of the loss and a few Python calls; on logging steps, one host copy of every
+        diagnostic. Returns ``should_stop``. Raises ``AlertRaised`` for a rule whose action is ``raise``.
+        """
+        t0 = time.perf_counter()
+        if not self._opened:
+            self._open()
+        if self._t_first is None:
+            self._t_first = t0
+        ctx = self._ctx
+        losses = loss if isinstance(loss, Mapping) else {"": loss}
+        inputs = StepInputs(losses, outputs, batch, batch_size if batch_size is not None else batch_size_of(batch))
+        self.last_inputs = inputs
+        for p in self.probes:
+            if p.enabled:
+                self._guard(p, "on_step", ctx, inputs)
+        raised = None
+        if any(p.enabled and ctx.is_due(p.schedule) for p in self.probes):
+            raised = self._log(ctx.step)
+        self._step += 1
+        ctx.step = self._step
+        self._t_last = time.perf_counter()
+        self._window_overhead += self._t_last - t0
+        if raised is not None:
+            raise AlertRaised(raised)
+        return self.should_stop
+
+    def log_eval(self, loss: Any = None, **metrics: Any) -> None:
+        """Record evaluation results (``diag/eval/loss``, ``diag/eval/<name>``) at the current step."""
+        if not self._opened:
+            self._open()
+        step = max(self._step - 1, 0)
+        record = Record(step=step, time=time.time())
+        for k, v in ({"loss": loss} if loss is not None else {}).items() | metrics.items():
+            record.scalars[f"diag/eval/{k}"] = float(v)
+        alerts = [(r, a) for r in self.rules for a in r.check_eval(record, self._history)]
+        raised = self._emit(record, alerts)
+        if raised is not None:
+            raise AlertRaised(raised)
+
+    def _log(self, step: int, final: bool = False) -> Alert | None:
+        ctx = self._ctx
+        collected: dict[str, Any] = {}
+        owners = []
+        for i, p in enumerate(self.probes):
+            if p.enabled and (p.always_collect or (not final and ctx.is_due(p.schedule))):
+                vals = self._guard(p, "collect", ctx) or {}
+                collected.update({f"{i}\t{k}": v for k, v in vals.items()})
+                owners.append(p)
+        host = to_host(collected)
+        record = Record(step=step, time=time.time())
+        for i, p in enumerate(self.probes):
+            mine = {k.split("\t", 1)[1]: v for k, v in host.items() if k.startswith(f"{i}\t")}
+            if mine:
+                self._guard(p, "publish", ctx, mine, record)
+        n = max(step - self._last_logged, 1)
+        record.scalars["diag/perf/overhead_ms"] = 1e3 * self._window_overhead / n
+        self._overhead += self._window_overhead
+        self._window_overhead = 0.0
+        self._last_logged = step
+        alerts = [(r, a) for r in self.rules if r.enabled for a in r.check(record, self._history, self.components)]
+        self._history.append(record)
+        return self._emit(record, alerts)
+
+    def _emit(self, record: Record, alerts: list[tuple[Rule, Alert]]) -> Alert | None:
+        """Apply cooldown and actions, send the record and its alerts to the sinks."""
+        raised = None
+        for rule, alert in sorted(alerts, key=lambda ra: ra[1].step):
+            if not self._book.admit(alert, rule.cooldown):
+                continue
+            record.alerts.append(alert)
+            if rule.action == "log":
+                log.info("trackdiag: %s", alert.describe())
+            else:
+                log.warning("trackdiag: %s", alert.describe())
+            if rule.action == "stop":
+                self.should_stop = True
+            elif rule.action == "raise" and raised is None:
+                raised = alert
+        if record.alerts and self.config["anomaly_window"]:
+            self._ctx.anomaly_until = max(self._ctx.anomaly_until, self._step + self.config["anomaly_window"])
+        self._hub.write(record)
+        for alert in record.alerts:
+            self._hub.alert(alert)
+        return raised
+
+    def summary(self) -> dict[str, Any]:
+        """Per alert kind: count, first step, where, suppressed; steps seen; health; overhead."""
+        wall = (self._t_last - self._t_first) if self._t_first is not None else 0.0
+        spent = self._overhead + self._window_overhead
+        return {
+            "enabled": True, "level": self.config["level"], "run_name": self.run.name, "steps": self._step,
+            "health": self._book.health(), "alerts": {k: dict(v) for k, v in self._book.kinds.items()},
+            "overhead": {"seconds": spent, "per_step_ms": 1e3 * spent / max(self._step, 1),
+                         "fraction": spent / wall if wall > 0 else 0.0},
+            "should_stop": self.should_stop, "disabled_probes": dict(self._disabled),
+            "output_dir": str(self.run.output_dir),
+        }
+
+    def flush(self) -> None:
+        """Block until the sinks have handled everything sent so far."""
+        self._hub.drain()
+
+    def close(self, status: str = "FINISHED", timeout: float = 60.0) -> None:
+        """Flush the last partial window, remove every hook and close the sinks. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._opened and self._step - 1 > self._last_logged:
+            self._log(self._step - 1, final=True)
+        for p in self.probes:
+            self._guard(p, "detach")
+        if self._opened:
+            self._hub.close(status, self.summary(), timeout)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter and probe/rule state, to save with a checkpoint."""
+        return {"step": self._step, "probes": {p.name: p.state_dict() for p in self.probes},
+                "rules": {r.kind: r.state_dict() for r in self.rules}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict``: EMAs, streaks and the step counter carry over."""
+        self._step = self._ctx.step = int(state["step"])
+        self._last_logged = self._step - 1
+        for p in self.probes:
+            p.load_state_dict(state["probes"].get(p.name, {}))
+        for r in self.rules:
+            r.load_state_dict(state["rules"].get(r.kind, {}))

@@ -1,0 +1,99 @@
+"""The :class:`Sink` contract and the background thread that feeds every sink."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, ClassVar, Sequence
+
+from trackdiag.alert import Alert
+from trackdiag.record import Record
+from trackdiag.runinfo import RunInfo
+
+log = logging.getLogger("trackdiag")
+
+
+class Sink:
+    """Receives, on a background thread and in order: ``open`` once, then ``write`` per record and
+    ``alert`` per emitted alert, ``flush`` whenever the queue runs dry (batch here), ``close`` once.
+
+    A sink that raises is disabled with one warning; training never sees the error.
+    ``status`` at close is ``FINISHED`` | ``FAILED`` | ``KILLED``.
+    """
+
+    name: ClassVar[str] = ""
+
+    def open(self, run: RunInfo) -> None:
+        """Start the run. Default: nothing."""
+
+    def write(self, record: Record) -> None:
+        """Take one record (scalars, series, tables, histograms, artifacts). Default: nothing."""
+
+    def alert(self, alert: Alert) -> None:
+        """Take one emitted alert. Default: nothing."""
+
+    def flush(self) -> None:
+        """Deliver what is buffered. Default: nothing."""
+
+    def close(self, status: str, summary: dict[str, Any]) -> None:
+        """End the run with ``status``; ``summary`` is ``Diagnostics.summary()``. Default: nothing."""
+
+
+_STOP = object()
+
+
+class SinkHub:
+    """Feeds sinks from a queue on one daemon thread so tracker I/O never blocks training."""
+
+    def __init__(self, sinks: Sequence[Sink]) -> None:
+        self.sinks = list(sinks)
+        self._q: queue.Queue[Any] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="trackdiag-sinks", daemon=True)
+        self._failed: set[str] = set()
+
+    def open(self, run: RunInfo) -> None:
+        self._q.put(("open", (run,)))
+        self._thread.start()
+
+    def write(self, record: Record) -> None:
+        self._q.put(("write", (record,)))
+
+    def alert(self, alert: Alert) -> None:
+        self._q.put(("alert", (alert,)))
+
+    def close(self, status: str, summary: dict[str, Any], timeout: float | None = None) -> None:
+        """Deliver everything queued, close every sink, and wait for the thread (``timeout`` s)."""
+        self._q.put(("close", (status, summary)))
+        self._q.put(_STOP)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("trackdiag: sinks still busy after %.0fs; the local record is complete, trackers may lag", timeout)
+
+    def drain(self) -> None:
+        """Block until every queued item is handled (tests, checkpoints)."""
+        if self._thread.is_alive():
+            self._q.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            try:
+                if item is _STOP:
+                    return
+                method, args = item
+                self._call(method, args)
+                if self._q.empty() and method != "close":
+                    self._call("flush", ())
+            finally:
+                self._q.task_done()
+
+    def _call(self, method: str, args: tuple[Any, ...]) -> None:
+        for sink in self.sinks:
+            if sink.name in self._failed:
+                continue
+            try:
+                getattr(sink, method)(*args)
+            except Exception as exc:  # a sink must never take training down
+                self._failed.add(sink.name)
+                log.warning("trackdiag: sink %r disabled after %s in %s(): %s", sink.name, type(exc).__name__, method, exc)

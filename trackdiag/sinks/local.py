@@ -1,0 +1,82 @@
+"""The local record, always on: the source of truth for ``trackdiag compare`` and plots.
+
+Writes into the run's output dir: ``records.jsonl`` (one :class:`Record` per line),
+``alerts.jsonl`` (as they happen), ``alerts.json`` and ``summary.json`` (at close), ``run.json``
+(name, level, config, hyperparameters, status).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+from trackdiag.alert import Alert
+from trackdiag.record import Record
+from trackdiag.runinfo import RunInfo
+from trackdiag.sinks.base import Sink
+
+
+class LocalSink(Sink):
+    name = "local"
+
+    def __init__(self) -> None:
+        self.dir: Path | None = None
+        self._records: IO[str] | None = None
+        self._alerts: IO[str] | None = None
+        self._all_alerts: list[dict[str, Any]] = []
+        self._meta: dict[str, Any] = {}
+
+    def open(self, run: RunInfo) -> None:
+        self.dir = run.output_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._records = open(self.dir / "records.jsonl", "a", encoding="utf-8")
+        self._alerts = open(self.dir / "alerts.jsonl", "a", encoding="utf-8")
+        self._meta = {
+            "name": run.name, "level": run.level, "status": "RUNNING", "start_time": run.start_time,
+            "group": run.group, "job_num": run.job_num, "components": run.components,
+            "config": run.config, "hparams": run.hparams,
+        }
+        self._write_json("run.json", self._meta)
+
+    def write(self, record: Record) -> None:
+        if self._records is not None:
+            self._records.write(record.to_json() + "\n")
+
+    def alert(self, alert: Alert) -> None:
+        self._all_alerts.append(alert.to_dict())
+        if self._alerts is not None:
+            self._alerts.write(json.dumps(alert.to_dict()) + "\n")
+
+    def flush(self) -> None:
+        for f in (self._records, self._alerts):
+            if f is not None:
+                f.flush()
+
+    def close(self, status: str, summary: dict[str, Any]) -> None:
+        self.flush()
+        for f in (self._records, self._alerts):
+            if f is not None:
+                f.close()
+        self._write_json("alerts.json", self._all_alerts)
+        self._write_json("summary.json", summary)
+        self._write_json("run.json", {**self._meta, "status": status, "end_time": time.time()})
+
+    def _write_json(self, name: str, obj: Any) -> None:
+        if self.dir is None:  # open() never ran
+            return
+        tmp = self.dir / f".{name}.tmp"
+        tmp.write_text(json.dumps(obj, indent=2, default=str), encoding="utf-8")
+        tmp.replace(self.dir / name)
+
+
+def read_records(run_dir: str | Path) -> Iterator[Record]:
+    """The records of a local run directory, in order (a torn last line is skipped)."""
+    path = Path(run_dir) / "records.jsonl"
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    yield Record.from_json(line)
+                except json.JSONDecodeError:
+                    continue
