@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -43,6 +44,7 @@ class ProbeContext:
     every: int
     layer_budget: int
     scaler: Any = None
+    output_dir: Path | None = None
     step: int = 0
     anomaly_until: int = -1
     extra: dict[str, Any] = field(default_factory=dict)

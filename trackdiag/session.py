@@ -83,6 +83,7 @@ class Diagnostics:
         name, out_dir, cwd, group, job = resolve_run(cfg["output_dir"], cfg["run_name"])
         self.run = RunInfo(name, out_dir, cfg["level"], cfg, to_plain(hparams) or {}, cwd, group, job,
                            components=[c.name for c in self.components])
+        self._ctx.output_dir = out_dir
         self._hub = SinkHub(sinks)
         self._book = AlertBook()
         self._history: collections.deque[Record] = collections.deque(maxlen=cfg["history"])
@@ -272,7 +273,20 @@ class Diagnostics:
         for p in self.probes:
             self._guard(p, "detach")
         if self._opened:
+            self._finish()
             self._hub.close(status, self.summary(), timeout)
+
+    def _finish(self) -> None:
+        """End-of-run artifacts: probes read the complete local record and add files."""
+        finishers = [p for p in self.probes if p.enabled and type(p).finish is not Probe.finish]
+        if not finishers:
+            return
+        self._hub.drain()  # the local record is complete on disk before anyone reads it
+        record = Record(step=max(self._step - 1, 0), time=time.time())
+        for p in finishers:
+            self._guard(p, "finish", self._ctx, record)
+        if record.artifacts or record.scalars:
+            self._hub.write(record)
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter and probe/rule state, to save with a checkpoint."""

@@ -62,6 +62,10 @@ class Probe:
         for k, v in values.items():
             record.scalars[k] = float(v.reshape(-1)[0])
 
+    def finish(self, ctx: ProbeContext, record: Record) -> None:
+        """At the end of the run, after the local record is complete on disk (``ctx.output_dir``):
+        write end-of-run artifacts and add their paths to ``record.artifacts``. Default: nothing."""
+
     def state_dict(self) -> dict[str, Any]:
         """State a resumed run must keep (EMAs, counters)."""
         return {}
