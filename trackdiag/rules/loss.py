@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any, Sequence
 
 from trackdiag.alert import Alert
@@ -56,47 +57,48 @@ class LossSpike(Rule):
 
 
 class LossDivergence(Rule):
-    """Fires when the smoothed loss (EMA, ``ema_beta`` 0.95) climbs above ``factor`` (2) x its best
-    value AND has given back more than ``giveback`` (0.5) of the progress made since the end of
-    warm-up (``warmup`` 20 steps): the run is going backwards, not just noisy."""
+    """Fires when the rolling median of the loss (last ``window`` steps, 20) climbs above ``factor``
+    (2) x its best value AND has given back more than ``giveback`` (0.5) of the progress made since
+    the first full window: the run is going backwards, not just noisy. The median makes single
+    spikes (``loss_spike``'s business) invisible here."""
 
     kind = "loss_divergence"
     severity = "critical"
     hint = ("The learning rate is probably too high: lower it (e.g. 10x), add warm-up or LR decay, clip "
             "gradients; check that the data or loss weighting did not change mid-run.")
 
-    def __init__(self, *, factor: float = 2.0, giveback: float = 0.5, ema_beta: float = 0.95, warmup: int = 20, **kw: Any) -> None:
+    def __init__(self, *, factor: float = 2.0, giveback: float = 0.5, window: int = 20, **kw: Any) -> None:
         super().__init__(**kw)
-        self.factor, self.giveback, self.ema_beta, self.warmup = factor, giveback, ema_beta, warmup
+        self.factor, self.giveback, self.window = factor, giveback, window
         self._state: dict[str, dict[str, Any]] = {}
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for key, points in loss_series(record).items():
-            st = self._state.setdefault(key, {"ema": Ema(self.ema_beta), "start": math.nan, "best": math.inf})
-            ema: Ema = st["ema"]
+            st = self._state.setdefault(key, {"recent": [], "start": math.nan, "best": math.inf})
+            recent: list[float] = st["recent"]
             fired = False
             for step, v in points:
                 if not math.isfinite(v):
                     continue
-                cur = ema.update(v)
-                if ema.count == self.warmup:
-                    st["start"] = cur
-                if ema.count < self.warmup:
+                recent.append(v)
+                if len(recent) > self.window:
+                    recent.pop(0)
+                if len(recent) < self.window:
                     continue
+                cur = statistics.median(recent)
+                if math.isnan(st["start"]):
+                    st["start"] = cur
                 st["best"] = min(st["best"], cur)
                 best, start = st["best"], st["start"]
                 progress = max(start - best, abs(best) * 1e-3, 1e-12)
                 if not fired and cur - best > (self.factor - 1.0) * abs(best) and (cur - best) > self.giveback * progress:
-                    out.append(self.make(step, f"smoothed loss rose to {cur:.4g} from a best of {best:.4g}.", cur, self.factor * best, where_of(key)))
+                    out.append(self.make(step, f"the median loss of the last {self.window} steps rose to {cur:.4g} from a best of {best:.4g}.", cur, self.factor * best, where_of(key)))
                     fired = True
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: {"ema": s["ema"].state_dict(), "start": s["start"], "best": s["best"]} for k, s in self._state.items()}
+        return {k: dict(s, recent=list(s["recent"])) for k, s in self._state.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for k, s in state.items():
-            ema = Ema(self.ema_beta)
-            ema.load_state_dict(s["ema"])
-            self._state[k] = {"ema": ema, "start": s["start"], "best": s["best"]}
+        self._state = {k: dict(s, recent=list(s["recent"])) for k, s in state.items()}

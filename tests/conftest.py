@@ -1,0 +1,38 @@
+"""Shared fixtures: real data (scikit-learn's bundled digits) and small real models."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("WANDB_MODE", "offline")  # tests never reach the internet
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(scope="session")
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """sklearn's digits: 1797 8x8 images as float features in [0, 1], labels 0-9."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return torch.tensor(x, dtype=torch.float32) / 16.0, torch.tensor(y, dtype=torch.long)
+
+
+def make_mlp(hidden: int = 32, depth: int = 2, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    width = 64
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def batches(x: torch.Tensor, y: torch.Tensor, batch_size: int = 64, seed: int = 1):
+    """An endless stream of random mini-batches."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        idx = torch.randint(0, len(x), (batch_size,), generator=gen)
+        yield x[idx], y[idx]

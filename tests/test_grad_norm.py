@@ -1,0 +1,118 @@
+"""The global gradient norm equals clip_grad_norm_'s return value on the same gradients."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trackdiag
+from trackdiag.sinks.local import read_records
+from conftest import batches, make_mlp
+
+
+def _series(out_dir, key: str) -> dict[int, float]:
+    return {r.step: r.scalars[key] for r in read_records(out_dir) if key in r.scalars}
+
+
+@pytest.mark.parametrize("mode", ["plain", "scaler_explicit_unscale", "scaler_implicit_unscale", "accumulate", "clipped"])
+def test_global_grad_norm_matches_clip_grad_norm(digits, tmp_path, mode: str) -> None:
+    x, y = digits
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if mode.startswith("scaler") else None
+    diag = trackdiag.Diagnostics(model, opt, scaler, level="advanced", every=1, sinks=["local"], output_dir=str(tmp_path))
+    expected: dict[int, float] = {}
+    data = batches(x, y)
+    micro = 3 if mode == "accumulate" else 1
+    with diag:
+        for step in range(12):
+            for _ in range(micro):
+                xb, yb = next(data)
+                loss = F.cross_entropy(model(xb), yb) / micro
+                (scaler.scale(loss) if scaler else loss).backward()
+            if mode == "scaler_explicit_unscale":
+                scaler.unscale_(opt)
+            if mode == "scaler_implicit_unscale":
+                # reference on a copy of the unscaled grads; scaler.step unscales itself before optimizer.step
+                grads = [p.grad.detach().clone() / scaler.get_scale() for p in model.parameters()]
+                expected[step] = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+            elif mode == "clipped":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                expected[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf).item()
+            else:
+                expected[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf).item()
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            diag.step(loss)
+    got = _series(tmp_path, "diag/grad/global_norm")
+    assert sorted(got) == list(range(12))
+    for step, ref in expected.items():
+        assert got[step] == pytest.approx(ref, rel=1e-5), step
+    if mode == "clipped":
+        assert max(got.values()) <= 0.5 * (1 + 1e-5)
+
+
+def test_per_layer_norms_and_max_abs_match_direct_computation(digits, tmp_path) -> None:
+    x, y = digits
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    diag = trackdiag.Diagnostics(model, opt, level="advanced", every=1, sinks=["local"], output_dir=str(tmp_path))
+    refs = []
+    with diag:
+        for step, (xb, yb) in zip(range(3), batches(x, y)):
+            F.cross_entropy(model(xb), yb).backward()
+            per_layer = {}
+            for name, mod in model.named_children():
+                ps = [p.grad for p in mod.parameters()]
+                if ps:
+                    per_layer[name] = torch.sqrt(sum((g.double() ** 2).sum() for g in ps)).item()
+            max_abs = max(p.grad.abs().max().item() for p in model.parameters())
+            refs.append((per_layer, max_abs))
+            opt.step()
+            opt.zero_grad()
+            diag.step()
+    records = list(read_records(tmp_path))
+    for rec, (per_layer, max_abs) in zip(records, refs):
+        for layer, v in per_layer.items():
+            assert rec.scalars[f"diag/grad/norm/{layer}"] == pytest.approx(v, rel=1e-5)
+        assert rec.scalars["diag/grad/max_abs"] == pytest.approx(max_abs, rel=1e-6)
+        assert rec.scalars["diag/grad/nonfinite_tensors"] == 0
+
+
+def test_named_components_gan_style(tmp_path) -> None:
+    """Dicts of models/optimizers: every statistic is keyed by component name."""
+    torch.manual_seed(0)
+    g = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    d = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    og, od = torch.optim.Adam(g.parameters(), 1e-3), torch.optim.Adam(d.parameters(), 1e-3)
+    diag = trackdiag.Diagnostics({"G": g, "D": d}, {"G": og, "D": od}, level="advanced", every=1,
+                                 sinks=["local"], output_dir=str(tmp_path))
+    refs: dict[str, list[float]] = {"G": [], "D": []}
+    with diag:
+        for _ in range(4):
+            z, real = torch.randn(16, 4), torch.randn(16, 8)
+            ld = F.softplus(-d(real)).mean() + F.softplus(d(g(z).detach())).mean()
+            ld.backward()
+            refs["D"].append(torch.nn.utils.clip_grad_norm_(d.parameters(), math.inf).item())
+            od.step()
+            od.zero_grad()
+            lg = F.softplus(-d(g(z))).mean()
+            lg.backward()
+            refs["G"].append(torch.nn.utils.clip_grad_norm_(g.parameters(), math.inf).item())
+            og.step()
+            og.zero_grad()
+            d.zero_grad()
+            diag.step({"G": lg, "D": ld})
+    records = list(read_records(tmp_path))
+    for name in ("G", "D"):
+        got = [r.scalars[f"diag/{name}/grad/global_norm"] for r in records if f"diag/{name}/grad/global_norm" in r.scalars]
+        assert got == pytest.approx(refs[name], rel=1e-5)
+        series = [p for r in records for p in r.series.get(f"diag/{name}/loss", [])]
+        assert [s for s, _ in series] == [0, 1, 2, 3]
+    assert "diag/grad/global_norm" not in records[0].scalars
