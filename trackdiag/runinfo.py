@@ -48,7 +48,7 @@ def hydra_runtime() -> dict[str, Any] | None:
         "output_dir": Path(hc.runtime.output_dir),
         "cwd": Path(hc.runtime.cwd),
         "job_name": hc.job.name,
-        "override_dirname": hc.job.override_dirname,
+        "overrides": [o for o in hc.overrides.task if not o.lstrip("+~").startswith(("diag", "hydra"))],
         "sweep_dir": str(Path(hc.sweep.dir).resolve()) if multirun else None,
         "job_num": int(hc.job.num) if multirun and hc.job.get("num") is not None else None,
     }
@@ -64,7 +64,8 @@ def resolve_run(output_dir: str | None, run_name: str | None) -> tuple[str, Path
     cwd = hydra["cwd"] if hydra else Path.cwd()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if hydra:
-        name = run_name or "-".join(x for x in (hydra["job_name"], hydra["override_dirname"]) if x)
+        # the job name plus the user's own overrides (diag.* and hydra.* left out), like Hydra's override_dirname
+        name = run_name or "-".join(x for x in (hydra["job_name"], ",".join(hydra["overrides"])) if x)[:120]
         if hydra["job_num"] is not None and not run_name:
             name = f"{name}#{hydra['job_num']}"
         default_dir = hydra["output_dir"] / "diag"
