@@ -11,3 +11,5 @@ $VPY -c "import torch" 2>/dev/null || $VPY -m pip install -q "torch==2.13.0"
 $VPY -m pip install -q ".[all,test]"
 # a regular (non-editable) install of the current tree, so Hydra apps anywhere use the package as users get it
 $VPY -m pip install -q --no-deps --force-reinstall .
+# headless Chromium for the HTML-report test (skipped with a reason when it cannot be installed)
+command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 || true

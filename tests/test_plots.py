@@ -1,0 +1,165 @@
+"""Pictures and the run report: a short real training at extreme-like settings writes every image,
+the HTML report, the model summary and the environment report, and lists them as artifacts; each
+image is a real, non-blank PNG; the report opens in headless Chromium without console errors."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import batches, make_mlp
+
+from trackdiag import Diagnostics
+from trackdiag.plots.environment import environment_report
+from trackdiag.plots.gradflow import classify, plot_grad_flow
+from trackdiag.plots.memory import MemorySnapshot
+from trackdiag.plots.summary import model_summary
+from trackdiag.record import Record
+from trackdiag.sinks.local import read_records
+
+PNG = b"\x89PNG\r\n\x1a\n"
+IMAGES = ("loss_alerts", "grad_flow", "grad_hist", "param_hist", "memory")
+
+
+@pytest.fixture(scope="module")
+def run_dir(digits, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run")
+    x, y = digits
+    model = make_mlp(hidden=32, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    diag = Diagnostics(model, opt, level="extreme", every=2, anomaly_window=0, output_dir=str(out),
+                       probes={"histograms": {"every": 4, "bins": 32},
+                               "landscape": {"every": 20, "steps": 5, "dims": 2}},
+                       rules={"grad_explosion": {"threshold": 0.15}})  # low on purpose: alerts to draw
+    data = batches(x, y, 64)
+    with diag:
+        for _ in range(30):
+            xb, yb = next(data)
+            loss = F.cross_entropy(model(xb), yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            diag.step(loss.detach(), batch=(xb, yb))
+    return out
+
+
+def _check_png(path: Path) -> None:
+    import matplotlib.image as mpimg
+
+    assert path.read_bytes()[:8] == PNG, path
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100, path
+    assert float(img.std()) > 0.01, f"{path} is blank"
+    rgb = (img[..., :3] * 255).astype(np.uint32)
+    colours = np.unique((rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2])
+    assert len(colours) >= 8, f"{path}: only {len(colours)} colours"
+
+
+def test_training_writes_report_images_and_artifacts(run_dir: Path) -> None:
+    records = list(read_records(run_dir))
+    final = records[-1]
+    for name in IMAGES:
+        path = run_dir / "plots" / f"{name}.png"
+        assert str(path.resolve()) in final.artifacts, name
+        _check_png(path)
+    for name in ("report.html", "environment.json", "model_summary.json"):
+        assert str((run_dir / name).resolve()) in final.artifacts
+    assert final.scalars["diag/model/params_total"] == 64 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10
+    assert final.scalars["diag/model/flops_per_step"] > 0
+    shots = sorted((run_dir / "landscape").glob("*.png"))
+    assert [p.stem for p in shots] == ["step_0000000", "step_0000020"]
+    for p in shots:
+        _check_png(p)
+    landscape_rec = next(r for r in records if r.step == 20 and "diag/landscape/center_loss" in r.scalars)
+    assert str(shots[-1]) in landscape_rec.artifacts
+    assert any(r.alerts for r in records)
+    hist = [r for r in records if r.histograms]
+    assert [r.step for r in hist] == [0, 4, 8, 12, 16, 20, 24, 28]
+    page = (run_dir / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == len(IMAGES) + 1  # + the landscape
+    assert "grad_explosion" in page and "environment" in page
+    assert 'src="http' not in page and 'href="http' not in page and "<script" not in page  # self-contained
+
+
+def test_gradflow_flags_vanishing_and_exploding(tmp_path: Path) -> None:
+    kinds = classify(np.array([1.0, 1e-9, 1.0, 500.0, np.nan]), np.array([2.0, 1e-9, 2.0, 900.0, np.nan]),
+                     vanishing=1e-7, exploding=100.0, relative=1e3)
+    assert kinds == ["", "vanishing", "", "exploding", "nonfinite"]
+    recs = [Record(step=s, tables={"diag/D/grad/norm": {"a.0": 1.0, "a.1": 1e-9, "b": 300.0}},
+                   scalars={"diag/D/grad/norm/a": 1.0, "diag/D/grad/norm/b": 300.0}) for s in range(3)]
+    _check_png(plot_grad_flow(recs, tmp_path / "flow.png"))
+    assert plot_grad_flow([Record(step=0)], tmp_path / "none.png") is None
+
+
+def test_model_summary_and_environment() -> None:
+    model = make_mlp(hidden=8, depth=1)
+    model.train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    s = model_summary(model, (torch.randn(5, 64), torch.zeros(5)))
+    assert s["params_total"] == s["params_trainable"] == 64 * 8 + 8 + 8 * 10 + 10
+    assert s["flops_forward"] == 2 * 5 * (64 * 8 + 8 * 10)  # two matmuls
+    assert s["flops_per_step"] == 3 * s["flops_forward"]
+    rows = {r["name"]: r for r in s["modules"]}
+    assert rows["(root)"]["input"] == [5, 64] and rows["(root)"]["output"] == [5, 10]
+    assert rows["0"]["output"] == [5, 8] and rows["2"]["params"] == 8 * 10 + 10
+    assert model.training and all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    env = environment_report()
+    assert env["torch"] == torch.__version__ and "numpy" in env["packages"] and env["devices"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+def test_memory_snapshot_is_a_noop_without_cuda(tmp_path: Path) -> None:
+    snap = MemorySnapshot(tmp_path / "snap.pickle", steps=2)
+    assert not snap.start() and snap.step() is None and snap.stop() is None
+    assert not (tmp_path / "snap.pickle").exists()
+
+
+# ---------------------------------------------------------------- headless Chromium
+_TRAP = ("<script>window.__errs=[];addEventListener('error',function(e){__errs.push(String(e.message||"
+         "(e.target&&(e.target.src||e.target.href))||'error'))},true);addEventListener('unhandledrejection',"
+         "function(){__errs.push('rejection')});addEventListener('load',function(){document.body.setAttribute("
+         "'data-errors',__errs.length?__errs.join('|'):'none')});</script>")
+
+
+def _chromium(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("headless Chromium is not installed (scripts/bootstrap.sh installs the Debian package 'chromium')")
+    with tempfile.TemporaryDirectory() as profile:
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0"]
+        return subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=90)
+
+
+def _page_errors(page: Path, scratch: Path) -> list[str]:
+    """Console messages and error events (script errors, failed resources) of ``page`` in Chromium
+    (a copy with an error trap, written next to the images the page refers to, if any, is loaded)."""
+    trapped = scratch / (page.stem + ".trap.html")
+    trapped.write_text(page.read_text(encoding="utf-8").replace("<head>", "<head>" + _TRAP, 1), encoding="utf-8")
+    proc = _chromium("--dump-dom", trapped.as_uri())
+    console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
+    marker = proc.stdout.split('data-errors="', 1)
+    assert len(marker) == 2, f"page did not finish loading: {proc.stderr[-2000:]}"
+    trapped_errors = marker[1].split('"', 1)[0]
+    return console + ([] if trapped_errors == "none" else [trapped_errors])
+
+
+def test_error_detection_works(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.html"
+    bad.write_text('<!doctype html><html><head></head><body><img src="missing.png"><script>nope();</script></body></html>')
+    errors = _page_errors(bad, tmp_path)
+    assert any("nope" in e for e in errors) and any("missing.png" in e for e in errors), errors
+
+
+def test_report_opens_without_console_errors_and_renders(run_dir: Path, tmp_path: Path) -> None:
+    assert _page_errors(run_dir / "report.html", tmp_path) == []  # self-contained: loads nothing
+    shot = tmp_path / "report.png"
+    proc = _chromium(f"--screenshot={shot}", "--window-size=1280,2000", (run_dir / "report.html").as_uri())
+    assert shot.exists(), proc.stderr[-2000:]
+    _check_png(shot)

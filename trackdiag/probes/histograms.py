@@ -1,0 +1,192 @@
+"""Histogram probe: gradient and parameter distributions per layer group, binned on the device.
+
+Emits per component (``diag/`` or ``diag/<component>/``), at due steps only:
+  ``record.histograms["diag/grad/hist/<group>"]``: gradient values, read at the optimizer step
+  (unscaled under AMP, after clipping);
+  ``record.histograms["diag/param/hist/<group>"]``: parameter values, read right after the step;
+  ``record.tables["diag/grad/hist_clipped"]`` / ``["diag/param/hist_clipped"]``: per group, how
+  many values fell outside the edges (only when some did).
+Groups are the layer names coarsened (truncated at dots, like the metric keys) to ``max_groups``.
+
+Bin edges are fixed per series, so the histograms of one run are comparable step to step:
+  ``scale="linear"`` (default): ``bins`` equal bins over the series' ``[min, max]`` at its first
+  due step, widened by ``margin`` of the width on each side;
+  ``scale="symlog"``: ``bins/2`` log-spaced bins per sign spanning ``DECADES`` decades below
+  ``2 * max|x|`` at the first due step (better when magnitudes drift by orders of magnitude,
+  e.g. gradients over a long run; the edges are then non-uniform).
+Values outside the edges are clamped into the end bins and counted as clipped (NaN and +Inf land
+in the last bin, -Inf in the first), so every histogram's counts sum to the number of elements.
+Bin assignment equals ``torch.histogram`` on the same edges (bins ``[e_i, e_i+1)``, the last closed).
+
+Cost on a due step, per parameter tensor: one ``bucketize`` (a transient int64 copy of that
+tensor), one ``bincount`` and one add; two ``aminmax`` per tensor once, at the first due step.
+No host sync: counts and edges go to the host with the session's one copy. Nothing on other steps.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from trackdiag.context import Component, ProbeContext
+from trackdiag.errors import ConfigError
+from trackdiag.layers import group_names, layer_of
+from trackdiag.probes.base import Probe
+from trackdiag.record import Histogram, Record
+
+MAX_BINS = 512
+DECADES = 8  # symlog edges: the smallest magnitude bin starts this many decades below the top
+SCALES = ("linear", "symlog")
+KINDS = ("grad", "param")
+
+
+class _Series:
+    """Host-side layout of one component's histograms: group of each parameter, group names."""
+
+    def __init__(self, comp: Component, max_groups: int) -> None:
+        layers = [layer_of(n) for n in comp.index.names]
+        order = list(dict.fromkeys(layers))
+        group_of_layer = dict(zip(order, group_names(order, max_groups)))
+        self.groups: list[str] = list(dict.fromkeys(group_of_layer.values()))
+        pos = {g: i for i, g in enumerate(self.groups)}
+        self.param_group: list[int] = [pos[group_of_layer[layer]] for layer in layers]
+
+
+class HistogramProbe(Probe):
+    """See module docstring.
+
+    Args:
+        bins: bins per histogram (2 to 512).
+        scale: ``linear`` | ``symlog`` edges (see module docstring).
+        margin: linear edges: fraction of the first step's range added on each side.
+        max_groups: at most this many histograms per kind and component.
+        grads / params: which distributions to record.
+    """
+
+    name = "histograms"
+
+    def __init__(self, *, enabled: bool = True, every: int | None = None, bins: int = 64, scale: str = "linear",
+                 margin: float = 0.5, max_groups: int = 16, grads: bool = True, params: bool = True) -> None:
+        super().__init__(enabled=enabled, every=every)
+        problems = []
+        if not 2 <= bins <= MAX_BINS or (scale == "symlog" and bins % 2):
+            problems.append(f"diag.probes.histograms.bins: must be in [2, {MAX_BINS}] (even for symlog), got {bins!r}")
+        if scale not in SCALES:
+            problems.append(f"diag.probes.histograms.scale: {scale!r} is not one of {', '.join(SCALES)}")
+        if not margin >= 0:
+            problems.append(f"diag.probes.histograms.margin: must be >= 0, got {margin!r}")
+        if max_groups < 1:
+            problems.append(f"diag.probes.histograms.max_groups: must be >= 1, got {max_groups!r}")
+        if problems:
+            raise ConfigError(problems)
+        self.bins, self.scale, self.margin, self.max_groups = bins, scale, float(margin), max_groups
+        self.kinds = [k for k, on in zip(KINDS, (grads, params)) if on]
+        self._layout: dict[str, _Series] = {}
+        self._edges: dict[str, torch.Tensor] = {}  # "<comp>|<kind>" -> (groups, bins + 1) float32
+        self._pending: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ hooks
+    @torch.no_grad()
+    def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
+        if "grad" in self.kinds and comp.index.params and ctx.is_due(self.schedule):
+            self._measure(comp, "grad", [p.grad for p in comp.index.params])
+
+    @torch.no_grad()
+    def after_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
+        if "param" in self.kinds and comp.index.params and ctx.is_due(self.schedule):
+            self._measure(comp, "param", [p.detach() for p in comp.index.params])
+
+    def collect(self, ctx: ProbeContext) -> dict[str, Any]:
+        for comp in ctx.components:  # a component without an optimizer has no step hook
+            if "param" in self.kinds and comp.optimizer is None and comp.index.params:
+                with torch.no_grad():
+                    self._measure(comp, "param", [p.detach() for p in comp.index.params])
+        out, self._pending = self._pending, {}
+        return out
+
+    def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
+        b = self.bins
+        for comp in ctx.components:
+            layout = self._layout.get(comp.name)
+            for kind in self.kinds:
+                raw = values.get(f"{comp.name}|{kind}|counts")
+                if layout is None or raw is None:
+                    continue
+                n = len(layout.groups)
+                full = raw.reshape(n, b + 2)
+                edges = values[f"{comp.name}|{kind}|edges"].reshape(n, b + 1)
+                clipped = {}
+                for g, name in enumerate(layout.groups):
+                    below, inside, above = full[g, 0], full[g, 1 : b + 1].copy(), full[g, b + 1]
+                    inside[0] += below
+                    inside[-1] += above
+                    record.histograms[f"{comp.key(f'{kind}/hist')}/{name}"] = Histogram(
+                        edges=[float(e) for e in edges[g]], counts=[float(c) for c in inside])
+                    if below + above:
+                        clipped[name] = float(below + above)
+                if clipped:
+                    record.tables[comp.key(f"{kind}/hist_clipped")] = clipped
+
+    # ------------------------------------------------------------------ device work
+    def _measure(self, comp: Component, kind: str, tensors: list[torch.Tensor | None]) -> None:
+        """Bin ``tensors`` into (groups, bins + 2) counts (below, bins..., above) on their device;
+        a ``None`` gradient counts nothing."""
+        layout = self._layout.get(comp.name)
+        if layout is None:
+            layout = self._layout[comp.name] = _Series(comp, self.max_groups)
+        key = f"{comp.name}|{kind}"
+        device = comp.index.params[0].device
+        edges = self._edges.get(key)
+        if edges is None:
+            edges = self._fix_edges(tensors, layout, device)
+        edges = self._edges[key] = edges.to(device)
+        b2 = self.bins + 2
+        counts = torch.zeros(len(layout.groups) * b2, dtype=torch.long, device=device)
+        for t, g in zip(tensors, layout.param_group):
+            if t is None or t.numel() == 0 or t.is_sparse:
+                continue
+            t = t.reshape(-1)
+            idx = torch.bucketize(t, edges[g].to(t.device), right=True)  # 0: below, bins + 1: >= last edge
+            c = torch.bincount(idx, minlength=b2).to(device)
+            counts[g * b2 : (g + 1) * b2].add_(c)
+        self._pending[f"{key}|counts"] = counts
+        self._pending[f"{key}|edges"] = edges
+
+    def _fix_edges(self, tensors: list[torch.Tensor | None], layout: _Series, device: torch.device) -> torch.Tensor:
+        """Per-group edges from this step's value range (device ops only, no host sync)."""
+        n = len(layout.groups)
+        lo = torch.full((n,), math.inf, dtype=torch.float32, device=device)
+        hi = torch.full((n,), -math.inf, dtype=torch.float32, device=device)
+        for t, g in zip(tensors, layout.param_group):
+            if t is None or t.numel() == 0 or t.is_sparse:
+                continue
+            mn, mx = torch.aminmax(t.detach().float())
+            lo[g] = torch.minimum(lo[g], mn.to(device))
+            hi[g] = torch.maximum(hi[g], mx.to(device))
+        # empty groups and non-finite extremes fall back to a unit range around 0
+        lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo))
+        hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi))
+        frac = torch.linspace(0.0, 1.0, self.bins + 1, device=device)
+        if self.scale == "symlog":
+            top = torch.maximum(lo.abs(), hi.abs()).clamp_min(1e-30) * 2.0
+            half = self.bins // 2
+            mags = top[:, None] * torch.logspace(-DECADES, 0, half, device=device)[None, :]
+            zero = torch.zeros(n, 1, device=device)
+            return torch.cat([-mags.flip(1), zero, mags], dim=1)
+        width = (hi - lo).clamp_min(1e-12)
+        width = torch.maximum(width, 1e-6 * torch.maximum(lo.abs(), hi.abs()))
+        start = lo - self.margin * width
+        return start[:, None] + (width * (1 + 2 * self.margin))[:, None] * frac[None, :]
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict[str, Any]:
+        """The fixed edges, so a resumed run keeps comparable histograms."""
+        return {"edges": {k: e.detach().cpu().tolist() for k, e in self._edges.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, e in state.get("edges", {}).items():
+            t = torch.tensor(e, dtype=torch.float32)
+            if t.shape[-1] == self.bins + 1:
+                self._edges[k] = t
