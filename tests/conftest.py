@@ -20,6 +20,10 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(x, dtype=torch.float32) / 16.0, torch.tensor(y, dtype=torch.long)
 
 
+#: probe overrides for tests that don't exercise end-of-run artifacts (the report costs ~2 s at close)
+LEAN_PROBES = {"report": {"enabled": False}}
+
+
 def make_mlp(hidden: int = 32, depth: int = 2, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []

@@ -11,7 +11,7 @@ import trackdiag
 import trackdiag.probes
 from trackdiag import AlertRaised, Diagnostics
 from trackdiag.sinks.local import read_records
-from conftest import batches, make_mlp
+from conftest import LEAN_PROBES, batches, make_mlp
 
 
 def train(digits, tmp_path, steps: int, *, fault: str = "none", fault_step: int = 0, lr: float = 1e-3,
@@ -20,6 +20,8 @@ def train(digits, tmp_path, steps: int, *, fault: str = "none", fault_step: int 
     model = make_mlp()
     opt = (torch.optim.Adam if opt_name == "adam" else torch.optim.SGD)(model.parameters(), lr=lr)
     diag_kw.setdefault("sinks", ["local"])
+    if not diag_kw.pop("full", False):
+        diag_kw["probes"] = {**LEAN_PROBES, **diag_kw.get("probes", {})}
     diag = trackdiag.Diagnostics(model, opt, output_dir=str(tmp_path), **diag_kw)
     data = batches(x, y)
     with diag:
@@ -67,7 +69,7 @@ def test_huge_lr_gives_explosion_or_divergence(digits, tmp_path) -> None:
 
 def test_healthy_training_300_steps_no_alert(digits, tmp_path) -> None:
     for level in ("basic", "advanced", "extreme"):
-        diag = train(digits, tmp_path / level, 300, level=level)
+        diag = train(digits, tmp_path / level, 300, level=level, full=True)  # the whole preset, report included
         assert diag.alerts == [], (level, diag.alerts)
         assert diag.summary()["health"] == "ok"
 
@@ -76,8 +78,9 @@ def test_loss_spike_at_exact_step(tmp_path) -> None:
     """A 100x loss on one step of an otherwise smooth series fires loss_spike at that step."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # frozen: a flat, known loss
-    diag = trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # a slowly, smoothly falling loss
+    diag = trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                 probes=LEAN_PROBES)
     with diag:
         for step in range(50):
             loss = (model(torch.ones(8, 4)) ** 2).mean() + 1.0 + (100.0 if step == 33 else 0.0)
@@ -143,7 +146,7 @@ def test_state_dict_round_trip(digits, tmp_path) -> None:
     x, y = digits
     model = make_mlp()
     fresh = trackdiag.Diagnostics(model, torch.optim.SGD(model.parameters(), lr=0.1), level="advanced",
-                                  sinks=["local"], output_dir=str(tmp_path / "b"))
+                                  sinks=["local"], output_dir=str(tmp_path / "b"), probes=LEAN_PROBES)
     fresh.load_state_dict(state)
     assert fresh.global_step == 40
     assert fresh.state_dict()["rules"] == state["rules"]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import trackdiag
 from trackdiag.sinks.local import read_records
-from conftest import batches, make_mlp
+from conftest import LEAN_PROBES, batches, make_mlp
 
 
 def _series(out_dir, key: str) -> dict[int, float]:
@@ -22,7 +22,7 @@ def test_global_grad_norm_matches_clip_grad_norm(digits, tmp_path, mode: str) ->
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if mode.startswith("scaler") else None
-    diag = trackdiag.Diagnostics(model, opt, scaler, level="advanced", every=1, sinks=["local"], output_dir=str(tmp_path))
+    diag = trackdiag.Diagnostics(model, opt, scaler, level="advanced", every=1, sinks=["local"], output_dir=str(tmp_path), probes=LEAN_PROBES)
     expected: dict[int, float] = {}
     data = batches(x, y)
     micro = 3 if mode == "accumulate" else 1
@@ -62,7 +62,7 @@ def test_per_layer_norms_and_max_abs_match_direct_computation(digits, tmp_path) 
     x, y = digits
     model = make_mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    diag = trackdiag.Diagnostics(model, opt, level="advanced", every=1, sinks=["local"], output_dir=str(tmp_path))
+    diag = trackdiag.Diagnostics(model, opt, level="advanced", every=1, sinks=["local"], output_dir=str(tmp_path), probes=LEAN_PROBES)
     refs = []
     with diag:
         for step, (xb, yb) in zip(range(3), batches(x, y)):
@@ -92,7 +92,7 @@ def test_named_components_gan_style(tmp_path) -> None:
     d = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     og, od = torch.optim.Adam(g.parameters(), 1e-3), torch.optim.Adam(d.parameters(), 1e-3)
     diag = trackdiag.Diagnostics({"G": g, "D": d}, {"G": og, "D": od}, level="advanced", every=1,
-                                 sinks=["local"], output_dir=str(tmp_path))
+                                 sinks=["local"], output_dir=str(tmp_path), probes=LEAN_PROBES)
     refs: dict[str, list[float]] = {"G": [], "D": []}
     with diag:
         for _ in range(4):
