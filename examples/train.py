@@ -1,7 +1,7 @@
 """A small, real Hydra training app: an MLP on scikit-learn's bundled digits data.
 
 It is the loop trackdiag must fit (grad accumulation -> unscale -> clip -> step -> update ->
-zero_grad) and it can plant faults (``fault=nan_input``, ``fault=lr_explode``) so every alert
+zero_grad) and it can plant faults (``fault=nan_input``, ``fault=lr_explode``, ``fault=crash``) so every alert
 can be seen firing. ``python examples/train.py +diag=advanced``.
 """
 from __future__ import annotations
@@ -60,6 +60,8 @@ def main(cfg: DictConfig) -> float:
     val_loss = float("nan")
     with diag:
         for step in range(cfg.steps):
+            if cfg.fault == "crash" and step == cfg.fault_step:  # a job that dies (sweep comparison tests)
+                raise RuntimeError(f"planted crash at step {step}")
             if cfg.fault == "lr_explode" and step == cfg.fault_step:
                 for g in opt.param_groups:
                     g["lr"] = 50.0
@@ -93,6 +95,9 @@ def main(cfg: DictConfig) -> float:
         s = diag.summary()
         print(f"\ntrackdiag: health {s['health']}, {len(diag.alerts)} alert(s). Local record: {s['output_dir']}")
         print(f"  trackdiag summary {s['output_dir']}")
+        if "mlflow" in diag.config["sinks"]:
+            from trackdiag.sinks.mlflow import ui_hint
+            print(f"  MLflow UI: {ui_hint(diag)}")
     return val_loss
 
 

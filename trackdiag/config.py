@@ -43,13 +43,18 @@ def load_preset(level: str) -> dict[str, Any]:
             out = merge(out, data)
         else:
             (group, option), = entry.items()
-            out = merge(out, _read("diag", group, f"{option}.yaml"))
+            text = _text("diag", group, f"{option}.yaml")
+            if not text.lstrip().startswith("# @package _global_"):  # Hydra-level configs (callbacks) hold no diag keys
+                out = merge(out, yaml.safe_load(text) or {})
     return out
 
 
+def _text(*parts: str) -> str:
+    return resources.files("trackdiag.conf").joinpath(*parts).read_text(encoding="utf-8")
+
+
 def _read(*parts: str) -> dict[str, Any]:
-    text = resources.files("trackdiag.conf").joinpath(*parts).read_text(encoding="utf-8")
-    return yaml.safe_load(text) or {}
+    return yaml.safe_load(_text(*parts)) or {}
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

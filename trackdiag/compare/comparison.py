@@ -1,0 +1,120 @@
+"""Load a sweep from any source and write the comparison outputs.
+
+``compare(source)`` returns a :class:`Comparison`; ``write_outputs(comparison, out_dir)`` writes
+``comparison.csv``, ``comparison.json``, ``comparison.html`` and (unless ``plots=False``) the PNG
+plots. Sources: a local dir (Hydra multirun dir or any tree of run dirs), ``mlflow:<experiment>``,
+``wandb:<entity>/<project>[/<group>]``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trackdiag.compare.risk import ParamRisk, headline, param_risk, risk_lines
+from trackdiag.compare.runs import CompareError, Progress, RunSummary, alert_kinds, swept_params
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Comparison:
+    """The runs of a sweep (most severe first), the parameters that differ and the risk per value."""
+
+    source: str
+    runs: list[RunSummary]
+    swept: list[str] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    risks: list[ParamRisk] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, source: str, runs: list[RunSummary]) -> "Comparison":
+        """Sort the runs, find the swept parameters and alert kinds, compute the risk per value."""
+        runs = sorted(runs, key=RunSummary.sort_key)
+        swept = swept_params(runs)
+        return cls(source=source, runs=runs, swept=swept, kinds=alert_kinds(runs), risks=param_risk(runs, swept))
+
+    @property
+    def headline(self) -> str:
+        """``12 runs: 3 critical, 1 warning, 8 ok``."""
+        return headline(self.runs)
+
+    @property
+    def risk_lines(self) -> list[str]:
+        """``optimizer.lr=0.1: 4/4 runs anomalous (loss_divergence)`` ..., decisive parameters first."""
+        return risk_lines(self.risks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form of everything."""
+        return {"source": self.source, "headline": self.headline, "swept": self.swept, "kinds": self.kinds,
+                "runs": [r.to_dict() for r in self.runs], "risk": [p.to_dict() for p in self.risks],
+                "risk_lines": self.risk_lines}
+
+
+def load_runs(source: str | Path, *, tracking_uri: str | None = None, parent: str | None = None,
+              progress: Progress | None = None) -> list[RunSummary]:
+    """The runs of ``source``; raises :class:`CompareError` with what to do when it can't be read."""
+    text = str(source)
+    if text.startswith("mlflow:"):
+        from trackdiag.compare.mlflow_source import load_mlflow
+
+        return load_mlflow(text[len("mlflow:"):], tracking_uri=tracking_uri, parent=parent, progress=progress)
+    if text.startswith("wandb:"):
+        from trackdiag.compare.wandb_source import load_wandb
+
+        return load_wandb(text[len("wandb:"):], progress=progress)
+    if parent is not None:
+        raise CompareError("--parent only applies to mlflow:<experiment> sources")
+    from trackdiag.compare.local import load_local
+
+    return load_local(text, progress=progress)
+
+
+def compare(source: str | Path, *, tracking_uri: str | None = None, parent: str | None = None,
+            progress: Progress | None = None) -> Comparison:
+    """Load ``source`` and build its :class:`Comparison`. Raises :class:`CompareError` if it holds no run."""
+    runs = load_runs(source, tracking_uri=tracking_uri, parent=parent, progress=progress)
+    if not runs:
+        raise CompareError(f"no runs found in {source}")
+    return Comparison.build(str(source), runs)
+
+
+def write_outputs(comparison: Comparison, out_dir: str | Path, *, plots: bool = True,
+                  save_pngs: bool = True) -> dict[str, Path]:
+    """Write ``comparison.{csv,json,html}`` (and plot PNGs) into ``out_dir``; returns name -> path.
+
+    Plots need matplotlib (imported here, lazily); without it the HTML carries no images and a
+    warning is logged. Files are written atomically (tmp + rename): readers never see half a file.
+    """
+    from trackdiag.compare.html import render_html
+    from trackdiag.compare.table import to_csv, to_json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    images: dict[str, bytes] = {}
+    if plots:
+        try:
+            from trackdiag.compare.plots import render_plots
+
+            images = render_plots(comparison)
+        except ImportError as e:
+            log.warning("trackdiag compare: no plots (%s); pip install matplotlib", e)
+    written = {
+        "csv": _atomic_write(out / "comparison.csv", to_csv(comparison).encode()),
+        "json": _atomic_write(out / "comparison.json", to_json(comparison).encode()),
+        "html": _atomic_write(out / "comparison.html", render_html(comparison, images).encode()),
+    }
+    if save_pngs:
+        for name, png in images.items():
+            written[name] = _atomic_write(out / f"{name}.png", png)
+    return written
+
+
+def _atomic_write(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,220 @@
+"""The :class:`RunSummary` every source produces, and the helpers they share.
+
+A source (local records, MLflow, W&B) reduces each run to one ``RunSummary``; everything
+downstream (table, risk, plots, HTML) reads only these.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from trackdiag.errors import TrackdiagError
+
+#: Sort order of health values: most severe first.
+HEALTH_RANK = {"critical": 0, "warning": 1, "failed": 2, "unknown": 3, "ok": 4}
+#: Run statuses that mean the run did not end normally.
+FAILED_STATUSES = frozenset({"FAILED", "KILLED", "CRASHED"})
+#: Most points kept per loss curve (curves are for plots, not analysis).
+MAX_CURVE_POINTS = 300
+
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: called by sources while they read runs."""
+
+
+class CompareError(TrackdiagError):
+    """A comparison source cannot be read (missing dir, unknown experiment, no server...)."""
+
+
+@dataclass
+class RunSummary:
+    """One run, reduced to what a sweep comparison needs.
+
+    name: the run's name; label: a short name for tables (``#3`` for Hydra job 3).
+    source_id: where it came from (local dir, MLflow run id, W&B run path).
+    status: ``FINISHED | FAILED | KILLED | RUNNING | CRASHED``. health: ``ok | warning | critical |
+        unknown`` (unknown: no diagnostics record).
+    hparams: flattened hyperparameters (dotted keys). overrides: Hydra overrides, when known.
+    job_num / group: Hydra job number and sweep (sweep dir, MLflow parent run, W&B group).
+    alert_counts / first_steps / severities: per alert kind.
+    first_anomaly: first step of any warning or critical alert, else None.
+    final_loss / best_loss: last and lowest finite train loss (``diag/loss``); best_eval_loss:
+        lowest finite ``diag/eval/loss``. loss_curve: ``[(step, loss), ...]``, downsampled.
+    """
+
+    name: str
+    source_id: str
+    status: str = "FINISHED"
+    health: str = "unknown"
+    label: str = ""
+    hparams: dict[str, Any] = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
+    alert_counts: dict[str, int] = field(default_factory=dict)
+    first_steps: dict[str, int] = field(default_factory=dict)
+    severities: dict[str, str] = field(default_factory=dict)
+    first_anomaly: int | None = None
+    steps: int | None = None
+    final_loss: float | None = None
+    best_loss: float | None = None
+    best_eval_loss: float | None = None
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    job_num: int | None = None
+    group: str | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            self.label = f"#{self.job_num}" if self.job_num is not None else self.name
+
+    @property
+    def failed(self) -> bool:
+        """True when the run did not end normally (crashed, failed, killed)."""
+        return self.status in FAILED_STATUSES
+
+    @property
+    def anomalous(self) -> bool:
+        """True when the run raised at least one warning or critical alert."""
+        return self.first_anomaly is not None or self.health in ("warning", "critical")
+
+    @property
+    def display_health(self) -> str:
+        """Health for tables: a failed run without alerts reads ``failed``."""
+        if self.failed and self.health in ("ok", "unknown"):
+            return "failed"
+        return self.health
+
+    def sort_key(self) -> tuple[Any, ...]:
+        """Most severe first, then earliest anomaly, then name."""
+        first = self.first_anomaly if self.first_anomaly is not None else math.inf
+        return HEALTH_RANK.get(self.display_health, 3), first, self.job_num if self.job_num is not None else math.inf, self.name
+
+    def anomaly_kinds(self) -> list[str]:
+        """Alert kinds of warning or critical severity (unknown severity counts), by first step."""
+        kinds = [k for k in self.alert_counts if self.severities.get(k, "warning") != "info"]
+        return sorted(kinds, key=lambda k: (self.first_steps.get(k, math.inf), k))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (non-finite losses become None)."""
+        d = asdict(self)
+        for k in ("final_loss", "best_loss", "best_eval_loss"):
+            d[k] = finite_or_none(d[k])
+        d["loss_curve"] = [[s, finite_or_none(v)] for s, v in self.loss_curve]
+        d["display_health"] = self.display_health
+        d["anomalous"] = self.anomalous
+        return d
+
+
+def finite_or_none(v: float | None) -> float | None:
+    """``v`` if it is a finite number, else None."""
+    return v if v is not None and isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings to dotted keys: ``{"optimizer": {"lr": 1e-3}}`` -> ``{"optimizer.lr": 1e-3}``."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def parse_value(text: str) -> Any:
+    """A string parameter (MLflow stores params as text) back to int/float/bool/None when it is one."""
+    t = text.strip()
+    if t[:1] in ("[", "{"):  # lists and mappings are logged as JSON
+        try:
+            return json.loads(t)
+        except ValueError:
+            return text
+    if t in ("None", "null", "~"):
+        return None
+    if t in ("True", "true"):
+        return True
+    if t in ("False", "false"):
+        return False
+    for conv in (int, float):
+        try:
+            return conv(t)
+        except ValueError:
+            continue
+    return text
+
+
+def loss_stats(points: Iterable[tuple[int, float]]) -> tuple[float | None, float | None, list[tuple[int, float]]]:
+    """(final, best, downsampled curve) of a loss series. Final may be non-finite; best is finite."""
+    pts = sorted(points, key=lambda p: p[0])
+    if not pts:
+        return None, None, []
+    finite = [v for _, v in pts if math.isfinite(v)]
+    stride = max(1, math.ceil(len(pts) / MAX_CURVE_POINTS))
+    curve = pts[::stride]
+    if curve[-1] != pts[-1]:
+        curve.append(pts[-1])
+    return pts[-1][1], (min(finite) if finite else None), curve
+
+
+def best_finite(values: Iterable[float]) -> float | None:
+    """The lowest finite value, or None."""
+    finite = [v for v in values if math.isfinite(v)]
+    return min(finite) if finite else None
+
+
+def health_from_severities(severities: Iterable[str]) -> str:
+    """The run health the alert book would give: critical > warning > ok (info counts as ok)."""
+    sev = set(severities)
+    if "critical" in sev:
+        return "critical"
+    return "warning" if sev - {"info"} else "ok"
+
+
+def first_anomaly(first_steps: Mapping[str, int], severities: Mapping[str, str]) -> int | None:
+    """Earliest first step over alert kinds that are not ``info``."""
+    steps = [s for k, s in first_steps.items() if severities.get(k, "warning") != "info"]
+    return min(steps) if steps else None
+
+
+def swept_params(runs: Iterable[RunSummary]) -> list[str]:
+    """Hyperparameter keys whose value differs between runs (a key missing in a run counts as a value).
+
+    Runs with no hyperparameters at all (a source that could not read them) are ignored.
+    """
+    runs = [r for r in runs if r.hparams]
+    keys = sorted({k for r in runs for k in r.hparams})
+    return [k for k in keys if len({repr(r.hparams.get(k, "<missing>")) for r in runs}) > 1]
+
+
+def alert_kinds(runs: Iterable[RunSummary]) -> list[str]:
+    """Every alert kind seen in any run, most frequent first."""
+    totals: dict[str, int] = {}
+    for r in runs:
+        for k, n in r.alert_counts.items():
+            totals[k] = totals.get(k, 0) + n
+    return sorted(totals, key=lambda k: (-totals[k], k))
+
+
+def format_value(v: Any) -> str:
+    """Compact display of a hyperparameter value (``0.001`` -> ``0.001``, ``1e-05`` stays)."""
+    if isinstance(v, float):
+        return f"{v:g}"
+    return "null" if v is None else str(v)
+
+
+def loads(text: str) -> Any:
+    """``json.loads`` that returns None for a torn or invalid document."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def read_json(path: Path) -> Any:
+    """The parsed JSON file, or None if it is missing or torn."""
+    try:
+        return loads(path.read_text(encoding="utf-8"))
+    except OSError:
+        return None
