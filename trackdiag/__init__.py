@@ -2,9 +2,10 @@
 from trackdiag.alert import Alert
 from trackdiag.disabled import DisabledDiagnostics
 from trackdiag.errors import AlertRaised, ConfigError, TrackdiagError
+from trackdiag.preflight import PreflightReport
 from trackdiag.record import Histogram, Record
 from trackdiag.session import Diagnostics
 
 __version__ = "0.1.0"
-__all__ = ["Alert", "AlertRaised", "ConfigError", "Diagnostics", "DisabledDiagnostics", "Histogram", "Record",
+__all__ = ["Alert", "AlertRaised", "ConfigError", "Diagnostics", "DisabledDiagnostics", "Histogram", "PreflightReport", "Record",
            "TrackdiagError", "__version__"]

@@ -31,6 +31,12 @@ class DisabledDiagnostics:
     def summary(self) -> dict[str, Any]:
         return {"enabled": False, "steps": 0, "alerts": {}, "health": "ok"}
 
+    def wrap_loader(self, loader: Any) -> Any:
+        return loader
+
+    def preflight(self, batch: Any, loss_fn: Any = None, **kw: Any) -> None:
+        return None
+
     def flush(self) -> None:
         return None
 

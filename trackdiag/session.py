@@ -16,10 +16,14 @@ from trackdiag.components import batch_size_of, build_components
 from trackdiag.config import resolve, to_plain
 from trackdiag.context import Component, ProbeContext, StepInputs
 from trackdiag.errors import AlertRaised
+from trackdiag.preflight import PreflightReport, run_preflight
 from trackdiag.probes.base import Probe
+from trackdiag.probes.data_wait import DataWaitProbe
+from trackdiag.probes.nan_replay import enrich_alerts
 from trackdiag.record import Record
 from trackdiag.registry import PROBES, RULES, SINKS, lookup
 from trackdiag.rules.base import Rule
+from trackdiag.rules.preflight import Preflight
 from trackdiag.runinfo import RunInfo, resolve_run
 from trackdiag.sinks.base import Sink, SinkHub
 from trackdiag.transfer import to_host
@@ -98,6 +102,7 @@ class Diagnostics:
         self._opened = self._closed = False
         self.should_stop = False
         self.last_inputs: StepInputs | None = None
+        self._preflighted = False
         self._hook_optimizers()
 
     def _hook_optimizers(self) -> None:
@@ -169,6 +174,8 @@ class Diagnostics:
         losses = loss if isinstance(loss, Mapping) else {"": loss}
         inputs = StepInputs(losses, outputs, batch, batch_size if batch_size is not None else batch_size_of(batch))
         self.last_inputs = inputs
+        if not self._preflighted:
+            self._auto_preflight(inputs)
         for p in self.probes:
             if p.enabled:
                 self._guard(p, "on_step", ctx, inputs)
@@ -196,6 +203,42 @@ class Diagnostics:
         if raised is not None:
             raise AlertRaised(raised)
 
+    def wrap_loader(self, loader: Any) -> Any:
+        """``loader`` wrapped so the ``data_wait`` probe times each batch fetch (``data_bottleneck``);
+        ``loader`` itself when that probe is off. Host clock only."""
+        probe = next((p for p in self.probes if p.enabled and isinstance(p, DataWaitProbe)), None)
+        return probe.wrap(loader) if probe is not None else loader
+
+    def preflight(self, batch: Any, loss_fn: Any = None, *, forward: Any = None, component: str | None = None) -> PreflightReport:
+        """Sanity checks of the set-up on one batch (see :mod:`trackdiag.preflight`), on copies of the
+        model and optimizer; each failed check is emitted as a ``preflight`` alert. ``loss_fn(outputs,
+        batch)``; ``forward(model, batch)`` (default ``model(batch[0])``). Returns the report."""
+        self._preflighted = True
+        if not self._opened:
+            self._open()
+        rule = next((r for r in self.rules if isinstance(r, Preflight)), None) or Preflight()
+        comp = next((c for c in self.components if component in (None, c.name) and c.model is not None), None)
+        if comp is None:
+            return PreflightReport()
+        report = run_preflight(comp.model, comp.optimizer, batch, loss_fn or rule.loss_fn, forward,
+                               overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop)
+        record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(len(report.failed))})
+        raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.level, rule.hint)])
+        if raised is not None:
+            raise AlertRaised(raised)
+        return report
+
+    def _auto_preflight(self, inputs: StepInputs) -> None:
+        """``rules.preflight.auto``: the pre-flight on the first step's batch; a failure to run only logs."""
+        self._preflighted = True
+        if inputs.batch is not None and any(isinstance(r, Preflight) and r.enabled and r.auto for r in self.rules):
+            try:
+                log.info("trackdiag: pre-flight\n%s", self.preflight(inputs.batch))
+            except AlertRaised:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                log.warning("trackdiag: pre-flight could not run: %s: %s", type(exc).__name__, exc)
+
     def _log(self, step: int, final: bool = False) -> Alert | None:
         ctx = self._ctx
         collected: dict[str, Any] = {}
@@ -217,6 +260,7 @@ class Diagnostics:
         self._window_overhead = 0.0
         self._last_logged = step
         alerts = [(r, a) for r in self.rules if r.enabled for a in r.check(record, self._history, self.components)]
+        alerts = enrich_alerts(self.probes, ctx, alerts)  # NaN replay: the culprit module into `where`
         self._history.append(record)
         return self._emit(record, alerts)
 

@@ -1,9 +1,13 @@
-"""Memory probe: ``diag/mem/rss_mb`` (process resident set) and, for models on CUDA,
-``diag/mem/cuda_allocated_mb``, ``diag/mem/cuda_reserved_mb``, ``diag/mem/cuda_peak_mb`` (peak since the
-previous log). All read from host-side counters: no device sync."""
+"""Memory probe. Emits ``diag/mem/rss_mb`` (process resident set) and ``diag/mem/rss_frac`` (RSS /
+the memory this process may use: the cgroup limit when set, else physical RAM) and, for models on
+CUDA, ``diag/mem/cuda_allocated_mb``, ``diag/mem/cuda_reserved_mb``, ``diag/mem/cuda_peak_mb`` (peak
+allocated since the previous log), ``diag/mem/cuda_peak_frac`` (peak reserved since the previous log /
+device capacity) and ``diag/mem/cuda_device_used_frac`` (memory in use on the device by every process /
+capacity, from ``cudaMemGetInfo``). All read from host-side counters: no device sync."""
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -25,16 +29,40 @@ def rss_bytes() -> float:
         return float(psutil.Process().memory_info().rss)
 
 
+@lru_cache(maxsize=1)
+def memory_limit_bytes() -> float:
+    """What this process may use: the cgroup (v2 or v1) limit when one is set, else physical RAM."""
+    try:
+        import psutil
+
+        total = float(psutil.virtual_memory().total)
+    except ImportError:
+        total = float(os.sysconf("SC_PHYS_PAGES") * _PAGE)
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            return float(text)
+    return total
+
+
 class MemoryProbe(Probe):
     name = "memory"
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
-        out: dict[str, Any] = {"diag/mem/rss_mb": rss_bytes() / 2**20}
+        rss = rss_bytes()
+        out: dict[str, Any] = {"diag/mem/rss_mb": rss / 2**20, "diag/mem/rss_frac": rss / memory_limit_bytes()}
         devices = {p.device for c in ctx.components for p in c.index.params[:1] if p.device.type == "cuda"}
         for dev in devices:
             sfx = "" if len(devices) == 1 else f"/{dev.index}"
+            free, total = torch.cuda.mem_get_info(dev)
             out[f"diag/mem/cuda_allocated_mb{sfx}"] = torch.cuda.memory_allocated(dev) / 2**20
             out[f"diag/mem/cuda_reserved_mb{sfx}"] = torch.cuda.memory_reserved(dev) / 2**20
             out[f"diag/mem/cuda_peak_mb{sfx}"] = torch.cuda.max_memory_allocated(dev) / 2**20
+            out[f"diag/mem/cuda_peak_frac{sfx}"] = torch.cuda.max_memory_reserved(dev) / total
+            out[f"diag/mem/cuda_device_used_frac{sfx}"] = (total - free) / total
             torch.cuda.reset_peak_memory_stats(dev)
         return out

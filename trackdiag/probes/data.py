@@ -1,0 +1,157 @@
+"""Data probes, fed by the ``batch=`` (and ``outputs=``) passed to ``Diagnostics.step``.
+
+``data_finite`` (NaN/Inf in the batch) emits:
+  ``diag/data/nonfinite_first_step``: first step of the window whose batch held a NaN/Inf (-1: none);
+  ``diag/data/nonfinite_tensors``: (tensor, step) pairs with a NaN/Inf in the window;
+  tables ``diag/data/nonfinite_first`` / ``diag/data/nonfinite_count``: the same per batch entry
+  (``batch[0]``, ``batch['image']``), so the rule can say where.
+  Cost per step and floating tensor of the batch: one ``aminmax`` reduction (NaN propagates, Inf
+  shows) and ~6 scalar device ops folded into an on-device first-step/count; no host sync until the
+  logging step.
+
+``data_labels`` (class targets outside the model's classes) emits:
+  ``diag/data/label_first_bad_step`` (-1: none), ``diag/data/label_bad_steps``,
+  ``diag/data/label_min`` / ``diag/data/label_max`` (over the window, ``ignore_index`` excluded),
+  ``diag/data/num_classes`` (from the output's class dimension).
+  The targets are ``batch[1]`` / ``batch['target']`` ... (option ``target``: index or key); the
+  number of classes is the class dimension of the output (option ``output``: index or key of a
+  structured output) when the shapes pair up (``(N, C)`` with ``(N,)``, ``(B, T, C)`` with
+  ``(B, T)``, ``(N, C, H, W)`` with ``(N, H, W)``); otherwise nothing is checked.
+  Cost per step: ~11 tiny device ops (one ``aminmax`` over the targets); no host sync.
+Both collect at every logging step (``always_collect``), so no step of a window is lost.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from trackdiag.context import ProbeContext, StepInputs
+from trackdiag.probes.base import Probe
+from trackdiag.record import Record
+from trackdiag.tensors import class_dim, float_tensors, logits_of, targets_of
+
+NONE = 2**62  # "no step yet" on device; published as -1
+
+
+class StepFlags:
+    """Per key, on the flag's device: how many steps were flagged and the first flagged step."""
+
+    def __init__(self) -> None:
+        self.count: dict[str, torch.Tensor] = {}
+        self.first: dict[str, torch.Tensor] = {}
+
+    def update(self, key: str, bad: torch.Tensor, step: int) -> None:
+        """Fold a 0-d bool ``bad`` of ``step`` in: two device ops, no sync."""
+        count = self.count.get(key)
+        if count is None or count.device != bad.device:
+            count = self.count[key] = torch.zeros((), dtype=torch.int64, device=bad.device)
+            self.first[key] = torch.full((), NONE, dtype=torch.int64, device=bad.device)
+        count.add_(bad)
+        torch.minimum(self.first[key], torch.where(bad, step, NONE), out=self.first[key])
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """The device tensors to copy (``first\\t<key>``, ``count\\t<key>``); starts a new window."""
+        out = {f"first\t{k}": v for k, v in self.first.items()} | {f"count\t{k}": v for k, v in self.count.items()}
+        self.count, self.first = {}, {}
+        return out
+
+
+def split(values: dict[str, np.ndarray]) -> tuple[dict[str, int], dict[str, int]]:
+    """Host values of ``StepFlags.take`` as ``({key: first step or -1}, {key: count})``."""
+    first, count = {}, {}
+    for k, v in values.items():
+        kind, _, key = k.partition("\t")
+        if kind == "first":
+            first[key] = -1 if v[0] >= NONE else int(v[0])
+        elif kind == "count":
+            count[key] = int(v[0])
+    return first, count
+
+
+class DataFiniteProbe(Probe):
+    """See module docstring (``data_finite``)."""
+
+    name = "data_finite"
+    always_collect = True
+
+    def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
+        super().__init__(enabled=enabled, every=every)
+        self._flags = StepFlags()
+
+    @torch.no_grad()
+    def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        for path, t in float_tensors(inputs.batch):
+            if t.numel() == 0:
+                continue
+            if t.is_complex():
+                bad = ~torch.isfinite(t).all()
+            else:  # min/max propagate NaN and show Inf; no batch-sized temporary
+                lo, hi = torch.aminmax(t)
+                bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+            self._flags.update(path, bad, ctx.step)
+
+    def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
+        return self._flags.take()
+
+    def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
+        first, count = split(values)
+        bad = [s for s in first.values() if s >= 0]
+        record.scalars["diag/data/nonfinite_first_step"] = float(min(bad)) if bad else -1.0
+        record.scalars["diag/data/nonfinite_tensors"] = float(sum(count.values()))
+        if bad:
+            record.tables["diag/data/nonfinite_first"] = {k: float(s) for k, s in first.items() if s >= 0}
+            record.tables["diag/data/nonfinite_count"] = {k: float(n) for k, n in count.items() if n > 0}
+
+
+class DataLabelsProbe(Probe):
+    """See module docstring (``data_labels``). Args: ``target`` index/key of the targets in the
+    batch; ``output`` index/key of the class scores in a structured output; ``ignore_index`` label
+    value that is skipped (cross-entropy's default -100; ``None``: none)."""
+
+    name = "data_labels"
+    always_collect = True
+
+    def __init__(self, *, enabled: bool = True, every: int | None = None, target: int | str | None = None,
+                 output: int | str | None = None, ignore_index: int | None = -100) -> None:
+        super().__init__(enabled=enabled, every=every)
+        self.target, self.output, self.ignore_index = target, output, ignore_index
+        self._flags = StepFlags()
+        self._min: torch.Tensor | None = None
+        self._max: torch.Tensor | None = None
+        self._classes = -1
+
+    @torch.no_grad()
+    def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        t = targets_of(inputs.batch, self.target)
+        logits = logits_of(inputs.outputs, self.output) if t is not None else None
+        dim = class_dim(logits, t) if logits is not None and t is not None else None
+        if dim is None or t is None or logits is None or t.numel() == 0:
+            return
+        self._classes = int(logits.shape[dim])
+        if self.ignore_index is not None:
+            t = torch.where(t != self.ignore_index, t, 0)  # 0 is always a valid class
+        lo, hi = torch.aminmax(t.reshape(-1))
+        self._flags.update("labels", (hi >= self._classes) | (lo < 0), ctx.step)
+        if self._min is None or self._min.device != lo.device:
+            self._min, self._max = lo.to(torch.int64), hi.to(torch.int64)
+        else:
+            torch.minimum(self._min, lo, out=self._min)
+            torch.maximum(self._max, hi, out=self._max)  # type: ignore[arg-type]
+
+    def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
+        if self._min is None:
+            return {}
+        out: dict[str, Any] = self._flags.take()
+        out["min"], out["max"] = self._min, self._max
+        self._min = self._max = None
+        return out
+
+    def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
+        first, count = split(values)
+        record.scalars["diag/data/label_first_bad_step"] = float(first.get("labels", -1))
+        record.scalars["diag/data/label_bad_steps"] = float(count.get("labels", 0))
+        record.scalars["diag/data/label_min"] = float(values["min"][0])
+        record.scalars["diag/data/label_max"] = float(values["max"][0])
+        record.scalars["diag/data/num_classes"] = float(self._classes)

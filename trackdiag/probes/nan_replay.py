@@ -1,0 +1,187 @@
+"""NaN replay probe: keeps what a replay needs and, when ``nonfinite_loss`` / ``nonfinite_grad`` /
+``nonfinite_input`` fires, replays the bad step's batch once (see :mod:`trackdiag.replay`) and
+writes the culprit into the alert: ``where="body.2 (input finite)"`` and the message.
+
+What it keeps: a forward pre-hook on each root module stores *references* (``detach()``-ed views,
+no copies) to the arguments of every training-mode forward with grad enabled, with the autocast
+state, for the last ``ring`` steps (default: the session's ``every`` + 1, so the batch of any step of
+the current logging window is there). Memory cost: those input batches stay alive ``ring`` steps
+longer than they would (``ring`` x batch bytes, on the batch's device); a loop that refills one
+input tensor in place replays the latest data. ``max_calls`` (8) micro-batches per step are kept.
+
+Modes:
+  ``log`` (default, no sync): replay at the logging step that notices the fault. Correct as long as
+  the parameters are still finite (AMP/GradScaler skipped the step, NaN only in the loss). When the
+  optimizer already wrote NaN into the weights, the replay says so instead of blaming the first layer.
+  ``step``: at every optimizer step, check the gradients (one ``_foreach_norm`` and ONE host sync per
+  step) and replay right there, before the optimizer applies the bad update: exact in every case.
+Emits no metric keys. Options: ``loss_fn`` (callable or dotted path, ``fn(outputs, batch) -> loss``;
+default: cross-entropy/MSE guessed from the batch), ``backward``, ``max_replays`` (1).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from trackdiag.alert import Alert
+from trackdiag.context import Component, ProbeContext, StepInputs
+from trackdiag.errors import ConfigError
+from trackdiag.probes.base import Probe
+from trackdiag.probes.grads import tensor_norms
+from trackdiag.registry import resolve
+from trackdiag.replay import Call, Finding, replay
+from trackdiag.schedule import Never
+from trackdiag.tensors import SafeHook
+
+log = logging.getLogger("trackdiag")
+TRIGGERS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_input")
+MODES = ("log", "step")
+
+
+def _detached(obj: Any, depth: int = 0) -> Any:
+    """``obj`` with every tensor replaced by a ``detach()``-ed view (drops the graph, copies nothing)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if depth < 4 and isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_detached(v, depth + 1) for v in obj)
+    if depth < 4 and isinstance(obj, dict):
+        return {k: _detached(v, depth + 1) for k, v in obj.items()}
+    return obj
+
+
+class NanReplayProbe(Probe):
+    """See module docstring."""
+
+    name = "nan_replay"
+
+    def __init__(self, *, enabled: bool = True, every: int | None = None, mode: str = "log", loss_fn: Any = None,
+                 ring: int | None = None, max_replays: int = 1, max_calls: int = 8, backward: bool = True) -> None:
+        super().__init__(enabled=enabled, every=every)
+        if mode not in MODES:
+            raise ConfigError([f"diag.probes.nan_replay.mode: {mode!r} is not one of {', '.join(MODES)}"])
+        self.mode, self.ring, self.max_replays, self.max_calls, self.backward = mode, ring, max_replays, max_calls, backward
+        self.loss_fn = resolve(loss_fn) if isinstance(loss_fn, str) else loss_fn
+        self._size = ring or 2
+        self._ring: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
+        self._findings: dict[int, tuple[str, Finding]] = {}
+        self._handles: list[Any] = []
+        self._replays = 0
+        self._busy = False
+        self._ctx: ProbeContext | None = None
+
+    def bind(self, default_every: int) -> None:
+        self._size = self.ring or (self.every or default_every) + 1
+        self.schedule = Never()  # collects nothing: never the reason for a logging step
+
+    def attach(self, ctx: ProbeContext) -> None:
+        self._ctx = ctx
+        for comp in ctx.components:
+            if comp.model is not None:
+                dev = comp.index.params[0].device.type if comp.index.params else "cpu"
+                hook = SafeHook(partial(self._capture, comp.name, dev))
+                self._handles.append(comp.model.register_forward_pre_hook(hook, with_kwargs=True))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._ring.clear()
+
+    def _capture(self, comp: str, device_type: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook: keep references to a training forward's arguments (host work only)."""
+        if self._busy or self._ctx is None or not module.training or not torch.is_grad_enabled():
+            return None
+        step = self._ctx.step
+        entry = self._ring.get(step)
+        if entry is None:
+            entry = self._ring[step] = {"calls": {}, "batch": None}
+            while len(self._ring) > self._size:
+                self._ring.popitem(last=False)
+        calls: list[Call] = entry["calls"].setdefault(comp, [])
+        if len(calls) < self.max_calls:
+            amp = (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
+            calls.append((_detached(args), _detached(kwargs), amp))
+        return None
+
+    def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        entry = self._ring.get(ctx.step)
+        if entry is not None:
+            entry["batch"] = inputs.batch
+
+    def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
+        """``mode=step``: one host sync on the gradients' finiteness; replay before the update."""
+        if self.mode != "step" or self._replays >= self.max_replays or comp.model is None or not comp.index.params:
+            return
+        if bool(torch.isfinite(tensor_norms(comp.index.grads())).all()):  # host sync (mode=step only)
+            return
+        self._replays += 1
+        self._findings[ctx.step] = (comp.name, self._run(comp, ctx.step, None))
+
+    def _run(self, comp: Component, step: int, batch: Any) -> Finding:
+        entry = self._ring.get(step) or {"calls": {}}
+        self._busy = True
+        try:
+            found = replay(comp.model, entry["calls"].get(comp.name, []), step=step, batch=batch,  # type: ignore[arg-type]
+                           loss_fn=self.loss_fn, backward=self.backward)
+        except Exception as exc:  # noqa: BLE001 - a replay never kills training
+            found = Finding(step, "error", detail=f"the replay failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._busy = False
+        log.info("trackdiag: NaN replay of step %d: %s", step, found)
+        return found
+
+    def finding(self, ctx: ProbeContext, step: int) -> tuple[str, Finding] | None:
+        """The replay result for ``step``: its own, else an earlier one of the same incident (within
+        the ring), else a new replay while ``max_replays`` allows, else the latest one (so later alerts
+        of a run that stays non-finite keep the same ``where`` and the cooldown still groups them)."""
+        if step in self._findings:
+            return self._findings[step]
+        earlier = [s for s in self._findings if s <= step]
+        if earlier and (max(earlier) >= step - self._size or self._replays >= self.max_replays):
+            return self._findings[max(earlier)]
+        if self._replays >= self.max_replays:
+            return None
+        entry = self._ring.get(step)
+        if entry is None or not entry["calls"]:
+            return "", Finding(step, "unavailable", detail=f"no training forward of step {step} is held (ring of {self._size} steps).")
+        self._replays += 1
+        got: tuple[str, Finding] | None = None
+        for comp in ctx.components:
+            if comp.model is not None and comp.name in entry["calls"]:
+                got = (comp.name, self._run(comp, step, entry["batch"]))
+                if got[1].phase != "none":
+                    break
+        if got is not None:
+            self._findings[step] = got
+        return got
+
+    def enrich(self, ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> list[tuple[Any, Alert]]:
+        """``alerts`` with the replay's culprit in ``where`` and message (non-finite kinds only)."""
+        out = []
+        for rule, alert in sorted(alerts, key=lambda ra: ra[1].step):
+            got = self.finding(ctx, alert.step) if alert.kind in TRIGGERS else None
+            if got is not None:
+                comp, found = got
+                where = found.where(comp if len(ctx.components) > 1 else "")
+                alert = dataclasses.replace(
+                    alert, where=where if where and alert.kind != "nonfinite_input" else alert.where,
+                    message=f"{alert.message} Replay of step {found.step}: {found.detail}")
+            out.append((rule, alert))
+        return out
+
+
+def enrich_alerts(probes: list[Probe], ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> list[tuple[Any, Alert]]:
+    """Let an enabled ``nan_replay`` probe add its findings to ``alerts``; never raises."""
+    for p in probes:
+        if p.enabled and isinstance(p, NanReplayProbe) and any(a.kind in TRIGGERS for _, a in alerts):
+            try:
+                return p.enrich(ctx, alerts)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("trackdiag: NaN replay failed: %s: %s", type(exc).__name__, exc)
+    return alerts

@@ -1,0 +1,83 @@
+"""Data rules: ``nonfinite_input``, ``label_range``, ``data_bottleneck``.
+
+They read the keys of the ``data_finite``, ``data_labels`` and ``data_wait`` probes."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from trackdiag.alert import Alert
+from trackdiag.context import Component
+from trackdiag.record import Record
+from trackdiag.rules.base import Rule
+
+
+class NonfiniteInput(Rule):
+    """Fires at the exact first step whose batch held a NaN/Inf; ``where`` names the batch entry
+    (``input batch[0]``, ``input batch['image']``)."""
+
+    kind = "nonfinite_input"
+    severity = "critical"
+    hint = ("The data itself holds NaN/Inf: check the preprocessing (division by a zero std, log of 0, "
+            "corrupt files, missing values), add a dataset-level assert or torch.nan_to_num, and drop the bad samples.")
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        first = record.scalars.get("diag/data/nonfinite_first_step", -1.0)
+        if first < 0:
+            return []
+        firsts = record.tables.get("diag/data/nonfinite_first", {})
+        entry = min(firsts, key=lambda k: firsts[k]) if firsts else "batch"
+        n = record.scalars.get("diag/data/nonfinite_tensors", 1.0)
+        msg = f"the input batch holds NaN/Inf in {entry} (input non-finite); {int(n)} tensor-step(s) affected in this window."
+        return [self.make(int(first), msg, n, 0, f"input {entry}")]
+
+
+class LabelRange(Rule):
+    """Fires at the first step whose class targets fall outside ``[0, num_classes)`` of the model's
+    output (``ignore_index`` excluded). Cross-entropy on CUDA turns this into a device-side assert,
+    on CPU into an IndexError, or silently into wrong training when the labels are shifted."""
+
+    kind = "label_range"
+    severity = "critical"
+    hint = ("Labels must be class indices 0..C-1: remap 1-based labels (y - 1), make the output layer as wide "
+            "as the number of classes, or set ignore_index for padding labels.")
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        first = record.scalars.get("diag/data/label_first_bad_step", -1.0)
+        if first < 0:
+            return []
+        lo, hi = record.scalars.get("diag/data/label_min", 0.0), record.scalars.get("diag/data/label_max", 0.0)
+        c = int(record.scalars.get("diag/data/num_classes", -1))
+        value, limit = (lo, 0) if lo < 0 else (hi, c - 1)
+        msg = (f"class targets range over [{int(lo)}, {int(hi)}] but the output has {c} classes (valid: 0..{c - 1}); "
+               f"{int(record.scalars.get('diag/data/label_bad_steps', 1))} step(s) in this window.")
+        return [self.make(int(first), msg, value, limit, "targets")]
+
+
+class DataBottleneck(Rule):
+    """Fires when the loop waits for data more than ``threshold`` (0.5) of its wall time, summed
+    over the last ``window`` (3) logging steps, once ``min_batches`` (20) batches were timed in that
+    window. Needs ``diag.wrap_loader(loader)``."""
+
+    kind = "data_bottleneck"
+    severity = "warning"
+    hint = ("The GPU/CPU waits for data: raise DataLoader num_workers, set pin_memory=True and "
+            "persistent_workers=True, prefetch_factor, move decoding/augmentation off the main process or to the GPU, "
+            "cache decoded samples.")
+
+    def __init__(self, *, threshold: float = 0.5, window: int = 3, min_batches: int = 20, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.threshold, self.window, self.min_batches = threshold, window, min_batches
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        if "diag/data/wait_share" not in record.scalars:
+            return []
+        recent = [r for r in [*history, record] if "diag/data/wait_share" in r.scalars][-self.window:]
+        batches = sum(r.scalars["diag/data/batches"] for r in recent)
+        wait = sum(r.scalars["diag/data/wait_ms"] * r.scalars["diag/data/batches"] for r in recent) / 1e3
+        wall = sum(r.scalars.get("diag/data/window_s", 0.0) for r in recent)
+        share = min(wait / wall, 1.0) if wall > 0 else 0.0
+        if batches < self.min_batches or share <= self.threshold:
+            return []
+        msg = (f"{100 * share:.0f}% of the wall time is spent waiting for the next batch "
+               f"({1e3 * wait / batches:.1f} ms per batch over the last {int(batches)} batches).")
+        return [self.make(record.step, msg, share, self.threshold, "data loader")]
