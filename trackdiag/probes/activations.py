@@ -1,0 +1,172 @@
+"""Dead / saturated unit probe, from forward hooks attached only for the steps that are due.
+
+Watched modules: the ReLU family (ReLU, ReLU6, LeakyReLU, PReLU, RReLU, ELU, CELU, SELU, GELU, SiLU,
+Mish, Hardswish): a unit is *active* on a sample when its output is > 0 (ReLU6: strictly inside
+(0, 6)); the saturating family (Sigmoid, Hardsigmoid, Tanh, Softsign, Hardtanh): a unit is active
+when its output is off the flat tails (``|2y-1| < saturation`` for sigmoids, ``|y| < saturation``
+for tanh-likes, strictly inside the clip range for the hard variants). A functional ``F.relu`` after
+an ``nn.Linear`` is not a module and is not seen. The unit axis is dim 1 for 4-D/5-D outputs
+(N, C, ...) and the last dim otherwise ((N, F) and (N, T, D)).
+
+Emits per component and module (train-mode forwards only), once the module has been seen:
+  ``diag/[<c>/]act/dead_fraction/<module>`` (ReLU family): the fraction of units never active on any
+      sample of the last ``window`` (3) sampled steps (micro-batches included);
+  ``diag/[<c>/]act/saturated_fraction/<module>`` (saturating family): the fraction of units on the
+      flat tails for at least ``saturated_share`` (95%) of those samples;
+  ``diag/[<c>/]act/dead_fraction_max`` / ``saturated_fraction_max``: the worst module.
+Beyond the session's key budget, modules are grouped by name prefix (unit-weighted) and the full
+per-module table goes to ``record.tables``.
+
+Cost: hooks are registered in ``on_step`` of the step *before* a due step and removed in
+``on_step`` of the due step; per watched module and hooked forward, one comparison and one ``sum``
+reduction into a per-unit count on device. Nothing at all on other steps. Under ``torch.compile``
+adding/removing hooks invalidates the compiled graph's guards: use a large ``every`` or disable it.
+"""
+from __future__ import annotations
+
+from collections import deque
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from trackdiag.context import ProbeContext, StepInputs
+from trackdiag.layers import group_names
+from trackdiag.probes.base import Probe
+from trackdiag.record import Record
+
+RELU_FAMILY: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.CELU,
+                                            nn.SELU, nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish)
+SATURATING: tuple[type[nn.Module], ...] = (nn.Sigmoid, nn.Hardsigmoid, nn.Tanh, nn.Softsign, nn.Hardtanh)
+
+
+def family_of(module: nn.Module) -> str | None:
+    """``"dead"`` for the ReLU family, ``"saturated"`` for the saturating one, else None."""
+    if isinstance(module, RELU_FAMILY):
+        return "dead"
+    if isinstance(module, SATURATING):  # ReLU6 subclasses Hardtanh: matched above
+        return "saturated"
+    return None
+
+
+def active(module: nn.Module, y: torch.Tensor, saturation: float) -> torch.Tensor:
+    """Element-wise bool: the unit is active (not dead, not saturated) on this element."""
+    if isinstance(module, nn.ReLU6):
+        return (y > 0) & (y < 6)
+    if isinstance(module, RELU_FAMILY):
+        return y > 0
+    if isinstance(module, nn.Hardtanh):
+        return (y > module.min_val) & (y < module.max_val)
+    if isinstance(module, nn.Hardsigmoid):
+        return (y > 0) & (y < 1)
+    if isinstance(module, nn.Sigmoid):
+        return (2 * y - 1).abs() < saturation
+    return y.abs() < saturation  # Tanh, Softsign
+
+
+def unit_counts(act: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Per-unit count of active elements over every other axis (units: dim 1 of 4-D/5-D, else the
+    last dim), and the number of elements per unit."""
+    dim = 1 if act.ndim in (4, 5) else act.ndim - 1
+    flat = act.movedim(dim, -1).reshape(-1, act.shape[dim])
+    return flat.sum(dim=0, dtype=torch.float32), flat.shape[0]
+
+
+class ActivationProbe(Probe):
+    """See module docstring. Args: ``window`` sampled steps the statistics cover; ``saturation`` the
+    sigmoid/tanh saturation level (0.99: derivative below ~2% of its peak); ``saturated_share`` the
+    share of samples (0.95) a saturating unit must sit on the tails to count as saturated."""
+
+    name = "activations"
+
+    def __init__(self, *, enabled: bool = True, every: int | None = None, window: int = 3, saturation: float = 0.99,
+                 saturated_share: float = 0.95) -> None:
+        super().__init__(enabled=enabled, every=every)
+        self.window, self.saturation, self.saturated_share = max(1, window), saturation, saturated_share
+        self._modules: list[tuple[str, str, nn.Module, str]] = []  # (component, name, module, family)
+        self._handles: list[Any] = []
+        self._cur: dict[tuple[str, str, str], tuple[torch.Tensor, int]] = {}
+        self._hist: dict[tuple[str, str, str], deque[tuple[torch.Tensor, int]]] = {}
+        self._units: dict[tuple[str, str], int] = {}
+
+    def attach(self, ctx: ProbeContext) -> None:
+        for comp in ctx.components:
+            if comp.model is None:
+                continue
+            for name, mod in comp.model.named_modules():
+                fam = family_of(mod)
+                if fam is not None:
+                    self._modules.append((comp.name, name or type(mod).__name__, mod, fam))
+        if ctx.is_due(self.schedule):
+            self._hook()
+
+    def _hook(self) -> None:
+        for comp, name, mod, fam in self._modules:
+            self._handles.append(mod.register_forward_hook(partial(self._observe, comp, name, fam)))
+
+    def _unhook(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @torch.no_grad()
+    def _observe(self, comp: str, name: str, fam: str, module: nn.Module, inputs: Any, output: Any) -> None:
+        if not self.enabled or not module.training or not isinstance(output, torch.Tensor) \
+                or not output.is_floating_point() or output.ndim < 2:
+            return
+        counts, n = unit_counts(active(module, output.detach(), self.saturation))
+        units = self._units.setdefault((comp, name), counts.numel())
+        key = (comp, name if units == counts.numel() else f"{name}[{counts.numel()}]", fam)
+        prev = self._cur.get(key)
+        self._cur[key] = (counts, n) if prev is None else (prev[0] + counts, prev[1] + n)
+
+    def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        nxt = ctx.step + 1
+        want = self.schedule(nxt) or nxt <= ctx.anomaly_until
+        if want and not self._handles:
+            self._hook()
+        elif not want and self._handles:
+            self._unhook()
+
+    def collect(self, ctx: ProbeContext) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, counts in self._cur.items():
+            hist = self._hist.setdefault(key, deque(maxlen=self.window))
+            hist.append(counts)
+            total = torch.stack([c for c, _ in hist]).sum(dim=0)
+            if key[2] == "dead":
+                inactive = total == 0
+            else:
+                inactive = total < (1.0 - self.saturated_share) * sum(n for _, n in hist)
+            out["\x1f".join(key)] = inactive.float().mean()
+        self._cur = {}
+        return out
+
+    def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
+        by_prefix: dict[str, dict[str, tuple[float, int]]] = {}
+        for joined, v in values.items():
+            comp, name, fam = joined.split("\x1f")
+            prefix = f"diag/{comp}/act/{fam}_fraction" if comp else f"diag/act/{fam}_fraction"
+            units = int(name[name.rindex("[") + 1:-1]) if name.endswith("]") else self._units.get((comp, name), 1)
+            by_prefix.setdefault(prefix, {})[name] = (float(v[0]), units)
+        for prefix, mods in by_prefix.items():
+            record.scalars[f"{prefix}_max"] = max(f for f, _ in mods.values())
+            names = list(mods)
+            if len(names) <= ctx.layer_budget:
+                for n, (f, _) in mods.items():
+                    record.scalars[f"{prefix}/{n}"] = f
+                continue
+            record.tables[prefix] = {n: f for n, (f, _) in mods.items()}
+            dead: dict[str, list[float]] = {}
+            for n, g in zip(names, group_names(names, ctx.layer_budget), strict=True):
+                f, units = mods[n]
+                acc = dead.setdefault(g, [0.0, 0.0])
+                acc[0] += f * units
+                acc[1] += units
+            for g, (d, u) in dead.items():
+                record.scalars[f"{prefix}/{g}"] = d / max(u, 1.0)
+
+    def detach(self) -> None:
+        self._unhook()

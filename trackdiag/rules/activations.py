@@ -1,0 +1,50 @@
+"""``dead_units``: activation layers whose units never fire (ReLU family) or sit saturated (sigmoid/tanh)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from trackdiag.alert import Alert
+from trackdiag.context import Component
+from trackdiag.record import Record
+from trackdiag.rules._streak import Streaks
+from trackdiag.rules.base import Rule, layer_values
+
+_FAMILIES = {"dead": "never activate (output <= 0)", "saturated": "sit saturated on the flat tails"}
+
+
+class DeadUnits(Rule):
+    """Fires when more than ``threshold`` (0.5) of an activation module's units were inactive on every
+    sample of the ``activations`` probe's window, at ``patience`` (2) consecutive measurements.
+    ``where`` is the module; ``step`` the first measurement of the streak."""
+
+    kind = "dead_units"
+    severity = "warning"
+    hint = ("Dead ReLUs: lower the learning rate, check the init and the bias before the activation (a large negative "
+            "bias kills units), use LeakyReLU/GELU, add normalisation (BatchNorm/LayerNorm) before the activation. "
+            "Saturated sigmoid/tanh: normalise the inputs, use Xavier init, prefer ReLU-family activations.")
+
+    def __init__(self, *, threshold: float = 0.5, patience: int = 2, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.threshold, self.patience = threshold, patience
+        self._streaks = Streaks(patience)
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        for comp in components:
+            for fam, what in _FAMILIES.items():
+                for module, frac in layer_values(record, comp.key(f"act/{fam}_fraction")).items():
+                    key = f"{comp.name}|{fam}|{module}"
+                    if not self._streaks.bump(key, math.isfinite(frac) and frac > self.threshold, record.step):
+                        continue
+                    where = f"{comp.name}.{module}" if comp.name else module
+                    msg = (f"{frac:.0%} of the units of {where} {what} over every sampled batch, for "
+                           f"{self.patience} consecutive measurements.")
+                    out.append(self.make(self._streaks.start(key), msg, frac, self.threshold, where))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._streaks.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._streaks.load_state_dict(state)

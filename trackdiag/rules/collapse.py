@@ -1,0 +1,71 @@
+"""Mode collapse: ``mode_collapse``, judged on the ``outputs`` probe's statistics."""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from trackdiag.alert import Alert
+from trackdiag.context import Component
+from trackdiag.record import Record
+from trackdiag.rules._streak import Streaks
+from trackdiag.rules.base import Rule
+
+_SUFFIX = "/out/batch_std"
+
+
+class ModeCollapse(Rule):
+    """Fires when a model's outputs stop depending on its inputs, for ``patience`` (3) consecutive
+    logged steps:
+
+    - constant outputs: the batch std (mean over features of the std across the batch) is below
+      ``std_threshold`` (1e-3, the guides' value; absolute, so it assumes outputs of order 1);
+    - classifiers: at least ``class_fraction`` (0.99) of a batch of at least ``min_samples`` (16)
+      predicts the same class.
+
+    The streak must also span ``min_steps`` (100) optimizer steps: early in training a model often
+    predicts one class, and a zero-initialised head outputs a constant, for a few dozen steps.
+    ``step`` is the first logged step of the streak; ``where`` the component (``""`` for one model).
+    """
+
+    kind = "mode_collapse"
+    severity = "warning"
+    hint = ("Check the output head: its init, a ReLU/saturated sigmoid or a zeroed/frozen layer right before it, "
+            "and the loss for a trivial minimum (class imbalance, targets not normalised). Lower the learning "
+            "rate, add input noise or a diversity term to the loss; restart from an earlier checkpoint if it persists.")
+
+    def __init__(self, *, std_threshold: float = 1e-3, class_fraction: float = 0.99, min_samples: int = 16,
+                 patience: int = 3, min_steps: int = 100, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.std_threshold, self.class_fraction, self.min_samples = std_threshold, class_fraction, min_samples
+        self.patience, self.min_steps = patience, min_steps
+        self._streaks = Streaks(patience)
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        for key, std in record.scalars.items():
+            if not key.endswith(_SUFFIX) or not math.isfinite(std):
+                continue
+            base = key[: -len(_SUFFIX)]  # "diag" or "diag/<component>"
+            where = base.partition("/")[2]
+            dist, top, n, ent = (record.scalars.get(f"{base}/out/{s}", math.nan)
+                                 for s in ("pairwise_dist", "top_class_fraction", "samples", "pred_entropy"))
+            if self._streaks.bump(f"{where}|std", std < self.std_threshold, record.step, self.min_steps):
+                out.append(self.make(
+                    self._streaks.start(f"{where}|std"),
+                    f"outputs are constant across the batch: batch std {std:.3g} < {self.std_threshold:g} "
+                    f"(mean pairwise distance {dist:.3g}) since step {self._streaks.start(where + '|std')}.",
+                    std, self.std_threshold, where))
+            single = math.isfinite(top) and n >= self.min_samples and top >= self.class_fraction
+            if self._streaks.bump(f"{where}|class", single, record.step, self.min_steps):
+                out.append(self.make(
+                    self._streaks.start(f"{where}|class"),
+                    f"{top:.0%} of the batch predicts a single class (prediction entropy {ent:.3g} nats) "
+                    f"since step {self._streaks.start(where + '|class')}.",
+                    top, self.class_fraction, where))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._streaks.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._streaks.load_state_dict(state)

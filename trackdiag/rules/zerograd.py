@@ -1,0 +1,37 @@
+"""``grads_not_zeroed``: the optimizer stepped on gradients still holding the previous step's values."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from trackdiag.alert import Alert
+from trackdiag.context import Component
+from trackdiag.record import Record
+from trackdiag.rules.base import Rule
+
+
+class GradsNotZeroed(Rule):
+    """Fires when the ``zerograd`` probe saw no gradient reset between two optimizer steps
+    (``diag/grad/not_zeroed`` == 1). Exact, so no patience: ``step`` is the optimizer step that used the
+    accumulated gradients; ``where`` the component (``""`` for one model)."""
+
+    kind = "grads_not_zeroed"
+    severity = "critical"
+    hint = ("Call optimizer.zero_grad(set_to_none=True) once per optimizer step (after optimizer.step(), or before "
+            "the next backward). To accumulate over micro-batches, zero only after each optimizer step; if you "
+            "deliberately carry gradients across k optimizer steps, set probes.zerograd.accumulation_steps=k.")
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        for comp in components:
+            if record.scalars.get(comp.key("grad/not_zeroed"), 0.0) < 0.5:
+                continue
+            meta = record.tables.get(comp.key("grad/zero_check"), {})
+            step = int(meta.get("step", record.step))
+            n = int(meta.get("backwards", 0))
+            msg = (f"gradients were not zeroed before optimizer step {step}: after {n} backward pass(es) they still "
+                   f"held the previous step's gradients, so the step used their sum.")
+            out.append(self.make(step, msg, 1.0, 0.0, comp.name))
+        return out
