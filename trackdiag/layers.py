@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from trackdiag.distributed import local
+
 ROOT = "(root)"
 
 
@@ -60,10 +62,11 @@ class LayerIndex:
         return cls(params, names, layers, index, groups, group_index, grouped=len(groups) < len(layers))
 
     def grads(self) -> list[torch.Tensor]:
-        """Each parameter's gradient; a zero scalar stands in where ``grad`` is None."""
+        """Each parameter's gradient (this rank's shard of a DTensor gradient under FSDP2); a zero
+        scalar stands in where ``grad`` is None."""
         out = []
         for p in self.params:
-            g = p.grad
+            g = local(p.grad) if p.grad is not None else None
             if g is None:
                 g = self._zeros.get(p.device)
                 if g is None:

@@ -15,6 +15,7 @@ from trackdiag.alerting import AlertBook
 from trackdiag.components import batch_size_of, build_components
 from trackdiag.config import resolve, to_plain
 from trackdiag.context import Component, ProbeContext, StepInputs
+from trackdiag.distributed import DistSync, is_main_process
 from trackdiag.errors import AlertRaised
 from trackdiag.preflight import PreflightReport, run_preflight
 from trackdiag.probes.base import Probe
@@ -80,14 +81,16 @@ class Diagnostics:
         self._ctx = ProbeContext(self.components, self.every, cfg["max_layer_metrics"], scaler)
         self.probes: list[Probe] = [_build(PROBES, n, e) for n, e in cfg["probes"].items() if (e or {}).get("enabled", True)]
         self.rules: list[Rule] = [_build(RULES, n, e) for n, e in cfg["rules"].items() if (e or {}).get("enabled", True)]
-        sinks: list[Sink] = [_build(SINKS, n, cfg["sink"].get(n)) for n in dict.fromkeys(["local", *cfg["sinks"]])]
+        self._dist = DistSync.detect(self.components)  # None outside torch.distributed
+        main = is_main_process()  # only rank 0 opens tracker runs and writes the local record/artifacts
+        sinks: list[Sink] = [_build(SINKS, n, cfg["sink"].get(n)) for n in dict.fromkeys(["local", *cfg["sinks"]])] if main else []
         for p in self.probes:
             p.bind(self.every)
             p.attach(self._ctx)
         name, out_dir, cwd, group, job = resolve_run(cfg["output_dir"], cfg["run_name"])
         self.run = RunInfo(name, out_dir, cfg["level"], cfg, to_plain(hparams) or {}, cwd, group, job,
                            components=[c.name for c in self.components])
-        self._ctx.output_dir = out_dir
+        self._ctx.output_dir = out_dir if main else None
         self._hub = SinkHub(sinks)
         self._book = AlertBook()
         self._history: collections.deque[Record] = collections.deque(maxlen=cfg["history"])
@@ -249,11 +252,15 @@ class Diagnostics:
                 collected.update({f"{i}\t{k}": v for k, v in vals.items()})
                 owners.append(p)
         host = to_host(collected)
+        if self._dist is not None:  # collective: every rank reduces, then judges the same record
+            host, reduced = self._dist.reduce(host, self.probes)
         record = Record(step=step, time=time.time())
         for i, p in enumerate(self.probes):
             mine = {k.split("\t", 1)[1]: v for k, v in host.items() if k.startswith(f"{i}\t")}
             if mine:
                 self._guard(p, "publish", ctx, mine, record)
+        if self._dist is not None:
+            reduced.apply(record)
         n = max(step - self._last_logged, 1)
         record.scalars["diag/perf/overhead_ms"] = 1e3 * self._window_overhead / n
         self._overhead += self._window_overhead
@@ -323,7 +330,7 @@ class Diagnostics:
     def _finish(self) -> None:
         """End-of-run artifacts: probes read the complete local record and add files."""
         finishers = [p for p in self.probes if p.enabled and type(p).finish is not Probe.finish]
-        if not finishers:
+        if not finishers or not is_main_process():
             return
         self._hub.drain()  # the local record is complete on disk before anyone reads it
         record = Record(step=max(self._step - 1, 0), time=time.time())

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext
+from trackdiag.distributed import local
 from trackdiag.probes.base import Probe
 from trackdiag.probes.grads import first_bad_layer, publish_layers, tensor_norms
 from trackdiag.record import Record
@@ -34,7 +35,7 @@ class ParamProbe(Probe):
 
     @torch.no_grad()
     def _measure(self, comp: Component) -> dict[str, torch.Tensor]:
-        norms = tensor_norms([p.detach() for p in comp.index.params])
+        norms = tensor_norms([local(p.detach()) for p in comp.index.params])  # FSDP2: this rank's shard
         out = {"global_norm": torch.linalg.vector_norm(norms), "nonfinite_tensors": (~torch.isfinite(norms)).sum()}
         if self.per_layer:
             layer = comp.index.per_layer_norm(norms)

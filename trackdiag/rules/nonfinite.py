@@ -20,10 +20,15 @@ class NonfiniteLoss(Rule):
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
+        ranks = record.tables.get("diag/dist/nonfinite_rank", {})  # under torch.distributed: who went first
         for key, points in loss_series(record).items():
             for step, v in points:
                 if not math.isfinite(v):
-                    out.append(self.make(step, f"loss is {v}.", v, math.nan, where_of(key)))
+                    where, msg = where_of(key), f"loss is {v}."
+                    if key in ranks:
+                        rank = f"rank {int(ranks[key])}"
+                        where, msg = f"{where}, {rank}" if where else rank, f"loss is {v} (first on {rank})."
+                    out.append(self.make(step, msg, v, math.nan, where))
                     break
         return out
 
