@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ from torch import nn
 
 os.environ.setdefault("WANDB_MODE", "offline")  # tests never reach the internet
 os.environ.setdefault("WANDB_SILENT", "true")
+# A test that leaves the MLflow store at its default writes into a throwaway store, never into the repo.
+os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{tempfile.mkdtemp(prefix='trackdiag-tests-')}/mlflow.db")
 
 
 @pytest.fixture(scope="session")

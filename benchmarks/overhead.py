@@ -1,0 +1,160 @@
+"""Overhead of trackdiag presets vs the bare loop, arms interleaved in ONE process.
+
+    python benchmarks/overhead.py                       # all workloads, all arms
+    python benchmarks/overhead.py --workloads mlp --rounds 10 --markdown
+
+Each arm owns an identical model/optimizer (same init) and its own session; every round runs a
+block of steps of each arm in a shuffled order, so drift (thermal, other load) hits all arms alike.
+Reported per arm: median over blocks of the mean wall time per step (logging steps included,
+amortised), median process CPU time per step, and both as ratios to the bare loop. Peers:
+``wandb.watch(model, log="all", log_freq=every)`` (offline) and Cockpit's ``economy`` config when
+``cockpit-for-pytorch`` imports (it needs torchvision, which has no CPU wheel on our machines).
+Landscapes are excluded from the preset arms (they are scheduled artifacts, timed separately).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import WORKLOADS, Workload  # noqa: E402
+
+import trackdiag  # noqa: E402
+
+PRESETS = ("basic", "advanced", "extreme")
+
+
+class Arm:
+    """One contender: its own model, optimizer, and per-step hook ``after(loss, out, x)``."""
+
+    def __init__(self, name: str, wl: Workload, tmp: Path, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.name, self.wl = name, wl
+        self.model = wl.make_model()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        self.after: Callable[[Any, Any, Any], Any] = lambda loss, out, x: None
+        self.closer: Callable[[], Any] = lambda: None
+        self.blocks: list[float] = []
+        self.cpu: list[float] = []
+        if name == "disabled":
+            diag = trackdiag.Diagnostics.from_config(None, model=self.model, optimizer=self.opt)
+            self.after = lambda loss, out, x: diag.step(loss, outputs=out, batch=x)
+        elif name in PRESETS:
+            diag = trackdiag.Diagnostics(self.model, self.opt, level=name, sinks=["local"],
+                                         output_dir=str(tmp / f"{wl.name}-{name}"), **_excluded())
+            diag.__enter__()
+            self.after = lambda loss, out, x: diag.step(loss, outputs=out, batch=x)
+            self.closer = diag.close
+        elif name == "wandb.watch":
+            import wandb
+
+            run = wandb.init(mode="offline", dir=str(tmp), project="bench", reinit="create_new")
+            run.watch(self.model, log="all", log_freq=10)
+            self.closer = run.finish
+        elif name == "cockpit":
+            self._cockpit()
+
+    def _cockpit(self) -> None:  # pragma: no cover - only where cockpit-for-pytorch imports
+        from backpack import extend
+        from cockpit import Cockpit, CockpitPlotter  # noqa: F401
+        from cockpit.utils.configuration import configuration
+
+        self.model = extend(self.model)
+        self.lossfn = extend(torch.nn.CrossEntropyLoss(reduction="mean"))
+        raise NotImplementedError("cockpit arm needs per-sample losses wiring")
+
+    def run_block(self, steps: int) -> None:
+        m, opt, wl = self.model, self.opt, self.wl
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            x, y = wl.make_batch(self.gen)
+            out = m(x)
+            loss = wl.loss(out, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            self.after(loss, out, x)
+        self.blocks.append((time.perf_counter() - t0) / steps)
+        self.cpu.append((time.process_time() - c0) / steps)
+
+
+def _excluded() -> dict[str, Any]:
+    """Expensive scheduled artifacts (landscapes) are timed separately, not in the preset arms."""
+    from trackdiag.registry import PROBES
+
+    return {"probes": {"landscape": {"enabled": False}}} if "landscape" in PROBES else {}
+
+
+def available_peers() -> list[str]:
+    peers = []
+    try:
+        import wandb  # noqa: F401
+
+        peers.append("wandb.watch")
+    except ImportError:
+        pass
+    try:
+        import cockpit  # noqa: F401
+
+        peers.append("cockpit")
+    except Exception:
+        pass
+    return peers
+
+
+def bench(wl: Workload, arms: list[str], rounds: int, steps: int, warmup: int) -> dict[str, Arm]:
+    tmp = Path(tempfile.mkdtemp(prefix="trackdiag-bench-"))
+    contenders = {name: Arm(name, wl, tmp) for name in arms}
+    for arm in contenders.values():
+        arm.run_block(warmup)
+        arm.blocks.clear()
+        arm.cpu.clear()
+    order = list(contenders.values())
+    for _ in range(rounds):
+        random.shuffle(order)
+        for arm in order:
+            arm.run_block(steps)
+    for arm in contenders.values():
+        arm.closer()
+    return contenders
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=50, help="steps per block (a multiple of every preset's cadence)")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--markdown", action="store_true", help="print a README table")
+    args = ap.parse_args()
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    arms = ["bare", "disabled", *PRESETS, *([] if args.no_peers else available_peers())]
+    rows = []
+    for name in args.workloads:
+        res = bench(WORKLOADS[name], arms, args.rounds, args.steps, args.warmup)
+        bare_t = statistics.median(res["bare"].blocks)
+        bare_c = statistics.median(res["bare"].cpu)
+        for arm in arms:
+            t, c = statistics.median(res[arm].blocks), statistics.median(res[arm].cpu)
+            rows.append((name, arm, 1e3 * t, t / bare_t, 1e3 * c, c / bare_c))
+            print(f"{name:12s} {arm:12s} {1e3 * t:8.2f} ms/step  x{t / bare_t:.3f}   cpu {1e3 * c:8.2f} ms/step  x{c / bare_c:.3f}", flush=True)
+    if args.markdown:
+        print("\n| workload | arm | ms/step | ratio | CPU ms/step | CPU ratio |\n|---|---|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.3f} | {r[4]:.2f} | {r[5]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Reference workloads for the overhead benchmark: a step takes roughly 5-50 ms on a 2-core CPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Workload:
+    name: str
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 512, d: int = 128, layers: int = 2, seq: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(seq, d))
+        block = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx) + self.pos[: idx.shape[1]]
+        return self.head(self.blocks(h, mask=self.mask, is_causal=True))
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _deep_narrow(depth: int = 500, width: int = 32) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(64, width)]
+    for _ in range(depth - 2):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)  # 2 * depth parameter tensors
+
+
+WORKLOADS = {
+    "mlp": Workload("mlp", lambda: nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)),
+                    lambda g: (torch.randn(256, 784, generator=g), torch.randint(0, 10, (256,), generator=g)), F.cross_entropy),
+    "cnn": Workload("cnn", _cnn,
+                    lambda g: (torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)), F.cross_entropy),
+    "transformer": Workload("transformer", TinyLM,
+                            lambda g: (torch.randint(0, 512, (8, 64), generator=g), torch.randint(0, 512, (8, 64), generator=g)), _ce),
+    "deep_narrow": Workload("deep_narrow", _deep_narrow,
+                            lambda g: (torch.randn(64, 64, generator=g), torch.randint(0, 10, (64,), generator=g)), F.cross_entropy),
+}

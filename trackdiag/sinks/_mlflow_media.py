@@ -1,0 +1,92 @@
+"""Files the MLflow sink uploads: binned histograms (JSON per step) and their rendered images.
+
+MLflow has no histogram type. Per logging step that carries histograms we write one compact
+``histograms/step_<step>.json`` (``{key: {"edges": [...], "counts": [...]}}``, original keys)
+and, when matplotlib is installed, an ``image`` op per histogram key: the delivery thread renders
+it and sends it with ``MlflowClient.log_image`` (the UI's image charts have a step slider).
+Rendering costs ~10-30 ms per image, off the training and sink threads, hence a per-step cap.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+from trackdiag.record import Histogram
+
+log = logging.getLogger("trackdiag")
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    """``obj`` as indented JSON at ``path`` (parents created); non-JSON values as strings."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=str), encoding="utf-8")
+    return path
+
+
+def write_histograms(media: Path, step: int, hists: Mapping[str, Histogram]) -> Path:
+    """One JSON file with every histogram of a step: ``<media>/histograms/step_<step>.json``."""
+    data = {k: {"edges": [float(e) for e in h.edges], "counts": [float(c) for c in h.counts]} for k, h in hists.items()}
+    path = media / "histograms" / f"step_{step:09d}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"step": step, "histograms": data}, separators=(",", ":")), encoding="utf-8")
+    return path
+
+
+class HistogramRenderer:
+    """Draws a histogram into an RGB array with matplotlib's Agg canvas (no pyplot, no global
+    state), for ``MlflowClient.log_image``. Runs on the delivery thread (or ``trackdiag sync``).
+
+    ``available`` turns False when matplotlib or Pillow (which ``log_image`` needs) is missing;
+    then only the JSON data is logged, with one info line.
+    """
+
+    def __init__(self) -> None:
+        self._fig: Any = None
+        self.available = True
+
+    def _figure(self) -> Any:
+        if self._fig is None:
+            try:
+                import PIL  # noqa: F401  (log_image converts arrays with it)
+                from matplotlib.backends.backend_agg import FigureCanvasAgg
+                from matplotlib.figure import Figure
+            except ImportError:
+                self.available = False
+                log.info("trackdiag: matplotlib not installed; MLflow gets histogram data (JSON) without images "
+                         "(pip install 'trackdiag[plots]')")
+                return None
+            self._fig = Figure(figsize=(4.0, 2.6), dpi=80)
+            FigureCanvasAgg(self._fig)
+        return self._fig
+
+    def to_array(self, title: str, edges: list[float], counts: list[float], step: int) -> Any:
+        """An ``(H, W, 3)`` uint8 image of the histogram, or None (unavailable, bad data)."""
+        fig = self._figure() if self.available else None
+        if fig is None or len(edges) != len(counts) + 1 or not counts:
+            return None
+        try:
+            import numpy as np
+
+            fig.clear()
+            ax = fig.add_subplot(1, 1, 1)
+            ax.stairs(counts, edges, fill=True, alpha=0.7)
+            ax.set_title(f"{title}  step {step}", fontsize=8)
+            ax.tick_params(labelsize=7)
+            fig.tight_layout()
+            fig.canvas.draw()
+            return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+        except Exception as exc:  # inf edges and the like must not stop delivery
+            log.debug("trackdiag: histogram %s at step %d not rendered: %s", title, step, exc)
+            return None
+
+
+def to_yaml(obj: Any) -> str:
+    """``obj`` as YAML (JSON when it holds something YAML cannot represent)."""
+    import yaml
+
+    try:
+        return yaml.safe_dump(obj, sort_keys=False)
+    except yaml.YAMLError:
+        return json.dumps(obj, indent=2, default=str)

@@ -1,0 +1,243 @@
+"""MLflow sink: streams records, histograms, alerts and the run summary to an MLflow run.
+
+What lands in the run (keys pass through :func:`~trackdiag.sinks._mlflow_ops.sanitize_key`):
+
+- metrics: every point of ``Record.points()`` at its own step (series points too), batched with
+  ``log_batch`` (<= 1000 per call); ``diag/alerts/<kind>`` = running count at each alert's step.
+- params: the user's hyperparameters, flattened to dotted keys (``optimizer.lr``), values cut to
+  6000 chars; params already on the run are left alone.
+- tags: ``trackdiag.level|version|run_dir|run_name|components``, ``trackdiag.alert.<kind>`` = first
+  step, ``trackdiag.health`` = ok|warning|critical at close; sweeps: ``trackdiag.sweep``/``job_num``
+  and ``mlflow.parentRunId`` (one parent run per Hydra multirun, tagged ``trackdiag.role=sweep``).
+- artifacts: ``config.yaml`` (hyperparameters), ``trackdiag/diag_config.yaml``,
+  ``histograms/step_<n>.json`` + per-step images (``log_image``, key = histogram key, rendered by
+  the deliverer), every file in ``Record.artifacts`` (path relative to the run dir), and at close
+  ``alerts.json``, ``summary.json`` (as the local record's), ``tables/tables.jsonl`` and
+  ``trackdiag/key_map.json`` (keys that were renamed).
+
+Cost: on the sink thread, a shallow copy of each record's scalar dict and a deque append per
+batch. MLflow itself runs on a delivery thread (``_mlflow_deliver``) that by default pickles each
+batch to a child process (``delivery: process``; ~0.05 ms per 1000 points) where keys are mapped
+and SQLAlchemy/HTTP work runs without holding the training process's GIL. During outages batches are spooled to
+``<output_dir>/mlflow_spool`` and retried; ``trackdiag sync <output_dir>`` delivers leftovers.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from trackdiag.alert import Alert
+from trackdiag.errors import ConfigError, TrackdiagError
+from trackdiag.record import Record
+from trackdiag.runinfo import RunInfo, hydra_runtime
+from trackdiag.sinks._mlflow_deliver import Deliverer
+from trackdiag.sinks._mlflow_media import to_yaml, write_histograms, write_json
+from trackdiag.sinks._mlflow_ops import MAX_METRICS, flatten, pair_ops
+from trackdiag.sinks._mlflow_run import (SWEEP_TAG, Runner, absolute_sqlite, default_artifact_location,
+                                         default_tracking_uri)
+from trackdiag.sinks._mlflow_spool import Spool
+from trackdiag.sinks._mlflow_worker import ProcessRunner
+from trackdiag.sinks.base import Sink
+
+log = logging.getLogger("trackdiag")
+
+
+def ui_hint(diag: Any) -> str | None:
+    """How to open the MLflow UI on the store a session's MLflow sink wrote to, or None."""
+    for sink in getattr(getattr(diag, "_hub", None), "sinks", []):
+        if isinstance(sink, MlflowSink):
+            uri = sink.tracking_uri
+            if uri.startswith(("http:", "https:")):
+                return f"open {uri}"
+            return f"mlflow ui --backend-store-uri {uri}" if "://" in uri else f"tracking URI {uri}"
+    return None
+
+
+class MlflowSink(Sink):
+    """Streams diagnostics to MLflow (see the module doc for every key). Options are
+    ``diag.sink.mlflow.*``; ``tracking_uri`` default: ``MLFLOW_TRACKING_URI`` or
+    ``sqlite:///<original cwd>/mlflow.db``; ``experiment`` default: the Hydra job name or
+    ``trackdiag``. With ``attach_active_run``, a run the user started (``mlflow.start_run``) gets
+    the diagnostics and is left running. Raises ``TrackdiagError`` if mlflow is not installed."""
+
+    name = "mlflow"
+
+    def __init__(self, tracking_uri: str | None = None, experiment: str | None = None, run_name: str | None = None,
+                 tags: dict[str, str] | None = None, artifact_location: str | None = None, log_params: bool = True,
+                 log_config: bool = True, attach_active_run: bool = True, histogram_images: bool = True,
+                 max_histogram_images: int = 16, retry_backoff: float = 1.0, retry_max_backoff: float = 30.0,
+                 close_timeout: float = 20.0, max_memory_batches: int = 64, spool_dir: str | None = None,
+                 delivery: str = "process") -> None:
+        if importlib.util.find_spec("mlflow") is None:
+            raise TrackdiagError("the MLflow sink needs mlflow: pip install 'trackdiag[mlflow]' "
+                                 "(or drop 'mlflow' from diag.sinks)")
+        problems = [f"diag.sink.mlflow.{k}: must be > 0, got {v!r}" for k, v in (
+            ("retry_backoff", retry_backoff), ("retry_max_backoff", retry_max_backoff),
+            ("close_timeout", close_timeout), ("max_memory_batches", max_memory_batches)) if v <= 0]
+        problems += [f"diag.sink.mlflow.max_histogram_images: must be >= 0, got {max_histogram_images!r}"] \
+            if max_histogram_images < 0 else []
+        if delivery not in ("process", "thread"):
+            problems.append(f"diag.sink.mlflow.delivery: {delivery!r} is not one of process, thread")
+        if problems:
+            raise ConfigError(problems)
+        hydra = hydra_runtime()  # read here: the training thread, where Hydra and mlflow's active run live
+        self._cwd = hydra["cwd"] if hydra else Path.cwd()
+        self.experiment = experiment or (hydra["job_name"] if hydra else None) or "trackdiag"
+        self.run_name, self.tags, self.artifact_location = run_name, dict(tags or {}), artifact_location
+        self.log_params, self.log_config = log_params, log_config
+        self.histogram_images, self.max_histogram_images = histogram_images, max_histogram_images
+        self.retry_backoff, self.retry_max_backoff = retry_backoff, retry_max_backoff
+        self.close_timeout, self.max_memory_batches, self.spool_dir = close_timeout, max_memory_batches, spool_dir
+        self.delivery = delivery
+        self.attach_run_id: str | None = None
+        fluent = sys.modules.get("mlflow")  # a user with an active run has imported mlflow already
+        active = fluent.active_run() if attach_active_run and fluent is not None else None
+        if active is not None and tracking_uri in (None, fluent.get_tracking_uri()):
+            self.attach_run_id = active.info.run_id
+            tracking_uri = absolute_sqlite(fluent.get_tracking_uri(), Path.cwd())  # the user's run, as they see it
+        self._explicit_uri = tracking_uri
+        self.tracking_uri = absolute_sqlite(tracking_uri, self._cwd) if tracking_uri else default_tracking_uri(self._cwd)
+        self._state: dict[str, Any] = {"tracking_uri": self.tracking_uri, "run_id": None}
+        self._pending: list[list[Any]] = []  # [step, ts_ms, scalars, series] per record, until the next cut
+        self._npoints = 0
+        self._tags: list[tuple[str, str]] = []
+        self._alerts: list[dict[str, Any]] = []
+        self._counts: dict[str, int] = {}
+        self._first: dict[str, int] = {}
+        self._images = histogram_images and importlib.util.find_spec("matplotlib") is not None
+        if histogram_images and not self._images:
+            log.info("trackdiag: matplotlib not installed; MLflow gets histogram data (JSON) without images")
+        self._deliver: Deliverer | None = None
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id, once the delivery thread has set the run up (else None)."""
+        return self._state.get("run_id")
+
+    # ------------------------------------------------------------------ Sink API
+    def open(self, run: RunInfo) -> None:
+        """Queue the run set-up, tags, params and config files; start the delivery thread."""
+        if self.attach_run_id is None:
+            self._cwd = run.original_cwd
+            self.tracking_uri = absolute_sqlite(self._explicit_uri, self._cwd) if self._explicit_uri \
+                else default_tracking_uri(self._cwd)
+        self._run = run
+        self._media = run.output_dir / "mlflow"
+        spool = Spool(Path(self.spool_dir) if self.spool_dir else run.output_dir / "mlflow_spool")
+        if spool.exists():
+            moved = spool.set_aside()
+            log.warning("trackdiag: an earlier run left undelivered MLflow data; moved to %s (trackdiag sync %s)",
+                        moved, run.output_dir)
+        self._state = {"tracking_uri": self.tracking_uri, "run_id": None}
+        self._deliver = Deliverer(spool, self._state, backoff=self.retry_backoff, max_backoff=self.retry_max_backoff,
+                                  max_memory_ops=self.max_memory_batches,
+                                  runner_factory=ProcessRunner if self.delivery == "process" else Runner)
+        from trackdiag import __version__
+
+        spec = {"experiment": self.experiment, "run_name": self.run_name or run.name,
+                "artifact_location": self.artifact_location or default_artifact_location(
+                    self.tracking_uri, self._cwd, self.experiment),
+                "attach_run_id": self.attach_run_id, "group": run.group, "start_ms": int(run.start_time * 1000)}
+        tags = {"trackdiag.level": run.level, "trackdiag.version": __version__, "trackdiag.run_dir": str(run.output_dir),
+                "trackdiag.run_name": run.name, "trackdiag.components": ",".join(run.components)}
+        if run.group:
+            tags.update({SWEEP_TAG: run.group, "trackdiag.job_num": str(run.job_num)})
+        ops: list[dict[str, Any]] = [{"op": "open", "spec": spec}, *pair_ops("tags", {**tags, **self.tags}.items())]
+        if self.log_params and run.hparams:
+            ops += pair_ops("params", flatten(run.hparams).items())
+        if self.log_config:
+            ops.append(self._file(to_yaml(run.hparams), "config.yaml", None))
+            ops.append(self._file(to_yaml(run.config), "trackdiag/diag_config.yaml", "trackdiag"))
+        self._deliver.submit(ops)
+        self._deliver.start()
+
+    def write(self, record: Record) -> None:
+        """Queue the record's points (O(1): key mapping and batching happen in the runner), its
+        histograms (JSON file + image ops) and artifacts."""
+        ts = int((record.time or time.time()) * 1000)
+        self._pending.append([record.step, ts, dict(record.scalars), {k: list(v) for k, v in record.series.items()}])
+        self._npoints += len(record.scalars) + sum(map(len, record.series.values()))
+        ops: list[dict[str, Any]] = []
+        if record.histograms:
+            ops.append({"op": "artifact", "path": str(write_histograms(self._media, record.step, record.histograms)),
+                        "dir": "histograms"})
+            if self._images:
+                for k, h in list(record.histograms.items())[: self.max_histogram_images]:
+                    ops.append({"op": "image", "title": k, "edges": [float(e) for e in h.edges],
+                                "counts": [float(c) for c in h.counts], "step": record.step, "ts": ts})
+        if record.tables:
+            with open(self._media_path("tables.jsonl"), "a", encoding="utf-8") as f:
+                f.write(Record(step=record.step, tables=record.tables).to_json() + "\n")
+        for path in record.artifacts:
+            ops.append({"op": "artifact", "path": str(path), "dir": self._artifact_dir(Path(path))})
+        if ops or self._npoints >= MAX_METRICS:
+            self._cut()  # points first, in order
+            self._deliver.submit(ops)  # type: ignore[union-attr]
+
+    def alert(self, alert: Alert) -> None:
+        """``diag/alerts/<kind>`` running count at the alert's step; ``trackdiag.alert.<kind>`` = first step."""
+        kind = alert.kind
+        self._alerts.append(alert.to_dict())
+        self._counts[kind] = self._counts.get(kind, 0) + 1
+        self._pending.append([alert.step, int(time.time() * 1000), {f"diag/alerts/{kind}": float(self._counts[kind])}, {}])
+        self._npoints += 1
+        if kind not in self._first or alert.step < self._first[kind]:
+            self._first[kind] = alert.step
+            self._tags.append((f"trackdiag.alert.{kind}", str(alert.step)))
+
+    def flush(self) -> None:
+        """Hand buffered points and tags to the delivery thread (called when the hub queue is dry)."""
+        self._cut()
+
+    def close(self, status: str, summary: dict[str, Any]) -> None:
+        """Final files and tags, end the run with ``status`` (only a run we started), then wait at
+        most ``close_timeout`` s for delivery; what is left stays spooled for ``trackdiag sync``."""
+        if self._deliver is None:
+            return
+        self._tags.append(("trackdiag.health", str(summary.get("health", "unknown"))))
+        self._cut()
+        ops = [self._file(self._alerts, "alerts.json", None), self._file(summary, "summary.json", None)]
+        if (self._media / "tables.jsonl").exists():
+            ops.append({"op": "artifact", "path": str(self._media / "tables.jsonl"), "dir": "tables"})
+        ops.append({"op": "key_map"})
+        ops.append({"op": "end", "status": status, "ts": int(time.time() * 1000)})
+        self._deliver.submit(ops)
+        left, entities = self._deliver.close(self.close_timeout)
+        if left:
+            log.warning("trackdiag: %d MLflow batch(es) (%d entries) not delivered to %s; they are kept in %s. "
+                        "Deliver them later with: trackdiag sync %s", left, entities, self.tracking_uri,
+                        self._deliver.spool.dir, self._run.output_dir)
+        elif self._deliver.broken is None:
+            self._deliver.spool.remove_if_done()
+
+    # ------------------------------------------------------------------ helpers
+    def _cut(self) -> None:
+        ops = [{"op": "points", "records": self._pending}] if self._pending else []
+        ops += pair_ops("tags", self._tags)
+        self._pending, self._npoints, self._tags = [], 0, []
+        if ops and self._deliver is not None:
+            self._deliver.submit(ops)
+
+    def _media_path(self, name: str) -> Path:
+        self._media.mkdir(parents=True, exist_ok=True)
+        return self._media / name
+
+    def _file(self, obj: Any, name: str, artifact_dir: str | None) -> dict[str, Any]:
+        path = self._media_path(Path(name).name)
+        if isinstance(obj, str):
+            path.write_text(obj, encoding="utf-8")
+        else:
+            write_json(path, obj)
+        return {"op": "artifact", "path": str(path), "dir": artifact_dir}
+
+    def _artifact_dir(self, path: Path) -> str:
+        try:
+            rel = path.resolve().parent.relative_to(self._run.output_dir.resolve())
+        except ValueError:
+            return "files"
+        return rel.as_posix() if str(rel) != "." else "files"
+
