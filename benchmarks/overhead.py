@@ -58,7 +58,7 @@ class Arm:
         elif name == "wandb.watch":
             import wandb
 
-            run = wandb.init(mode="offline", dir=str(tmp), project="bench", reinit="create_new")
+            run = wandb.init(mode="offline", dir=str(tmp), project="bench")  # watch() logs through the global run
             run.watch(self.model, log="all", log_freq=10)
             self.closer = run.finish
         elif name == "cockpit":
@@ -67,7 +67,6 @@ class Arm:
     def _cockpit(self) -> None:  # pragma: no cover - only where cockpit-for-pytorch imports
         from backpack import extend
         from cockpit import Cockpit, CockpitPlotter  # noqa: F401
-        from cockpit.utils.configuration import configuration
 
         self.model = extend(self.model)
         self.lossfn = extend(torch.nn.CrossEntropyLoss(reduction="mean"))

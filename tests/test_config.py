@@ -5,7 +5,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import trackdiag
 from trackdiag import ConfigError, Diagnostics, DisabledDiagnostics
 from trackdiag.config import load_preset, presets, resolve
 

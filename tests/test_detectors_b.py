@@ -4,7 +4,6 @@ another way."""
 from __future__ import annotations
 
 import copy
-import math
 import random
 
 import numpy as np

@@ -9,7 +9,6 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 

@@ -6,9 +6,8 @@ import collections
 import logging
 import time
 from functools import partial
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
 
 from trackdiag.alert import Alert
 from trackdiag.alerting import AlertBook
@@ -17,17 +16,18 @@ from trackdiag.config import resolve, to_plain
 from trackdiag.context import Component, ProbeContext, StepInputs
 from trackdiag.distributed import DistSync, is_main_process
 from trackdiag.errors import AlertRaised
-from trackdiag.preflight import PreflightReport, run_preflight
 from trackdiag.probes.base import Probe
-from trackdiag.probes.data_wait import DataWaitProbe
 from trackdiag.probes.nan_replay import enrich_alerts
 from trackdiag.record import Record
 from trackdiag.registry import PROBES, RULES, SINKS, lookup
 from trackdiag.rules.base import Rule
-from trackdiag.rules.preflight import Preflight
 from trackdiag.runinfo import RunInfo, resolve_run
+from trackdiag.session_checks import SetupChecks
 from trackdiag.sinks.base import Sink, SinkHub
 from trackdiag.transfer import to_host
+
+if TYPE_CHECKING:
+    from trackdiag.disabled import DisabledDiagnostics
 
 log = logging.getLogger("trackdiag")
 
@@ -37,7 +37,7 @@ def _build(family: dict[str, str], name: str, entry: Mapping[str, Any] | None) -
     return lookup(family, name, entry)(**{k: v for k, v in entry.items() if k != "_target_"})
 
 
-class Diagnostics:
+class Diagnostics(SetupChecks):
     """Training diagnostics for one run. See the README for the metric keys and alert kinds.
 
     Args:
@@ -87,6 +87,7 @@ class Diagnostics:
         for p in self.probes:
             p.bind(self.every)
             p.attach(self._ctx)
+        self._on_step = [p for p in self.probes if type(p).on_step is not Probe.on_step]
         name, out_dir, cwd, group, job = resolve_run(cfg["output_dir"], cfg["run_name"])
         self.run = RunInfo(name, out_dir, cfg["level"], cfg, to_plain(hparams) or {}, cwd, group, job,
                            components=[c.name for c in self.components])
@@ -121,9 +122,13 @@ class Diagnostics:
 
     def _opt_hook(self, probes: list[Probe], method: str, comp: Component, *_: Any) -> None:
         t0 = time.perf_counter()
-        for p in probes:
+        ctx = self._ctx
+        for p in probes:  # hot path: inline try instead of _guard's getattr per call
             if p.enabled:
-                self._guard(p, method, self._ctx, comp)
+                try:
+                    getattr(p, method)(ctx, comp)
+                except Exception as exc:
+                    self._fail(p, method, exc)
         self._window_overhead += time.perf_counter() - t0
 
     def _guard(self, probe: Probe, method: str, *args: Any) -> Any:
@@ -131,10 +136,13 @@ class Diagnostics:
         try:
             return getattr(probe, method)(*args)
         except Exception as exc:
-            probe.enabled = False
-            self._disabled[probe.name] = f"{type(exc).__name__} in {method}: {exc}"
-            log.warning("trackdiag: probe %r disabled: %s", probe.name, self._disabled[probe.name])
+            self._fail(probe, method, exc)
             return None
+
+    def _fail(self, probe: Probe, method: str, exc: Exception) -> None:
+        probe.enabled = False
+        self._disabled[probe.name] = f"{type(exc).__name__} in {method}: {exc}"
+        log.warning("trackdiag: probe %r disabled: %s", probe.name, self._disabled[probe.name])
 
     # ------------------------------------------------------------------ public API
     @property
@@ -179,9 +187,12 @@ class Diagnostics:
         self.last_inputs = inputs
         if not self._preflighted:
             self._auto_preflight(inputs)
-        for p in self.probes:
+        for p in self._on_step:  # only probes that implement on_step
             if p.enabled:
-                self._guard(p, "on_step", ctx, inputs)
+                try:
+                    p.on_step(ctx, inputs)
+                except Exception as exc:
+                    self._fail(p, "on_step", exc)
         raised = None
         if any(p.enabled and ctx.is_due(p.schedule) for p in self.probes):
             raised = self._log(ctx.step)
@@ -205,42 +216,6 @@ class Diagnostics:
         raised = self._emit(record, alerts)
         if raised is not None:
             raise AlertRaised(raised)
-
-    def wrap_loader(self, loader: Any) -> Any:
-        """``loader`` wrapped so the ``data_wait`` probe times each batch fetch (``data_bottleneck``);
-        ``loader`` itself when that probe is off. Host clock only."""
-        probe = next((p for p in self.probes if p.enabled and isinstance(p, DataWaitProbe)), None)
-        return probe.wrap(loader) if probe is not None else loader
-
-    def preflight(self, batch: Any, loss_fn: Any = None, *, forward: Any = None, component: str | None = None) -> PreflightReport:
-        """Sanity checks of the set-up on one batch (see :mod:`trackdiag.preflight`), on copies of the
-        model and optimizer; each failed check is emitted as a ``preflight`` alert. ``loss_fn(outputs,
-        batch)``; ``forward(model, batch)`` (default ``model(batch[0])``). Returns the report."""
-        self._preflighted = True
-        if not self._opened:
-            self._open()
-        rule = next((r for r in self.rules if isinstance(r, Preflight)), None) or Preflight()
-        comp = next((c for c in self.components if component in (None, c.name) and c.model is not None), None)
-        if comp is None:
-            return PreflightReport()
-        report = run_preflight(comp.model, comp.optimizer, batch, loss_fn or rule.loss_fn, forward,
-                               overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop)
-        record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(len(report.failed))})
-        raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.level, rule.hint)])
-        if raised is not None:
-            raise AlertRaised(raised)
-        return report
-
-    def _auto_preflight(self, inputs: StepInputs) -> None:
-        """``rules.preflight.auto``: the pre-flight on the first step's batch; a failure to run only logs."""
-        self._preflighted = True
-        if inputs.batch is not None and any(isinstance(r, Preflight) and r.enabled and r.auto for r in self.rules):
-            try:
-                log.info("trackdiag: pre-flight\n%s", self.preflight(inputs.batch))
-            except AlertRaised:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                log.warning("trackdiag: pre-flight could not run: %s: %s", type(exc).__name__, exc)
 
     def _log(self, step: int, final: bool = False) -> Alert | None:
         ctx = self._ctx

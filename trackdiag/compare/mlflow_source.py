@@ -42,7 +42,7 @@ def load_mlflow(spec: str, *, tracking_uri: str | None = None, parent: str | Non
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
     except ImportError as e:
-        raise CompareError("reading MLflow needs mlflow: pip install 'trackdiag[mlflow]'") from e
+        raise CompareError("reading MLflow needs mlflow: pip install mlflow") from e
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         raise CompareError("no MLflow tracking URI: pass --tracking-uri URI or set MLFLOW_TRACKING_URI")

@@ -72,3 +72,10 @@ class Probe:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict``."""
+
+
+def take_pending(pending: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per-component device tensors in ``collect``'s layout, ``"<component>|<key>"``; empties ``pending``."""
+    out = {f"{c}|{k}": v for c, d in pending.items() for k, v in d.items()}
+    pending.clear()
+    return out

@@ -6,8 +6,8 @@
   tables ``diag/data/nonfinite_first`` / ``diag/data/nonfinite_count``: the same per batch entry
   (``batch[0]``, ``batch['image']``), so the rule can say where.
   Cost per step and floating tensor of the batch: one ``aminmax`` reduction (NaN propagates, Inf
-  shows) and ~6 scalar device ops folded into an on-device first-step/count; no host sync until the
-  logging step.
+  shows) kept by reference; the window is stacked, copied with everything else and judged on the
+  host at the logging step (exact first step, no per-step sync).
 
 ``data_labels`` (class targets outside the model's classes) emits:
   ``diag/data/label_first_bad_step`` (-1: none), ``diag/data/label_bad_steps``,
@@ -71,38 +71,52 @@ def split(values: dict[str, np.ndarray]) -> tuple[dict[str, int], dict[str, int]
 
 
 class DataFiniteProbe(Probe):
-    """See module docstring (``data_finite``)."""
+    """See module docstring (``data_finite``). Per step and float tensor of the batch: one
+    ``aminmax`` (min/max propagate NaN and show Inf; no batch-sized temporary) whose result is kept
+    by reference; the window is stacked and judged on the host at the logging step."""
 
     name = "data_finite"
     always_collect = True
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)
-        self._flags = StepFlags()
+        self._seen: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
 
     @torch.no_grad()
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         for path, t in float_tensors(inputs.batch):
             if t.numel() == 0:
                 continue
+            steps, vals = self._seen.setdefault(path, ([], []))
+            steps.append(ctx.step)
             if t.is_complex():
-                bad = ~torch.isfinite(t).all()
-            else:  # min/max propagate NaN and show Inf; no batch-sized temporary
-                lo, hi = torch.aminmax(t)
-                bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
-            self._flags.update(path, bad, ctx.step)
+                vals.append(torch.view_as_real(t).sum().reshape(1))
+            else:
+                vals.extend(torch.aminmax(t))
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
-        return self._flags.take()
+        out = {}
+        self._steps = {}
+        for path, (steps, vals) in self._seen.items():
+            self._steps[path] = steps
+            out[path] = torch.stack([v.float().reshape(()) for v in vals])
+        self._seen = {}
+        return out
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
-        first, count = split(values)
-        bad = [s for s in first.values() if s >= 0]
-        record.scalars["diag/data/nonfinite_first_step"] = float(min(bad)) if bad else -1.0
+        first: dict[str, int] = {}
+        count: dict[str, int] = {}
+        for path, host in values.items():
+            steps = self._steps[path]
+            finite = np.isfinite(host.reshape(len(steps), -1)).all(axis=1)
+            bad = [s for s, ok in zip(steps, finite) if not ok]
+            if bad:
+                first[path], count[path] = bad[0], len(bad)
+        record.scalars["diag/data/nonfinite_first_step"] = float(min(first.values())) if first else -1.0
         record.scalars["diag/data/nonfinite_tensors"] = float(sum(count.values()))
-        if bad:
-            record.tables["diag/data/nonfinite_first"] = {k: float(s) for k, s in first.items() if s >= 0}
-            record.tables["diag/data/nonfinite_count"] = {k: float(n) for k, n in count.items() if n > 0}
+        if first:
+            record.tables["diag/data/nonfinite_first"] = {k: float(s) for k, s in first.items()}
+            record.tables["diag/data/nonfinite_count"] = {k: float(n) for k, n in count.items()}
 
 
 class DataLabelsProbe(Probe):

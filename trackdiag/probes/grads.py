@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext
-from trackdiag.probes.base import Probe
+from trackdiag.probes.base import Probe, take_pending
 from trackdiag.record import Record
 
 
@@ -29,6 +29,16 @@ def tensor_norms(tensors: list[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
         return torch.stack(torch._foreach_norm(tensors, ord))
     dev = tensors[0].device
     return torch.stack([torch.linalg.vector_norm(t, ord).to(dev) for t in tensors])
+
+
+def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Largest absolute value over all ``tensors`` (0-d, on device). One ``aminmax`` per tensor for
+    small lists: on CPU the inf-norm foreach kernel is ~15x slower than the L2 one; many tensors
+    take that single kernel instead of a long Python loop."""
+    if len(tensors) > 64 or len({t.device for t in tensors}) > 1:
+        return tensor_norms(tensors, math.inf).max()
+    lo_hi = torch.stack([torch.stack(torch.aminmax(t.detach())) for t in tensors])
+    return lo_hi.abs().max()
 
 
 def publish_layers(prefix: str, comp: Component, per_layer: np.ndarray, record: Record, per_group: np.ndarray | None) -> None:
@@ -68,10 +78,9 @@ class GradProbe(Probe):
             return
         grads = comp.index.grads()
         norms = tensor_norms(grads)
-        maxes = tensor_norms(grads, math.inf)
         out = {
             "global_norm": torch.linalg.vector_norm(norms),
-            "max_abs": maxes.max(),
+            "max_abs": max_abs(grads),
             "nonfinite_tensors": (~torch.isfinite(norms)).sum(),
         }
         if self.per_layer:
@@ -82,9 +91,7 @@ class GradProbe(Probe):
         self._pending[comp.name] = out
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
-        out = {f"{c}|{k}": v for c, d in self._pending.items() for k, v in d.items()}
-        self._pending = {}
-        return out
+        return take_pending(self._pending)
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         for comp in ctx.components:

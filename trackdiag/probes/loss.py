@@ -4,8 +4,8 @@ Emits, per loss name (``loss`` or ``<component>/loss``):
   series ``diag/[<c>/]loss``: the value at every step (full resolution, no per-step host sync);
   ``diag/[<c>/]loss/ema``: EMA of the finite values;
   ``diag/[<c>/]loss/nonfinite_steps``: non-finite values in the window since the last log.
-Cost: one device ``copy_`` per step and loss into a ring buffer; the buffer is copied to the host
-with every other diagnostic at the logging step.
+Cost: one ``detach`` per step and loss (a reference is kept, nothing is copied); at the logging
+step the window is stacked and copied to the host with every other diagnostic.
 """
 from __future__ import annotations
 
@@ -22,32 +22,24 @@ from trackdiag.stats import Ema
 
 
 class _Ring:
-    """Per-step values of one loss between two logging steps."""
+    """Per-step values of one loss between two logging steps: detached references, not copies
+    (one ``detach`` per step), stacked into one tensor at the logging step."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.buf: torch.Tensor | None = None
-        self.host: list[float] = []  # losses passed as Python numbers
+    def __init__(self) -> None:
+        self.values: list[Any] = []
         self.steps: list[int] = []
 
     def push(self, step: int, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            if self.buf is None or self.buf.device != value.device:
-                self.buf = torch.empty(self.size, dtype=torch.float32, device=value.device)
-            pos = len(self.steps)
-            if pos >= self.size:  # a gap longer than the cadence: grow rather than lose values
-                self.buf = torch.cat([self.buf, torch.empty_like(self.buf)])
-                self.size = len(self.buf)
-            self.buf[pos].copy_(value.detach().reshape(()))
-        else:
-            self.host.append(float(value))
+        self.values.append(value.detach() if isinstance(value, torch.Tensor) else float(value))
         self.steps.append(step)
 
-    def take(self) -> tuple[list[int], torch.Tensor | list[float]]:
-        steps, n = self.steps, len(self.steps)
-        out: torch.Tensor | list[float] = self.host if self.host else self.buf[:n].clone()  # type: ignore[index]
-        self.steps, self.host = [], []
-        return steps, out
+    def take(self) -> tuple[list[int], torch.Tensor]:
+        steps, values = self.steps, self.values
+        self.steps, self.values = [], []
+        if all(isinstance(v, torch.Tensor) for v in values):
+            dev = values[0].device
+            return steps, torch.stack([v.reshape(()).to(dev) for v in values]).float()
+        return steps, torch.tensor([float(v) for v in values], dtype=torch.float64)
 
 
 class LossProbe(Probe):
@@ -61,11 +53,6 @@ class LossProbe(Probe):
         self.ema_beta = ema_beta
         self._rings: dict[str, _Ring] = {}
         self._emas: dict[str, Ema] = {}
-        self._size = 1
-
-    def bind(self, default_every: int) -> None:
-        super().bind(default_every)
-        self._size = max(1, self.every or default_every)
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         for name, value in inputs.losses.items():
@@ -73,7 +60,7 @@ class LossProbe(Probe):
                 continue
             ring = self._rings.get(name)
             if ring is None:
-                ring = self._rings[name] = _Ring(self._size)
+                ring = self._rings[name] = _Ring()
                 self._emas[name] = Ema(self.ema_beta)
             ring.push(ctx.step, value)
 
@@ -82,9 +69,7 @@ class LossProbe(Probe):
         self._steps: dict[str, list[int]] = {}
         for name, ring in self._rings.items():
             if ring.steps:
-                steps, vals = ring.take()
-                self._steps[name] = steps
-                out[name] = vals if isinstance(vals, torch.Tensor) else torch.tensor(vals, dtype=torch.float64)
+                self._steps[name], out[name] = ring.take()
         return out
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
@@ -105,4 +90,4 @@ class LossProbe(Probe):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, s in state.get("emas", {}).items():
             self._emas.setdefault(k, Ema(self.ema_beta)).load_state_dict(s)
-            self._rings.setdefault(k, _Ring(self._size))
+            self._rings.setdefault(k, _Ring())

@@ -32,7 +32,7 @@ import torch
 
 from trackdiag.context import ProbeContext, StepInputs
 from trackdiag.errors import ConfigError
-from trackdiag.probes.base import Probe
+from trackdiag.probes.base import Probe, take_pending
 from trackdiag.record import Record
 
 _MAX_DEPTH = 4
@@ -150,9 +150,7 @@ class OutputProbe(Probe):
                     self._pending[comp] = stats
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
-        out = {f"{c}|{k}": v for c, d in self._pending.items() for k, v in d.items()}
-        self._pending = {}
-        return out
+        return take_pending(self._pending)
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         for name, v in values.items():

@@ -13,7 +13,7 @@ import torch
 
 from trackdiag.context import Component, ProbeContext
 from trackdiag.distributed import local
-from trackdiag.probes.base import Probe
+from trackdiag.probes.base import Probe, take_pending
 from trackdiag.probes.grads import first_bad_layer, publish_layers, tensor_norms
 from trackdiag.record import Record
 
@@ -49,9 +49,7 @@ class ParamProbe(Probe):
         for comp in ctx.components:
             if comp.optimizer is None and comp.name not in self._pending and comp.index.params:
                 self._pending[comp.name] = self._measure(comp)
-        out = {f"{c}|{k}": v for c, d in self._pending.items() for k, v in d.items()}
-        self._pending = {}
-        return out
+        return take_pending(self._pending)
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         for comp in ctx.components:

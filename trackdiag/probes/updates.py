@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext
-from trackdiag.probes.base import Probe
+from trackdiag.probes.base import Probe, take_pending
 from trackdiag.probes.grads import publish_layers, tensor_norms
 from trackdiag.record import Record
 
@@ -66,9 +66,7 @@ class UpdateProbe(Probe):
         self._pending[comp.name] = out
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
-        out = {f"{c}|{k}": v for c, d in self._pending.items() for k, v in d.items()}
-        self._pending = {}
-        return out
+        return take_pending(self._pending)
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         for comp in ctx.components:

@@ -73,7 +73,7 @@ class MlflowSink(Sink):
                  close_timeout: float = 20.0, max_memory_batches: int = 64, spool_dir: str | None = None,
                  delivery: str = "process") -> None:
         if importlib.util.find_spec("mlflow") is None:
-            raise TrackdiagError("the MLflow sink needs mlflow: pip install 'trackdiag[mlflow]' "
+            raise TrackdiagError("the MLflow sink needs mlflow: pip install mlflow "
                                  "(or drop 'mlflow' from diag.sinks)")
         problems = [f"diag.sink.mlflow.{k}: must be > 0, got {v!r}" for k, v in (
             ("retry_backoff", retry_backoff), ("retry_max_backoff", retry_max_backoff),

@@ -1,0 +1,57 @@
+"""Set-up checks a session offers besides the per-step diagnostics: timing the data loader and the
+sanity pre-flight. Mixed into :class:`trackdiag.Diagnostics`."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from trackdiag.context import StepInputs
+from trackdiag.errors import AlertRaised
+from trackdiag.preflight import PreflightReport, run_preflight
+from trackdiag.probes.data_wait import DataWaitProbe
+from trackdiag.record import Record
+from trackdiag.rules.preflight import Preflight
+
+log = logging.getLogger("trackdiag")
+
+
+class SetupChecks:
+    """``wrap_loader`` and ``preflight``; relies on the session's probes, rules, components and ``_emit``."""
+
+    def wrap_loader(self, loader: Any) -> Any:
+        """``loader`` wrapped so the ``data_wait`` probe times each batch fetch (``data_bottleneck``);
+        ``loader`` itself when that probe is off. Host clock only."""
+        probe = next((p for p in self.probes if p.enabled and isinstance(p, DataWaitProbe)), None)
+        return probe.wrap(loader) if probe is not None else loader
+
+    def preflight(self, batch: Any, loss_fn: Any = None, *, forward: Any = None, component: str | None = None) -> PreflightReport:
+        """Sanity checks of the set-up on one batch (see :mod:`trackdiag.preflight`), on copies of the
+        model and optimizer; each failed check is emitted as a ``preflight`` alert. ``loss_fn(outputs,
+        batch)``; ``forward(model, batch)`` (default ``model(batch[0])``). Returns the report."""
+        self._preflighted = True
+        if not self._opened:
+            self._open()
+        rule = next((r for r in self.rules if isinstance(r, Preflight)), None) or Preflight()
+        comp = next((c for c in self.components if component in (None, c.name) and c.model is not None), None)
+        if comp is None:
+            return PreflightReport()
+        report = run_preflight(comp.model, comp.optimizer, batch, loss_fn or rule.loss_fn, forward,
+                               overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop)
+        record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(len(report.failed))})
+        raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.level, rule.hint)])
+        if raised is not None:
+            raise AlertRaised(raised)
+        return report
+
+    def _auto_preflight(self, inputs: StepInputs) -> None:
+        """``rules.preflight.auto``: the pre-flight on the first step's batch; a failure to run only logs."""
+        self._preflighted = True
+        if inputs.batch is not None and any(isinstance(r, Preflight) and r.enabled and r.auto for r in self.rules):
+            try:
+                log.info("trackdiag: pre-flight\n%s", self.preflight(inputs.batch))
+            except AlertRaised:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                log.warning("trackdiag: pre-flight could not run: %s: %s", type(exc).__name__, exc)
+
