@@ -5,8 +5,9 @@
 
 Each arm owns an identical model/optimizer (same init) and its own session; every round runs a
 block of steps of each arm in a shuffled order, so drift (thermal, other load) hits all arms alike.
-Reported per arm: median over blocks of the mean wall time per step (logging steps included,
-amortised), median process CPU time per step, and both as ratios to the bare loop. Peers:
+Reported per arm: median over rounds of the mean wall time per step (logging steps included,
+amortised) and of process CPU time per step; the ratios are medians of per-round ratios to the
+bare block of the SAME round (paired), which cancels most of a shared VM's slow drifts. Peers:
 ``wandb.watch(model, log="all", log_freq=every)`` (offline) and Cockpit's ``economy`` config when
 ``cockpit-for-pytorch`` imports (it needs torchvision, which has no CPU wheel on our machines).
 Landscapes are excluded from the preset arms (they are scheduled artifacts, timed separately).
@@ -131,7 +132,7 @@ def bench(wl: Workload, arms: list[str], rounds: int, steps: int, warmup: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=50, help="steps per block (a multiple of every preset's cadence)")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--no-peers", action="store_true")
@@ -143,12 +144,14 @@ def main() -> None:
     rows = []
     for name in args.workloads:
         res = bench(WORKLOADS[name], arms, args.rounds, args.steps, args.warmup)
-        bare_t = statistics.median(res["bare"].blocks)
-        bare_c = statistics.median(res["bare"].cpu)
+        bare = res["bare"]
         for arm in arms:
-            t, c = statistics.median(res[arm].blocks), statistics.median(res[arm].cpu)
-            rows.append((name, arm, 1e3 * t, t / bare_t, 1e3 * c, c / bare_c))
-            print(f"{name:12s} {arm:12s} {1e3 * t:8.2f} ms/step  x{t / bare_t:.3f}   cpu {1e3 * c:8.2f} ms/step  x{c / bare_c:.3f}", flush=True)
+            a = res[arm]
+            t, c = statistics.median(a.blocks), statistics.median(a.cpu)
+            rt = statistics.median(x / b for x, b in zip(a.blocks, bare.blocks))
+            rc = statistics.median(x / b for x, b in zip(a.cpu, bare.cpu))
+            rows.append((name, arm, 1e3 * t, rt, 1e3 * c, rc))
+            print(f"{name:12s} {arm:12s} {1e3 * t:8.2f} ms/step  x{rt:.3f}   cpu {1e3 * c:8.2f} ms/step  x{rc:.3f}", flush=True)
     if args.markdown:
         print("\n| workload | arm | ms/step | ratio | CPU ms/step | CPU ratio |\n|---|---|---:|---:|---:|---:|")
         for r in rows:
