@@ -1,9 +1,32 @@
 """The alert book: cooldown, counts per kind, and the run's health."""
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, TypeVar
 
 from trackdiag.alert import Alert
+
+R = TypeVar("R")
+
+
+def merge_places(alerts: list[tuple[R, Alert]], limit: int) -> list[tuple[R, Alert]]:
+    """One check of one rule tripping in more than ``limit`` places (a 500-layer model with 300 dead
+    layers) becomes ONE alert: located at the earliest place, its message naming the others, so a
+    broken model gives a readable alert instead of a flood and cooldown stays meaningful."""
+    by_rule: dict[int, list[tuple[R, Alert]]] = {}
+    for rule, alert in alerts:
+        by_rule.setdefault(id(rule), []).append((rule, alert))
+    out: list[tuple[R, Alert]] = []
+    for group in by_rule.values():
+        if len(group) <= limit:
+            out += group
+            continue
+        rule, first = min(group, key=lambda ra: ra[1].step)
+        places = [a.where for _, a in group if a.where]
+        shown = ", ".join(places[:8]) + (f" (+{len(places) - 8} more)" if len(places) > 8 else "")
+        msg = f"{first.message} Same in {len(group)} places: {shown}."
+        out.append((rule, dataclasses.replace(first, message=msg)))
+    return out
 
 
 class AlertBook:

@@ -20,10 +20,10 @@ from trackdiag.registry import PROBES, RULES, SINKS, lookup
 
 _TOP: dict[str, Any] = {
     "level": str, "enabled": bool, "every": int, "max_layer_metrics": int, "history": int,
-    "anomaly_window": int, "output_dir": str | None, "run_name": str | None, "sinks": list,
+    "anomaly_window": int, "max_alerts_per_rule": int, "output_dir": str | None, "run_name": str | None, "sinks": list,
     "probes": dict, "rules": dict, "sink": dict,
 }
-_POSITIVE = ("every", "max_layer_metrics", "history")
+_POSITIVE = ("every", "max_layer_metrics", "history", "max_alerts_per_rule")
 
 
 def presets() -> list[str]:

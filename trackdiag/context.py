@@ -50,4 +50,4 @@ class ProbeContext:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def is_due(self, schedule: Callable[[int], bool]) -> bool:
-        return schedule(self.step) or self.step <= self.anomaly_until
+        return schedule(self.step) or (self.step <= self.anomaly_until and getattr(schedule, "anomaly", True))

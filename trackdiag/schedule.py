@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Every:
-    """Fires on steps ``0, n, 2n, ...``."""
+    """Fires on steps ``0, n, 2n, ...``; with ``anomaly`` also on every step of an anomaly window."""
 
     n: int
+    anomaly: bool = True
 
     def __call__(self, step: int) -> bool:
         return step % self.n == 0

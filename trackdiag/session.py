@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 
 from trackdiag.alert import Alert
-from trackdiag.alerting import AlertBook
+from trackdiag.alerting import AlertBook, merge_places
 from trackdiag.components import batch_size_of, build_components
 from trackdiag.config import resolve, to_plain
 from trackdiag.context import Component, ProbeContext, StepInputs
@@ -249,7 +249,7 @@ class Diagnostics(SetupChecks):
     def _emit(self, record: Record, alerts: list[tuple[Rule, Alert]]) -> Alert | None:
         """Apply cooldown and actions, send the record and its alerts to the sinks."""
         raised = None
-        for rule, alert in sorted(alerts, key=lambda ra: ra[1].step):
+        for rule, alert in sorted(merge_places(alerts, self.config.get("max_alerts_per_rule", 3)), key=lambda ra: ra[1].step):
             if not self._book.admit(alert, rule.cooldown):
                 continue
             record.alerts.append(alert)

@@ -80,6 +80,7 @@ class ActivationProbe(Probe):
     share of samples (0.95) a saturating unit must sit on the tails to count as saturated."""
 
     name = "activations"
+    follows_anomaly = False  # too costly to run on every step of an anomaly window
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, window: int = 3, saturation: float = 0.99,
                  saturated_share: float = 0.95) -> None:
@@ -124,7 +125,7 @@ class ActivationProbe(Probe):
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         nxt = ctx.step + 1
-        want = self.schedule(nxt) or nxt <= ctx.anomaly_until
+        want = self.schedule(nxt) or (nxt <= ctx.anomaly_until and self.follows_anomaly)
         if want and not self._handles:
             self._hook()
         elif not want and self._handles:

@@ -28,15 +28,17 @@ class Probe:
     name: ClassVar[str] = ""
     #: collect at every logging step even when not due (a probe with per-step buffers to flush)
     always_collect: ClassVar[bool] = False
+    #: also run on every step of an anomaly window (False for probes too costly to run every step)
+    follows_anomaly: ClassVar[bool] = True
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         self.enabled = enabled
         self.every = every
-        self.schedule = Every(every or 1)
+        self.schedule = Every(every or 1, type(self).follows_anomaly)
 
     def bind(self, default_every: int) -> None:
         """Called by the session once its cadence is known."""
-        self.schedule = Every(self.every or default_every)
+        self.schedule = Every(self.every or default_every, type(self).follows_anomaly)
 
     def attach(self, ctx: ProbeContext) -> None:
         """Register hooks or allocate buffers. Default: nothing."""

@@ -66,6 +66,7 @@ class HistogramProbe(Probe):
     """
 
     name = "histograms"
+    follows_anomaly = False  # too costly to run on every step of an anomaly window
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, bins: int = 64, scale: str = "linear",
                  margin: float = 0.5, max_groups: int = 16, grads: bool = True, params: bool = True) -> None:

@@ -32,6 +32,7 @@ class UpdateProbe(Probe):
     """See module docstring."""
 
     name = "updates"
+    follows_anomaly = False  # too costly to run on every step of an anomaly window
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)
