@@ -124,7 +124,7 @@ class Diagnostics(SetupChecks):
         t0 = time.perf_counter()
         ctx = self._ctx
         for p in probes:  # hot path: inline try instead of _guard's getattr per call
-            if p.enabled:
+            if p.enabled and (not p.due_only or ctx.is_due(p.schedule)):
                 try:
                     getattr(p, method)(ctx, comp)
                 except Exception as exc:

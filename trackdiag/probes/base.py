@@ -30,6 +30,8 @@ class Probe:
     always_collect: ClassVar[bool] = False
     #: also run on every step of an anomaly window (False for probes too costly to run every step)
     follows_anomaly: ClassVar[bool] = True
+    #: the optimizer-step hooks only act on due steps: the session skips the call on other steps
+    due_only: ClassVar[bool] = False
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         self.enabled = enabled

@@ -30,6 +30,7 @@ class GradFlowProbe(Probe):
     """See module docstring."""
 
     name = "gradflow"
+    due_only = True  # hooks act on due steps only: the session skips them otherwise
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)

@@ -66,6 +66,7 @@ class HistogramProbe(Probe):
     """
 
     name = "histograms"
+    due_only = True  # hooks act on due steps only: the session skips them otherwise
     follows_anomaly = False  # too costly to run on every step of an anomaly window
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, bins: int = 64, scale: str = "linear",

@@ -22,6 +22,7 @@ class ParamProbe(Probe):
     """See module docstring. Args: ``per_layer`` also emit per-layer norms."""
 
     name = "params"
+    due_only = True  # hooks act on due steps only: the session skips them otherwise
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, per_layer: bool = True) -> None:
         super().__init__(enabled=enabled, every=every)

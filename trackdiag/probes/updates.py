@@ -32,6 +32,7 @@ class UpdateProbe(Probe):
     """See module docstring."""
 
     name = "updates"
+    due_only = True  # hooks act on due steps only: the session skips them otherwise
     follows_anomaly = False  # too costly to run on every step of an anomaly window
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
