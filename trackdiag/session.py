@@ -88,6 +88,7 @@ class Diagnostics(SetupChecks):
             p.bind(self.every)
             p.attach(self._ctx)
         self._on_step = [p for p in self.probes if type(p).on_step is not Probe.on_step]
+        self._schedules = self._distinct_schedules()
         name, out_dir, cwd, group, job = resolve_run(cfg["output_dir"], cfg["run_name"])
         self.run = RunInfo(name, out_dir, cfg["level"], cfg, to_plain(hparams) or {}, cwd, group, job,
                            components=[c.name for c in self.components])
@@ -141,8 +142,13 @@ class Diagnostics(SetupChecks):
 
     def _fail(self, probe: Probe, method: str, exc: Exception) -> None:
         probe.enabled = False
+        self._schedules = self._distinct_schedules()
         self._disabled[probe.name] = f"{type(exc).__name__} in {method}: {exc}"
         log.warning("trackdiag: probe %r disabled: %s", probe.name, self._disabled[probe.name])
+
+    def _distinct_schedules(self) -> list[Any]:
+        """The enabled probes' schedules, each once: a step is a logging step if any fires."""
+        return list(dict.fromkeys(p.schedule for p in self.probes if p.enabled))
 
     # ------------------------------------------------------------------ public API
     @property
@@ -194,7 +200,7 @@ class Diagnostics(SetupChecks):
                 except Exception as exc:
                     self._fail(p, "on_step", exc)
         raised = None
-        if any(p.enabled and ctx.is_due(p.schedule) for p in self.probes):
+        if any(ctx.is_due(sched) for sched in self._schedules):  # a few distinct schedules, not every probe
             raised = self._log(ctx.step)
         self._step += 1
         ctx.step = self._step
