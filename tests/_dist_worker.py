@@ -109,6 +109,10 @@ def main() -> None:
     try:
         result = fsdp(out, rank, world) if scenario == "fsdp" else ddp(out, rank, world, nan=scenario == "nan")
         (out / f"rank{rank}.json").write_text(json.dumps(result))
+        # rank 0 hosts the TCP store: if it tears down and exits while rank 1 is still in
+        # destroy_process_group, rank 1's gloo threads can abort the process ("terminate called
+        # without an active exception", seen on a loaded 2-core CI machine). Leave together.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

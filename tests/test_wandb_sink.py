@@ -27,7 +27,7 @@ from trackdiag.sinks.wandb import WandbSink  # noqa: E402
 from trackdiag.sinks.wandb_util import REDACTED, fit_histogram, redact, summary_policy, sweep_group  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from wandb_reader import find_runs, read_run  # noqa: E402
+from wandb_reader import find_runs, read_run, settled_runs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LEAN = {"console": "off", "x_disable_stats": True, "x_save_requirements": False}
@@ -118,7 +118,7 @@ def test_training_run_offline(tmp_path: Path) -> None:
         opt.zero_grad(), loss.backward(), opt.step()
         d.step(loss)
     d.close()
-    files = find_runs(tmp_path)
+    files = settled_runs(tmp_path)
     assert len(files) == 1 and files[0].parent.name.startswith("offline-run-")
     run = read_run(files[0])
     assert run.exit_code == 0 and run.run["project"] == "p" and run.run["tags"] == ["t1"]
@@ -165,7 +165,7 @@ def test_sink_histograms_images_files_and_levels(tmp_path: Path) -> None:
         sink.alert(Alert(f"k_{sev}", 3, sev, "m."))
     sink.flush()
     sink.close("FAILED", {"health": "critical", "alerts": {}})
-    run = read_run(find_runs(tmp_path)[0])
+    run = read_run(settled_runs(tmp_path)[0])
     hists = dict(run.histograms())
     assert hists["diag/grad/hist/fc"]["values"] == [3, 5, 1] and hists["diag/grad/hist/fc"]["bins"] == [0, 1, 2, 4]
     assert len(hists["diag/param/hist/fc"]["values"]) == 350
@@ -194,7 +194,7 @@ def test_attach_to_user_run_never_finishes_it(tmp_path: Path) -> None:
         wandb.log({"user/after": 1.0}, step=6)  # the user's run still takes data after trackdiag closed
     finally:
         user.finish()
-    [f] = find_runs(tmp_path)
+    [f] = settled_runs(tmp_path)
     run = read_run(f)
     assert run.run["project"] == "mine" and run.config["trackdiag"]["level"] == "basic"
     assert run.config["lr"] == 0.1 and run.config["my_token"] == REDACTED

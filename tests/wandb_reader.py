@@ -123,5 +123,18 @@ def read_run(path: str | Path) -> WandbRun:
 
 
 def find_runs(root: str | Path) -> list[Path]:
-    """Every ``run-*.wandb`` file under ``root`` (sorted)."""
+    """Every ``run-*.wandb`` file under ``root`` (sorted). For runs of THIS process, use
+    :func:`settled_runs`: their files may not be complete yet."""
     return sorted(Path(root).rglob("run-*.wandb"))
+
+
+def settled_runs(root: str | Path) -> list[Path]:
+    """:func:`find_runs` after ``wandb.teardown()``. ``run.finish()`` returns once the exit record is
+    handled, but it only *publishes* the stream's close to wandb-core, which writes the rest of the
+    transaction log asynchronously: a read right after ``finish()`` can see a file with nothing but
+    its header on a loaded machine. Tearing the service down waits for its process to exit, after
+    which every log is complete. The next ``wandb.init`` starts a fresh service (~0.5 s)."""
+    import wandb
+
+    wandb.teardown()
+    return find_runs(root)
