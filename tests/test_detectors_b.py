@@ -318,6 +318,32 @@ def test_preflight_healthy_touches_nothing(tmp_path):
     assert str(opt.state_dict()) == str(ostate) and torch.equal(rng, torch.get_rng_state())
 
 
+class Masked(nn.Module):
+    """An MLP with a causal-style ``-inf`` mask buffer (as attention models keep) and a BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.norm = nn.BatchNorm1d(10)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.net(x)) + self.mask.clamp_min(0).sum()
+
+
+def test_preflight_finite_state_allows_inf_masks_not_nan_buffers(tmp_path):
+    model = Masked()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    report = session(model, opt, tmp_path / "ok").preflight(next(batches(1)))
+    assert torch.isinf(model.mask).any() and report["finite_state"].ok, str(report)
+    model.norm.running_var[3] = float("inf")  # an infinite running statistic is a fault
+    model.net[0].bias.data[0] = float("nan")
+    report = session(model, opt, tmp_path / "bad").preflight(next(batches(1)))
+    assert not report["finite_state"].ok
+    detail = report["finite_state"].detail
+    assert detail.startswith("2 parameter/buffer") and "net.0.bias" in detail and "norm.running_var" in detail, detail
+
+
 def test_preflight_catches_frozen_detached_and_eval(tmp_path):
     model = Net([nn.Linear(64, 32), nn.ReLU(), Detached(), nn.Linear(10, 32)])
     opt = torch.optim.Adam(model.parameters(), 1e-3)

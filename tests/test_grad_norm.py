@@ -116,3 +116,34 @@ def test_named_components_gan_style(tmp_path) -> None:
         series = [p for r in records for p in r.series.get(f"diag/{name}/loss", [])]
         assert [s for s, _ in series] == [0, 1, 2, 3]
     assert "diag/grad/global_norm" not in records[0].scalars
+
+
+def test_many_tensors_take_the_chunked_paths_and_still_match(tmp_path) -> None:
+    """A model of 120 parameter tensors (the many-tensor paths of ``max_abs`` and the histogram
+    binning on CPU, and chunks smaller than the model): global norm vs ``clip_grad_norm_``, max |g|
+    vs a direct reduction, NaN still counted."""
+    import trackdiag.norms as norms
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(60)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    refs = []
+    old_chunk, norms.CHUNK = norms.CHUNK, 5000  # several chunks in this small model
+    try:
+        with trackdiag.Diagnostics(model, opt, level="basic", every=1, sinks=["local"], output_dir=str(tmp_path)) as diag:
+            for step in range(3):
+                model(torch.randn(8, 16)).square().mean().backward()
+                total = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf).item()
+                refs.append((total, max(p.grad.abs().max().item() for p in model.parameters())))
+                if step == 2:  # after clip_grad_norm_, which would spread the NaN to every tensor
+                    model[30].weight.grad[0, 0] = float("nan")
+                opt.step()
+                opt.zero_grad()
+                diag.step()
+    finally:
+        norms.CHUNK = old_chunk
+    records = list(read_records(tmp_path))
+    for rec, (total, top) in zip(records[:2], refs[:2]):
+        assert rec.scalars["diag/grad/global_norm"] == pytest.approx(total, rel=1e-5)
+        assert rec.scalars["diag/grad/max_abs"] == pytest.approx(top, rel=1e-6)
+    assert math.isnan(records[2].scalars["diag/grad/max_abs"]) and records[2].scalars["diag/grad/nonfinite_tensors"] == 1

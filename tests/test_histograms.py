@@ -122,3 +122,34 @@ def test_session_keys_groups_and_components(tmp_path) -> None:
     assert keys == {"diag/G/grad/hist/all", "diag/G/param/hist/all", "diag/D/grad/hist/(root)", "diag/D/param/hist/(root)"}
     n_g = sum(p.numel() for p in g.parameters())
     assert sum(sum(h.counts) for k, h in recs[-1].histograms.items() if k.startswith("diag/G/param/")) == n_g
+
+
+def test_later_steps_take_the_histc_path_and_still_count_everything() -> None:
+    """After the first due step the linear edges are known on the host and binning goes through
+    ``histc``: counts equal ``torch.histogram(range=...)`` on the clamped values (NaN and +Inf in the
+    last bin, -Inf in the first), every value is counted, clipped ones are reported."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), *[nn.Linear(256, 256) for _ in range(3)], nn.Linear(256, 4))
+    _ = _run(probe := HistogramProbe(bins=24, max_groups=64), _step(model), "grad")
+    assert probe._ranges, "the first publish hands the edges to the fast path"
+    _step(model, scale=30.0)
+    g = model[2].weight.grad
+    g[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    record = _run(probe, model, "grad")
+    clipped = record.tables["diag/grad/hist_clipped"]
+    for group, x in _values(model, "grad").items():
+        h = record.histograms[f"diag/grad/hist/{group}"]
+        lo, hi = h.edges[0], h.edges[-1]
+        assert sum(h.counts) == x.numel()
+        ref_x = torch.where(torch.isnan(x), torch.tensor(hi), x).clamp(lo, hi)
+        ref = torch.histogram(ref_x, bins=24, range=(lo, hi)).hist
+        assert h.counts == ref.tolist(), group
+        outside = int(((x < lo) | (x > hi) | torch.isnan(x)).sum())
+        assert clipped.get(group, 0.0) == outside, group
+
+
+def _step(model: nn.Module, scale: float = 1.0) -> nn.Module:
+    model.zero_grad()
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    (model(x).square().mean() * scale).backward()
+    return model

@@ -48,6 +48,9 @@ class ProbeContext:
     step: int = 0
     anomaly_until: int = -1
     extra: dict[str, Any] = field(default_factory=dict)
+    #: seconds spent in trackdiag's forward/backward hooks since the last logging step (they run inside
+    #: the user's forward/backward, so the session's own clock does not see them)
+    hook_seconds: float = 0.0
 
     def is_due(self, schedule: Callable[[int], bool]) -> bool:
         return schedule(self.step) or (self.step <= self.anomaly_until and getattr(schedule, "anomaly", True))

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from trackdiag.distributed import local
+from trackdiag.distributed import is_sharded, local
+from trackdiag.norms import tensor_norms
 
 ROOT = "(root)"
 
@@ -34,7 +36,9 @@ class LayerIndex:
     """The parameters one optimizer steps, named after the model and grouped by layer.
 
     ``index[i]`` is the layer of ``params[i]``; ``group_index[j]`` the key group of ``layers[j]``.
-    Built once at attach: the hot path only uses the precomputed index tensors.
+    Built once at attach: the hot path only uses the precomputed index tensors. ``grad_norms()`` and
+    ``param_norms()`` are computed once per optimizer-step hook (the session calls ``clear_cache()``
+    when a hook starts), so the probes reading them at the same hook share one kernel launch.
     """
 
     params: list[torch.Tensor]
@@ -45,6 +49,8 @@ class LayerIndex:
     group_index: torch.Tensor
     grouped: bool
     _zeros: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+    sharded: bool = False  # some parameters are DTensors (FSDP2): read their local shards
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, model: nn.Module | None, params: list[torch.Tensor], budget: int) -> "LayerIndex":
@@ -59,20 +65,47 @@ class LayerIndex:
         groups = list(dict.fromkeys(group_of_layer))
         gpos = {g: i for i, g in enumerate(groups)}
         group_index = torch.tensor([gpos[g] for g in group_of_layer], dtype=torch.long, device=device)
-        return cls(params, names, layers, index, groups, group_index, grouped=len(groups) < len(layers))
+        return cls(params, names, layers, index, groups, group_index, grouped=len(groups) < len(layers),
+                   sharded=any(is_sharded(p) for p in params))
 
     def grads(self) -> list[torch.Tensor]:
         """Each parameter's gradient (this rank's shard of a DTensor gradient under FSDP2); a zero
-        scalar stands in where ``grad`` is None."""
-        out = []
-        for p in self.params:
-            g = local(p.grad) if p.grad is not None else None
-            if g is None:
-                g = self._zeros.get(p.device)
-                if g is None:
-                    g = self._zeros[p.device] = torch.zeros((), device=p.device)
-            out.append(g)
-        return out
+        scalar stands in where ``grad`` is None. Cached for this hook, like the norms."""
+        out = self._cache.get("grads")
+        if out is not None:
+            return out
+        grads = [p.grad for p in self.params]
+        if self.sharded:
+            grads = [local(g) if g is not None else None for g in grads]
+        if any(g is None for g in grads):
+            grads = [g if g is not None else self._zero(p.device) for g, p in zip(grads, self.params)]
+        self._cache["grads"] = grads
+        return grads
+
+    def _zero(self, device: torch.device) -> torch.Tensor:
+        z = self._zeros.get(device)
+        if z is None:
+            z = self._zeros[device] = torch.zeros((), device=device)
+        return z
+
+    def grad_norms(self) -> torch.Tensor:
+        """Per-parameter L2 norms of :meth:`grads` (one ``_foreach_norm``; cached for this hook)."""
+        norms = self._cache.get("grad")
+        if norms is None:
+            norms = self._cache["grad"] = tensor_norms(self.grads())
+        return norms
+
+    def param_norms(self) -> torch.Tensor:
+        """Per-parameter L2 norms of the (local shards of the) parameters; cached for this hook."""
+        norms = self._cache.get("param")
+        if norms is None:
+            params = [local(p.detach()) for p in self.params] if self.sharded else [p.detach() for p in self.params]
+            norms = self._cache["param"] = tensor_norms(params)
+        return norms
+
+    def clear_cache(self) -> None:
+        """Forget the cached norms: gradients or parameters may have changed since they were taken."""
+        self._cache.clear()
 
     def per_layer_norm(self, norms: torch.Tensor) -> torch.Tensor:
         """L2 norm per layer from per-tensor L2 norms (one index_add, no host sync)."""

@@ -7,7 +7,7 @@
 
   ``train_mode``     the model is in train mode (eval-mode submodules are listed, not failed);
   ``one_device``     parameters, buffers and the batch's tensors are on one device;
-  ``finite_state``   no parameter or buffer holds NaN/Inf;
+  ``finite_state``   no parameter holds NaN/Inf, no buffer NaN (``-inf`` attention masks are fine);
   ``optimizer``      every trainable parameter is in the optimizer, no frozen one is;
   ``forward``        the forward and the loss run and the loss is finite;
   ``grads``          every trainable parameter receives a finite gradient (a ``.detach()``, ``.data``
@@ -153,8 +153,9 @@ def _static_checks(model: nn.Module, opt: torch.optim.Optimizer | None, batch: A
     else:
         out.append(Check("one_device", True, f"everything on {next(iter(devices), 'no device')}."))
     bad = nonfinite_state(model)
-    out.append(Check("finite_state", not bad, f"{len(bad)} parameter/buffer tensor(s) hold NaN/Inf." if bad else "all finite.",
-                     bad[0] if bad else ""))
+    named_bad = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    out.append(Check("finite_state", not bad, f"{len(bad)} parameter/buffer tensor(s) hold NaN/Inf: {named_bad}." if bad
+                     else "all finite (-inf attention masks allowed).", bad[0] if bad else ""))
     if opt is None:
         out.append(Check("optimizer", None, "no optimizer given."))
         return out

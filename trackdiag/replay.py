@@ -72,12 +72,17 @@ def _describe(obj: Any) -> str:
 
 
 def nonfinite_state(model: nn.Module) -> list[str]:
-    """Names of the parameters and buffers of ``model`` that hold a NaN/Inf."""
-    named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if b.is_floating_point())]
+    """Names of the parameters that hold a NaN/Inf and of the buffers that hold a NaN (or an Inf in
+    a normalisation running statistic). An infinite buffer value is otherwise legitimate: attention
+    masks (``nn.Transformer.generate_square_subsequent_mask``) are made of ``-inf``."""
+    params = [(n, t, True) for n, t in model.named_parameters()]
+    buffers = [(n, b, n.endswith(("running_mean", "running_var"))) for n, b in model.named_buffers() if b.is_floating_point()]
+    named = params + buffers
     if not named:
         return []
-    flags = torch.stack([torch.isfinite(t.detach()).all().cpu() for _, t in named])  # replay path only
-    return [n for (n, _), ok in zip(named, flags.tolist()) if not ok]
+    flags = torch.stack([(torch.isfinite(t.detach()) if strict else ~torch.isnan(t.detach())).all().cpu()
+                         for _, t, strict in named])  # replay/pre-flight path only
+    return [n for (n, _, _), ok in zip(named, flags.tolist()) if not ok]
 
 
 def _layer(name: str) -> str:

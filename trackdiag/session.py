@@ -106,7 +106,6 @@ class Diagnostics(SetupChecks):
         self._t_last = 0.0
         self._opened = self._closed = False
         self.should_stop = False
-        self.last_inputs: StepInputs | None = None
         self._preflighted = False
         self._hook_optimizers()
 
@@ -124,6 +123,7 @@ class Diagnostics(SetupChecks):
     def _opt_hook(self, probes: list[Probe], method: str, comp: Component, *_: Any) -> None:
         t0 = time.perf_counter()
         ctx = self._ctx
+        comp.index.clear_cache()  # the optimizer may have changed grads/params since the last hook
         for p in probes:  # hot path: inline try instead of _guard's getattr per call
             if p.enabled and (not p.due_only or ctx.is_due(p.schedule)):
                 try:
@@ -190,7 +190,6 @@ class Diagnostics(SetupChecks):
         ctx = self._ctx
         losses = loss if isinstance(loss, Mapping) else {"": loss}
         inputs = StepInputs(losses, outputs, batch, batch_size if batch_size is not None else batch_size_of(batch))
-        self.last_inputs = inputs
         if not self._preflighted:
             self._auto_preflight(inputs)
         for p in self._on_step:  # only probes that implement on_step
@@ -243,6 +242,8 @@ class Diagnostics(SetupChecks):
         if self._dist is not None:
             reduced.apply(record)
         n = max(step - self._last_logged, 1)
+        self._window_overhead += ctx.hook_seconds  # forward/backward hooks ran inside the user's passes
+        ctx.hook_seconds = 0.0
         record.scalars["diag/perf/overhead_ms"] = 1e3 * self._window_overhead / n
         self._overhead += self._window_overhead
         self._window_overhead = 0.0
@@ -277,12 +278,13 @@ class Diagnostics(SetupChecks):
     def summary(self) -> dict[str, Any]:
         """Per alert kind: count, first step, where, suppressed; steps seen; health; overhead."""
         wall = (self._t_last - self._t_first) if self._t_first is not None else 0.0
-        spent = self._overhead + self._window_overhead
+        spent = self._overhead + self._window_overhead + self._ctx.hook_seconds
         return {
             "enabled": True, "level": self.config["level"], "run_name": self.run.name, "steps": self._step,
             "health": self._book.health(), "alerts": {k: dict(v) for k, v in self._book.kinds.items()},
             "overhead": {"seconds": spent, "per_step_ms": 1e3 * spent / max(self._step, 1),
-                         "fraction": spent / wall if wall > 0 else 0.0},
+                         "fraction": spent / wall if wall > 0 else 0.0,
+                         "sink_thread_cpu_seconds": self._hub.cpu_seconds},
             "should_stop": self.should_stop, "disabled_probes": dict(self._disabled),
             "output_dir": str(self.run.output_dir),
         }

@@ -24,6 +24,7 @@ adding/removing hooks invalidates the compiled graph's guards: use a large ``eve
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from functools import partial
 from typing import Any
@@ -91,8 +92,10 @@ class ActivationProbe(Probe):
         self._cur: dict[tuple[str, str, str], tuple[torch.Tensor, int]] = {}
         self._hist: dict[tuple[str, str, str], deque[tuple[torch.Tensor, int]]] = {}
         self._units: dict[tuple[str, str], int] = {}
+        self._ctx: ProbeContext | None = None
 
     def attach(self, ctx: ProbeContext) -> None:
+        self._ctx = ctx
         for comp in ctx.components:
             if comp.model is None:
                 continue
@@ -117,11 +120,14 @@ class ActivationProbe(Probe):
         if not self.enabled or not module.training or not isinstance(output, torch.Tensor) \
                 or not output.is_floating_point() or output.ndim < 2:
             return
+        t0 = time.perf_counter()
         counts, n = unit_counts(active(module, output.detach(), self.saturation))
         units = self._units.setdefault((comp, name), counts.numel())
         key = (comp, name if units == counts.numel() else f"{name}[{counts.numel()}]", fam)
         prev = self._cur.get(key)
         self._cur[key] = (counts, n) if prev is None else (prev[0] + counts, prev[1] + n)
+        if self._ctx is not None:
+            self._ctx.hook_seconds += time.perf_counter() - t0
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         nxt = ctx.step + 1

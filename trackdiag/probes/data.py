@@ -17,12 +17,12 @@
   number of classes is the class dimension of the output (option ``output``: index or key of a
   structured output) when the shapes pair up (``(N, C)`` with ``(N,)``, ``(B, T, C)`` with
   ``(B, T)``, ``(N, C, H, W)`` with ``(N, H, W)``); otherwise nothing is checked.
-  Cost per step: ~11 tiny device ops (one ``aminmax`` over the targets); no host sync.
+  Cost per step: one ``aminmax`` over the targets (plus ``ne``/``where`` to mask ``ignore_index``),
+  kept by reference; judged on device at the logging step; no host sync.
 Both collect at every logging step (``always_collect``), so no step of a window is lost.
 """
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 import torch
@@ -35,31 +35,8 @@ from trackdiag.tensors import class_dim, float_tensors, logits_of, targets_of
 NONE = 2**62  # "no step yet" on device; published as -1
 
 
-class StepFlags:
-    """Per key, on the flag's device: how many steps were flagged and the first flagged step."""
-
-    def __init__(self) -> None:
-        self.count: dict[str, torch.Tensor] = {}
-        self.first: dict[str, torch.Tensor] = {}
-
-    def update(self, key: str, bad: torch.Tensor, step: int) -> None:
-        """Fold a 0-d bool ``bad`` of ``step`` in: two device ops, no sync."""
-        count = self.count.get(key)
-        if count is None or count.device != bad.device:
-            count = self.count[key] = torch.zeros((), dtype=torch.int64, device=bad.device)
-            self.first[key] = torch.full((), NONE, dtype=torch.int64, device=bad.device)
-        count.add_(bad)
-        torch.minimum(self.first[key], torch.where(bad, step, NONE), out=self.first[key])
-
-    def take(self) -> dict[str, torch.Tensor]:
-        """The device tensors to copy (``first\\t<key>``, ``count\\t<key>``); starts a new window."""
-        out = {f"first\t{k}": v for k, v in self.first.items()} | {f"count\t{k}": v for k, v in self.count.items()}
-        self.count, self.first = {}, {}
-        return out
-
-
 def split(values: dict[str, np.ndarray]) -> tuple[dict[str, int], dict[str, int]]:
-    """Host values of ``StepFlags.take`` as ``({key: first step or -1}, {key: count})``."""
+    """Host values of ``first\t<key>`` / ``count\t<key>`` entries as ``({key: first step or -1}, {key: count})``."""
     first, count = {}, {}
     for k, v in values.items():
         kind, _, key = k.partition("\t")
@@ -83,23 +60,34 @@ class DataFiniteProbe(Probe):
         self._seen: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
-        for path, t in float_tensors(inputs.batch):
+        batch = inputs.batch
+        if isinstance(batch, torch.Tensor):  # the common cases without the generic walk
+            found = [("batch", batch)] if batch.is_floating_point() or batch.is_complex() else []
+        else:
+            found = float_tensors(batch)
+        for path, t in found:
             if t.numel() == 0:
                 continue
-            t = t.detach()  # cheaper per step than entering no_grad
-            steps, vals = self._seen.setdefault(path, ([], []))
-            steps.append(ctx.step)
+            if t.requires_grad:
+                t = t.detach()  # cheaper per step than entering no_grad
+            seen = self._seen.get(path)
+            if seen is None:
+                seen = self._seen[path] = ([], [])
+            seen[0].append(ctx.step)
             if t.is_complex():
-                vals.append(torch.view_as_real(t).sum().reshape(1))
+                seen[1].append(torch.view_as_real(t).sum().reshape(1))
             else:
-                vals.extend(torch.aminmax(t))
+                seen[1].extend(torch.aminmax(t))
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         out = {}
         self._steps = {}
         for path, (steps, vals) in self._seen.items():
             self._steps[path] = steps
-            out[path] = torch.stack([v.float().reshape(()) for v in vals])
+            try:  # one kernel when every value is a 0-d tensor of one dtype and device (the usual case)
+                out[path] = torch.stack(vals).float()
+            except RuntimeError:
+                out[path] = torch.stack([v.float().reshape(()).to(vals[0].device) for v in vals])
         self._seen = {}
         return out
 
@@ -131,9 +119,7 @@ class DataLabelsProbe(Probe):
                  output: int | str | None = None, ignore_index: int | None = -100) -> None:
         super().__init__(enabled=enabled, every=every)
         self.target, self.output, self.ignore_index = target, output, ignore_index
-        self._flags = StepFlags()
-        self._min: torch.Tensor | None = None
-        self._max: torch.Tensor | None = None
+        self._seen: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (step, classes, lo, hi)
         self._classes = -1
 
     @torch.no_grad()
@@ -147,20 +133,19 @@ class DataLabelsProbe(Probe):
         if self.ignore_index is not None:
             t = torch.where(t != self.ignore_index, t, 0)  # 0 is always a valid class
         lo, hi = torch.aminmax(t.reshape(-1))
-        self._flags.update("labels", (hi >= self._classes) | (lo < 0), ctx.step)
-        if self._min is None or self._min.device != lo.device:
-            self._min, self._max = lo.to(torch.int64), hi.to(torch.int64)
-        else:
-            torch.minimum(self._min, lo, out=self._min)
-            torch.maximum(self._max, hi, out=self._max)  # type: ignore[arg-type]
+        self._seen.append((ctx.step, self._classes, lo, hi))
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
-        if self._min is None:
+        """The window judged on device (a few ops, once per logging step): first bad step, count, range."""
+        if not self._seen:
             return {}
-        out: dict[str, Any] = self._flags.take()
-        out["min"], out["max"] = self._min, self._max
-        self._min = self._max = None
-        return out
+        steps, classes, los, his = zip(*self._seen)
+        self._seen = []
+        lo, hi = torch.stack(los).long(), torch.stack(his).long()
+        dev = lo.device
+        bad = (hi >= torch.tensor(classes, device=dev)) | (lo < 0)
+        first = torch.where(bad, torch.tensor(steps, device=dev), NONE).min()
+        return {"first\tlabels": first, "count\tlabels": bad.sum(), "min": lo.min(), "max": hi.max()}
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         first, count = split(values)

@@ -8,7 +8,8 @@ no gradient at all (``grad is None``: frozen, detached, unused) are skipped; the
 Emits per component: ``diag/[<c>/]grad/flow_ratio`` = ||g(first layer)|| / ||g(last layer)|| (< 1:
 gradients shrink on the way back to the input, > 1: they grow) and the table
 ``diag/[<c>/]grad/flow`` = ``{first layer: norm, last layer: norm}``.
-Cost on a due step: one ``_foreach_norm`` over the gradients, one ``index_add_`` and a host pass over
+Cost on a due step: the gradient norms the grads probe takes anyway (one ``_foreach_norm`` when it
+is off), one ``index_add_`` and a host pass over
 the parameters' ``grad is None``; nothing on other steps.
 """
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 from trackdiag.context import Component, ProbeContext
 from trackdiag.layers import layer_of
 from trackdiag.probes.base import Probe
-from trackdiag.probes.grads import tensor_norms
 from trackdiag.record import Record
 
 
@@ -51,7 +51,7 @@ class GradFlowProbe(Probe):
         if len(with_grad) < 2:
             return
         first, last = with_grad[0], with_grad[-1]
-        layer = idx.per_layer_norm(tensor_norms(idx.grads()).float())
+        layer = idx.per_layer_norm(idx.grad_norms().float())  # norms shared with the grads probe
         self._pending[comp.name] = torch.stack([layer[first], layer[last]])
         self._ends[comp.name] = (idx.layers[first], idx.layers[last])
 

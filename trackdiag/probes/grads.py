@@ -4,8 +4,8 @@ Emits per component: ``diag/grad/global_norm`` (equal to what ``clip_grad_norm_`
 ``diag/grad/max_abs``, ``diag/grad/nonfinite_tensors`` (parameter tensors whose gradient holds a
 NaN/Inf) and, with ``per_layer``, ``diag/grad/norm/<layer>`` (layers coarsened to the session's
 ``max_layer_metrics`` budget; the full per-layer table goes to ``record.tables`` when coarsened).
-Cost on a logging step: two ``_foreach_norm`` kernels over the gradients and a few reductions;
-nothing at all on other steps.
+Cost on a logging step: one ``_foreach_norm`` kernel over the gradients (shared with the other
+gradient probes of that step), one ``aminmax`` per tensor and a few reductions; nothing on other steps.
 """
 from __future__ import annotations
 
@@ -16,29 +16,9 @@ import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext
+from trackdiag.norms import max_abs, tensor_norms  # noqa: F401  (re-exported for user probes)
 from trackdiag.probes.base import Probe, take_pending
 from trackdiag.record import Record
-
-
-def tensor_norms(tensors: list[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
-    """Per-tensor norms as one 1-D tensor (foreach kernel; no host sync)."""
-    if not tensors:
-        return torch.zeros(0)
-    devices = {t.device for t in tensors}
-    if len(devices) == 1:
-        return torch.stack(torch._foreach_norm(tensors, ord))
-    dev = tensors[0].device
-    return torch.stack([torch.linalg.vector_norm(t, ord).to(dev) for t in tensors])
-
-
-def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Largest absolute value over all ``tensors`` (0-d, on device). One ``aminmax`` per tensor for
-    small lists: on CPU the inf-norm foreach kernel is ~15x slower than the L2 one; many tensors
-    take that single kernel instead of a long Python loop."""
-    if len(tensors) > 64 or len({t.device for t in tensors}) > 1:
-        return tensor_norms(tensors, math.inf).max()
-    lo_hi = torch.stack([torch.stack(torch.aminmax(t.detach())) for t in tensors])
-    return lo_hi.abs().max()
 
 
 def publish_layers(prefix: str, comp: Component, per_layer: np.ndarray, record: Record, per_group: np.ndarray | None) -> None:
@@ -78,7 +58,7 @@ class GradProbe(Probe):
         if not ctx.is_due(self.schedule) or not comp.index.params:
             return
         grads = comp.index.grads()
-        norms = tensor_norms(grads)
+        norms = comp.index.grad_norms()  # shared with gradflow / nan_replay at this hook
         out = {
             "global_norm": torch.linalg.vector_norm(norms),
             "max_abs": max_abs(grads),

@@ -18,8 +18,11 @@ Values outside the edges are clamped into the end bins and counted as clipped (N
 in the last bin, -Inf in the first), so every histogram's counts sum to the number of elements.
 Bin assignment equals ``torch.histogram`` on the same edges (bins ``[e_i, e_i+1)``, the last closed).
 
-Cost on a due step, per parameter tensor: one ``bucketize`` (a transient int64 copy of that
-tensor), one ``bincount`` and one add; two ``aminmax`` per tensor once, at the first due step.
+Cost on a due step, per parameter tensor: linear edges, once their values have reached the host
+with the first due step's record: one ``histc`` and one ``lt``/``sum`` (~3x faster than the general
+path on CPU; bin boundaries then follow ``histc``/``torch.histogram(bins=n, range=...)``, equal to the
+published edges up to float rounding); otherwise one ``bucketize`` (a transient int64 copy of the
+tensor) and one ``bincount``; two ``aminmax`` per tensor once, at the first due step.
 No host sync: counts and edges go to the host with the session's one copy. Nothing on other steps.
 """
 from __future__ import annotations
@@ -40,6 +43,7 @@ MAX_BINS = 512
 DECADES = 8  # symlog edges: the smallest magnitude bin starts this many decades below the top
 SCALES = ("linear", "symlog")
 KINDS = ("grad", "param")
+CHUNK = 1 << 22  # histc fast path: values concatenated per kernel (a transient copy of at most 16 MB in fp32)
 
 
 class _Series:
@@ -87,6 +91,7 @@ class HistogramProbe(Probe):
         self.kinds = [k for k, on in zip(KINDS, (grads, params)) if on]
         self._layout: dict[str, _Series] = {}
         self._edges: dict[str, torch.Tensor] = {}  # "<comp>|<kind>" -> (groups, bins + 1) float32
+        self._ranges: dict[str, list[tuple[float, float]]] = {}  # host (first, last) edge per group: linear fast path
         self._pending: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ hooks
@@ -119,6 +124,8 @@ class HistogramProbe(Probe):
                 n = len(layout.groups)
                 full = raw.reshape(n, b + 2)
                 edges = values[f"{comp.name}|{kind}|edges"].reshape(n, b + 1)
+                if self.scale == "linear":  # from now on the edges are known here: histc fast path
+                    self._ranges[f"{comp.name}|{kind}"] = [(float(e[0]), float(e[-1])) for e in edges]
                 clipped = {}
                 for g, name in enumerate(layout.groups):
                     below, inside, above = full[g, 0], full[g, 1 : b + 1].copy(), full[g, b + 1]
@@ -145,6 +152,11 @@ class HistogramProbe(Probe):
             edges = self._fix_edges(tensors, layout, device)
         edges = self._edges[key] = edges.to(device)
         b2 = self.bins + 2
+        ranges = self._ranges.get(key)
+        if ranges is not None:
+            self._pending[f"{key}|counts"] = self._histc(tensors, layout, ranges, device)
+            self._pending[f"{key}|edges"] = edges
+            return
         counts = torch.zeros(len(layout.groups) * b2, dtype=torch.long, device=device)
         for t, g in zip(tensors, layout.param_group):
             if t is None or t.numel() == 0 or t.is_sparse:
@@ -155,6 +167,43 @@ class HistogramProbe(Probe):
             counts[g * b2 : (g + 1) * b2].add_(c)
         self._pending[f"{key}|counts"] = counts
         self._pending[f"{key}|edges"] = edges
+
+    def _histc(self, tensors: list[torch.Tensor | None], layout: _Series, ranges: list[tuple[float, float]],
+               device: torch.device) -> torch.Tensor:
+        """The fast path for linear edges known on the host: ``histc`` counts the values inside
+        ``[lo, hi]``; ``x < lo`` are the ones below; the rest (above ``hi``, NaN, +Inf) are above.
+        Small tensors of a group are concatenated (at most ``CHUNK`` values at a time), so a model of
+        1,000 small tensors costs a few kernels per group, not a few per tensor."""
+        b, n = self.bins, len(layout.groups)
+        inside: list[Any] = [0] * n
+        below: list[Any] = [0] * n
+        numel = [0] * n
+        chunk: list[torch.Tensor] = []
+
+        def flush(g: int) -> None:
+            x = chunk[0] if len(chunk) == 1 else torch.cat(chunk)
+            lo, hi = ranges[g]
+            inside[g] = inside[g] + torch.histc(x, b, lo, hi).to(device)
+            below[g] = below[g] + (x < lo).sum().to(device)
+            numel[g] += x.numel()
+            chunk.clear()
+
+        group = -1
+        for t, g in zip(tensors, layout.param_group):
+            if t is None or t.numel() == 0 or t.is_sparse:
+                continue
+            if chunk and (g != group or sum(c.numel() for c in chunk) + t.numel() > CHUNK):
+                flush(group)
+            x = t.detach().reshape(-1)
+            chunk.append(x if x.dtype in (torch.float32, torch.float64) else x.float())
+            group = g
+        if chunk:
+            flush(group)
+        zeros = torch.zeros(b, dtype=torch.float32, device=device)
+        ins = torch.stack([v if isinstance(v, torch.Tensor) else zeros for v in inside]).double()
+        lows = torch.stack([v.double() if isinstance(v, torch.Tensor) else zeros[0].double() for v in below])
+        highs = torch.tensor(numel, dtype=torch.float64, device=device) - ins.sum(dim=1) - lows
+        return torch.cat([lows[:, None], ins, highs[:, None]], dim=1).reshape(-1).long()
 
     def _fix_edges(self, tensors: list[torch.Tensor | None], layout: _Series, device: torch.device) -> torch.Tensor:
         """Per-group edges from this step's value range (device ops only, no host sync)."""
@@ -192,3 +241,5 @@ class HistogramProbe(Probe):
             t = torch.tensor(e, dtype=torch.float32)
             if t.shape[-1] == self.bins + 1:
                 self._edges[k] = t
+                if self.scale == "linear":
+                    self._ranges[k] = [(float(row[0]), float(row[-1])) for row in t.reshape(-1, self.bins + 1)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from functools import partial
 from typing import Any
 
@@ -33,7 +34,6 @@ from trackdiag.alert import Alert
 from trackdiag.context import Component, ProbeContext, StepInputs
 from trackdiag.errors import ConfigError
 from trackdiag.probes.base import Probe
-from trackdiag.probes.grads import tensor_norms
 from trackdiag.registry import resolve
 from trackdiag.replay import Call, Finding, replay
 from trackdiag.schedule import Never
@@ -97,6 +97,7 @@ class NanReplayProbe(Probe):
         """Forward pre-hook: keep references to a training forward's arguments (host work only)."""
         if self._busy or self._ctx is None or not module.training or not torch.is_grad_enabled():
             return None
+        t0 = time.perf_counter()
         step = self._ctx.step
         entry = self._ring.get(step)
         if entry is None:
@@ -107,6 +108,7 @@ class NanReplayProbe(Probe):
         if len(calls) < self.max_calls:
             amp = (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
             calls.append((_detached(args), _detached(kwargs), amp))
+        self._ctx.hook_seconds += time.perf_counter() - t0
         return None
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
@@ -118,7 +120,7 @@ class NanReplayProbe(Probe):
         """``mode=step``: one host sync on the gradients' finiteness; replay before the update."""
         if self.mode != "step" or self._replays >= self.max_replays or comp.model is None or not comp.index.params:
             return
-        if bool(torch.isfinite(tensor_norms(comp.index.grads())).all()):  # host sync (mode=step only)
+        if bool(torch.isfinite(comp.index.grad_norms()).all()):  # host sync (mode=step only); norms shared
             return
         self._replays += 1
         self._findings[ctx.step] = (comp.name, self._run(comp, ctx.step, None))

@@ -12,9 +12,8 @@ import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext
-from trackdiag.distributed import local
 from trackdiag.probes.base import Probe, take_pending
-from trackdiag.probes.grads import first_bad_layer, publish_layers, tensor_norms
+from trackdiag.probes.grads import first_bad_layer, publish_layers
 from trackdiag.record import Record
 
 
@@ -36,7 +35,7 @@ class ParamProbe(Probe):
 
     @torch.no_grad()
     def _measure(self, comp: Component) -> dict[str, torch.Tensor]:
-        norms = tensor_norms([local(p.detach()) for p in comp.index.params])  # FSDP2: this rank's shard
+        norms = comp.index.param_norms()  # FSDP2: this rank's shard
         out = {"global_norm": torch.linalg.vector_norm(norms), "nonfinite_tensors": (~torch.isfinite(norms)).sum()}
         if self.per_layer:
             layer = comp.index.per_layer_norm(norms)
@@ -49,6 +48,7 @@ class ParamProbe(Probe):
         # A component without an optimizer has no step hook: measure it now.
         for comp in ctx.components:
             if comp.optimizer is None and comp.name not in self._pending and comp.index.params:
+                comp.index.clear_cache()  # no optimizer hook keeps this component's cache fresh
                 self._pending[comp.name] = self._measure(comp)
         return take_pending(self._pending)
 

@@ -24,7 +24,8 @@ import torch
 
 from trackdiag.context import Component, ProbeContext
 from trackdiag.probes.base import Probe, take_pending
-from trackdiag.probes.grads import publish_layers, tensor_norms
+from trackdiag.norms import tensor_norms
+from trackdiag.probes.grads import publish_layers
 from trackdiag.record import Record
 
 

@@ -26,6 +26,7 @@ parameter (fine under DDP; not under FSDP's flat parameters).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ class _Watch:
 
     param: torch.Tensor
     steps_left: int
+    ctx: ProbeContext | None = None
     handle: Any = None
     backwards: int = 0
     reset_seen: bool = False  # a None gradient was seen (known on the host)
@@ -51,6 +53,7 @@ class _Watch:
 
     @torch.no_grad()
     def __call__(self, _new_grad: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         self.backwards += 1
         g = self.param.grad
         if g is None:
@@ -58,6 +61,8 @@ class _Watch:
         elif not self.reset_seen:
             zero = ~g.detach().ne(0).any()
             self.reset_dev = zero if self.reset_dev is None else self.reset_dev | zero
+        if self.ctx is not None:
+            self.ctx.hook_seconds += time.perf_counter() - t0
 
 
 class ZeroGradProbe(Probe):
@@ -96,7 +101,7 @@ class ZeroGradProbe(Probe):
         sentinel = next((p for p in reversed(comp.index.params) if p.grad is not None and p.requires_grad), None)
         if sentinel is None:
             return
-        w = _Watch(sentinel, self.accumulation_steps)
+        w = _Watch(sentinel, self.accumulation_steps, ctx)
         w.handle = sentinel.register_hook(w)
         self._watch[comp.name] = w
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, ClassVar, Sequence
 
 from trackdiag.alert import Alert
@@ -43,10 +44,13 @@ _STOP = object()
 
 
 class SinkHub:
-    """Feeds sinks from a queue on one daemon thread so tracker I/O never blocks training."""
+    """Feeds sinks from a queue on one daemon thread so tracker I/O never blocks training.
+    ``cpu_seconds``: CPU time that thread has spent on sinks (it competes with training for cores
+    and the GIL, so it is part of the diagnostics' cost; reported in ``summary()["overhead"]``)."""
 
     def __init__(self, sinks: Sequence[Sink]) -> None:
         self.sinks = list(sinks)
+        self.cpu_seconds = 0.0
         self._q: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="trackdiag-sinks", daemon=True)
         self._failed: set[str] = set()
@@ -81,10 +85,12 @@ class SinkHub:
             try:
                 if item is _STOP:
                     return
+                c0 = time.thread_time()
                 method, args = item
                 self._call(method, args)
                 if self._q.empty() and method != "close":
                     self._call("flush", ())
+                self.cpu_seconds += time.thread_time() - c0
             finally:
                 self._q.task_done()
 
