@@ -188,15 +188,17 @@ class HistogramProbe(Probe):
             numel[g] += x.numel()
             chunk.clear()
 
-        group = -1
+        group, size = -1, 0
         for t, g in zip(tensors, layout.param_group):
-            if t is None or t.numel() == 0 or t.is_sparse:
+            k = 0 if t is None or t.is_sparse else t.numel()
+            if k == 0:
                 continue
-            if chunk and (g != group or sum(c.numel() for c in chunk) + t.numel() > CHUNK):
+            if chunk and (g != group or size + k > CHUNK):
                 flush(group)
+                size = 0
             x = t.detach().reshape(-1)
             chunk.append(x if x.dtype in (torch.float32, torch.float64) else x.float())
-            group = g
+            group, size = g, size + k
         if chunk:
             flush(group)
         zeros = torch.zeros(b, dtype=torch.float32, device=device)
