@@ -147,3 +147,27 @@ def test_many_tensors_take_the_chunked_paths_and_still_match(tmp_path) -> None:
         assert rec.scalars["diag/grad/global_norm"] == pytest.approx(total, rel=1e-5)
         assert rec.scalars["diag/grad/max_abs"] == pytest.approx(top, rel=1e-6)
     assert math.isnan(records[2].scalars["diag/grad/max_abs"]) and records[2].scalars["diag/grad/nonfinite_tensors"] == 1
+
+
+def test_no_gradient_or_output_outlives_its_step(tmp_path) -> None:
+    """What the probes share within an optimizer hook (the gradient list, norms) and what ``step``
+    is given (outputs, with their graph) must be gone once the user drops them: weak references die."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trackdiag.Diagnostics(model, opt, level="advanced", every=1, sinks=["local"], output_dir=str(tmp_path)) as diag:
+        out = model(torch.randn(32, 8))
+        loss = out.square().mean()
+        loss.backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.step()
+        diag.step(loss, outputs=out, batch=torch.randn(32, 8))
+        kept = weakref.ref(out)  # the tensor carries the graph (grad_fn)
+        opt.zero_grad(set_to_none=True)
+        del out, loss
+        gc.collect()
+        assert all(g() is None for g in grads), "a gradient is kept alive past zero_grad"
+        assert kept() is None, "the step's outputs (and their graph) are kept alive"

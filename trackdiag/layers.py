@@ -36,9 +36,10 @@ class LayerIndex:
     """The parameters one optimizer steps, named after the model and grouped by layer.
 
     ``index[i]`` is the layer of ``params[i]``; ``group_index[j]`` the key group of ``layers[j]``.
-    Built once at attach: the hot path only uses the precomputed index tensors. ``grad_norms()`` and
-    ``param_norms()`` are computed once per optimizer-step hook (the session calls ``clear_cache()``
-    when a hook starts), so the probes reading them at the same hook share one kernel launch.
+    Built once at attach: the hot path only uses the precomputed index tensors. ``grads()``,
+    ``grad_norms()`` and ``param_norms()`` are computed once per optimizer-step hook (the session calls
+    ``clear_cache()`` when the hook's probes are done, so no gradient outlives a ``zero_grad``), and
+    the probes reading them at the same hook share one kernel launch.
     """
 
     params: list[torch.Tensor]

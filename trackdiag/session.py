@@ -123,13 +123,13 @@ class Diagnostics(SetupChecks):
     def _opt_hook(self, probes: list[Probe], method: str, comp: Component, *_: Any) -> None:
         t0 = time.perf_counter()
         ctx = self._ctx
-        comp.index.clear_cache()  # the optimizer may have changed grads/params since the last hook
         for p in probes:  # hot path: inline try instead of _guard's getattr per call
             if p.enabled and (not p.due_only or ctx.is_due(p.schedule)):
                 try:
                     getattr(p, method)(ctx, comp)
                 except Exception as exc:
                     self._fail(p, method, exc)
+        comp.index.clear_cache()  # valid for this hook only; and it must not keep the gradients alive
         self._window_overhead += time.perf_counter() - t0
 
     def _guard(self, probe: Probe, method: str, *args: Any) -> Any:
