@@ -52,6 +52,7 @@ class Arm:
         self.blocks: list[float] = []
         self.cpu: list[float] = []
         self.diag: Any = None
+        self.attributed = float("nan")  # own ms/step over the measured rounds (preset arms)
         self._spent0 = 0.0
         self._steps = 0
         if name == "disabled":
@@ -149,7 +150,7 @@ def bench(wl: Workload, arms: list[str], rounds: int, steps: int, warmup: int) -
         for arm in order:
             arm.run_block(steps)
     for arm in contenders.values():
-        arm.attributed = arm.attributed_ms()  # type: ignore[attr-defined]  (before close: end-of-run artifacts excluded)
+        arm.attributed = arm.attributed_ms()  # before close: end-of-run artifacts excluded
         arm.closer()
     return contenders
 
@@ -179,7 +180,7 @@ def main() -> None:
             t, c = statistics.median(a.blocks), statistics.median(a.cpu)
             rt = statistics.median(x / b for x, b in zip(a.blocks, bare.blocks))
             rc = statistics.median(x / b for x, b in zip(a.cpu, bare.cpu))
-            own = a.attributed  # type: ignore[attr-defined]
+            own = a.attributed
             ra = 1.0 + own / bare_ms
             rows.append((name, arm, 1e3 * t, rt, 1e3 * c, rc, own, ra))
             extra = f"   own {own:6.3f} ms/step  x{ra:.3f}" if own == own else ""

@@ -23,7 +23,6 @@ Both collect at every logging step (``always_collect``), so no step of a window 
 """
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
@@ -36,7 +35,7 @@ NONE = 2**62  # "no step yet" on device; published as -1
 
 
 def split(values: dict[str, np.ndarray]) -> tuple[dict[str, int], dict[str, int]]:
-    """Host values of ``first\t<key>`` / ``count\t<key>`` entries as ``({key: first step or -1}, {key: count})``."""
+    """Host values of ``first\\t<key>`` / ``count\\t<key>`` entries as ``({key: first step or -1}, {key: count})``."""
     first, count = {}, {}
     for k, v in values.items():
         kind, _, key = k.partition("\t")

@@ -36,6 +36,7 @@ import torch
 from trackdiag.context import Component, ProbeContext
 from trackdiag.errors import ConfigError
 from trackdiag.layers import group_names, layer_of
+from trackdiag.norms import flat_chunks
 from trackdiag.probes.base import Probe
 from trackdiag.record import Histogram, Record
 
@@ -43,7 +44,6 @@ MAX_BINS = 512
 DECADES = 8  # symlog edges: the smallest magnitude bin starts this many decades below the top
 SCALES = ("linear", "symlog")
 KINDS = ("grad", "param")
-CHUNK = 1 << 22  # histc fast path: values concatenated per kernel (a transient copy of at most 16 MB in fp32)
 
 
 class _Series:
@@ -172,40 +172,27 @@ class HistogramProbe(Probe):
                device: torch.device) -> torch.Tensor:
         """The fast path for linear edges known on the host: ``histc`` counts the values inside
         ``[lo, hi]``; ``x < lo`` are the ones below; the rest (above ``hi``, NaN, +Inf) are above.
-        Small tensors of a group are concatenated (at most ``CHUNK`` values at a time), so a model of
-        1,000 small tensors costs a few kernels per group, not a few per tensor."""
+        A group's tensors are binned in concatenated chunks (:func:`~trackdiag.norms.flat_chunks`)."""
         b, n = self.bins, len(layout.groups)
-        inside: list[Any] = [0] * n
-        below: list[Any] = [0] * n
-        numel = [0] * n
-        chunk: list[torch.Tensor] = []
-
-        def flush(g: int) -> None:
-            x = chunk[0] if len(chunk) == 1 else torch.cat(chunk)
-            lo, hi = ranges[g]
-            inside[g] = inside[g] + torch.histc(x, b, lo, hi).to(device)
-            below[g] = below[g] + (x < lo).sum().to(device)
-            numel[g] += x.numel()
-            chunk.clear()
-
-        group, size = -1, 0
+        members: list[list[torch.Tensor]] = [[] for _ in range(n)]
         for t, g in zip(tensors, layout.param_group):
-            k = 0 if t is None or t.is_sparse else t.numel()
-            if k == 0:
+            if t is not None and t.numel() and not t.is_sparse:
+                members[g].append(t)
+        counts = torch.zeros(n, b + 2, dtype=torch.float64, device=device)
+        for g, group in enumerate(members):
+            if not group:
                 continue
-            if chunk and (g != group or size + k > CHUNK):
-                flush(group)
-                size = 0
-            x = t.detach().reshape(-1)
-            chunk.append(x if x.dtype in (torch.float32, torch.float64) else x.float())
-            group, size = g, size + k
-        if chunk:
-            flush(group)
-        zeros = torch.zeros(b, dtype=torch.float32, device=device)
-        ins = torch.stack([v if isinstance(v, torch.Tensor) else zeros for v in inside]).double()
-        lows = torch.stack([v.double() if isinstance(v, torch.Tensor) else zeros[0].double() for v in below])
-        highs = torch.tensor(numel, dtype=torch.float64, device=device) - ins.sum(dim=1) - lows
-        return torch.cat([lows[:, None], ins, highs[:, None]], dim=1).reshape(-1).long()
+            lo, hi = ranges[g]
+            dtype = torch.float64 if any(t.dtype == torch.float64 for t in group) else torch.float32
+            inside, below = 0, 0
+            for x in flat_chunks(group, dtype):
+                inside = inside + torch.histc(x, b, lo, hi)
+                below = below + (x < lo).sum()
+            inside, below = inside.to(device, torch.float64), below.to(device, torch.float64)
+            counts[g, 0] = below
+            counts[g, 1 : b + 1] = inside
+            counts[g, b + 1] = sum(t.numel() for t in group) - inside.sum() - below
+        return counts.reshape(-1).long()
 
     def _fix_edges(self, tensors: list[torch.Tensor | None], layout: _Series, device: torch.device) -> torch.Tensor:
         """Per-group edges from this step's value range (device ops only, no host sync)."""

@@ -48,8 +48,8 @@ class ParamProbe(Probe):
         # A component without an optimizer has no step hook: measure it now.
         for comp in ctx.components:
             if comp.optimizer is None and comp.name not in self._pending and comp.index.params:
-                comp.index.clear_cache()  # no optimizer hook keeps this component's cache fresh
                 self._pending[comp.name] = self._measure(comp)
+                comp.index.clear_cache()  # the cache lives for one hook; this is the hook-less path
         return take_pending(self._pending)
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
