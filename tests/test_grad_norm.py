@@ -171,3 +171,49 @@ def test_no_gradient_or_output_outlives_its_step(tmp_path) -> None:
         gc.collect()
         assert all(g() is None for g in grads), "a gradient is kept alive past zero_grad"
         assert kept() is None, "the step's outputs (and their graph) are kept alive"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_agrees_with_isfinite_and_leaves_values_bitwise_unchanged(dtype) -> None:
+    """``all_finite`` (GradScaler's check kernel at scale 1) vs ``torch.isfinite`` per tensor, over lists
+    with one NaN, +Inf or -Inf planted anywhere, with 0-d, empty, transposed and mixed-dtype tensors;
+    the checked tensors keep every bit (subnormals, -0.0, NaN) and their version counter."""
+    from trackdiag.norms import all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    tiny = torch.finfo(dtype).tiny / 4  # a subnormal
+    outcomes = set()
+    for trial in range(12):
+        ts = [torch.randn(5, 7, generator=gen).to(dtype).t(), torch.randn((), generator=gen).to(dtype),
+              torch.empty(0, dtype=dtype), torch.tensor([tiny, -0.0, 1e4], dtype=dtype),
+              torch.randn(300, generator=gen).double()]
+        ts += [torch.randn(int(n), generator=gen).to(dtype) for n in torch.randint(1, 50, (20,), generator=gen)]
+        if trial % 3:
+            victim = ts[int(torch.randint(0, len(ts), (1,), generator=gen))]
+            if victim.numel():
+                k = torch.randint(0, victim.numel(), (), generator=gen)
+                victim[torch.unravel_index(k, victim.shape)] = [math.nan, math.inf, -math.inf][trial % 3]
+        before = [(_bits(t), t._version) for t in ts]
+        expected = all(bool(torch.isfinite(t).all()) for t in ts)
+        got = all_finite(ts)
+        assert got.dtype == torch.bool and got.dim() == 0 and bool(got) == expected, trial
+        outcomes.add(expected)
+        for t, (bits, version) in zip(ts, before):
+            assert torch.equal(_bits(t), bits) and t._version == version
+    assert outcomes == {True, False}
+
+
+def test_all_finite_falls_back_where_the_kernel_refuses() -> None:
+    """Expanded (overlapping) views and complex tensors take the norm path and still answer right."""
+    from trackdiag.norms import all_finite
+
+    row = torch.tensor([1.0, 2.0, math.nan])
+    assert not bool(all_finite([torch.ones(3), row[:2].expand(4, 2).t()] + [row.expand(2, 3)]))
+    assert bool(all_finite([row[:2].expand(3, 2)]))
+    assert bool(all_finite([torch.randn(4, dtype=torch.complex64)]))
+    assert not bool(all_finite([torch.tensor([1 + 1j, complex(math.inf, 0)])]))
+    assert bool(all_finite([]))

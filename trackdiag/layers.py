@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trackdiag.distributed import is_sharded, local
-from trackdiag.norms import tensor_norms
+from trackdiag.norms import all_finite, tensor_norms
 
 ROOT = "(root)"
 
@@ -95,6 +95,12 @@ class LayerIndex:
         if norms is None:
             norms = self._cache["grad"] = tensor_norms(self.grads())
         return norms
+
+    def grads_finite(self) -> torch.Tensor:
+        """Whether every gradient is finite (0-d bool on device): from the norms when this hook has
+        them already, else :func:`~trackdiag.norms.all_finite` (no norms computed)."""
+        norms = self._cache.get("grad")
+        return torch.isfinite(norms).all() if norms is not None else all_finite(self.grads())
 
     def param_norms(self) -> torch.Tensor:
         """Per-parameter L2 norms of the (local shards of the) parameters; cached for this hook."""
