@@ -3,15 +3,17 @@
     python benchmarks/overhead.py                       # all workloads, all arms
     python benchmarks/overhead.py --workloads mlp --rounds 10 --markdown
 
-Each arm owns an identical model/optimizer (same init) and its own session; every round runs a
-block of steps of each arm in a shuffled order, so drift (thermal, other load) hits all arms alike.
-Reported per arm: median over rounds of the mean wall time per step (logging steps included,
-amortised) and of process CPU time per step; the ratios are medians of per-round ratios to the
-bare block of the SAME round (paired), which cancels most of a shared VM's slow drifts. For the
-preset arms also the *attributed* ratio: 1 + (trackdiag's own time on the training thread, its
+Each arm owns an identical model/optimizer (same init) and its own session. Arms are interleaved
+**step by step**: a round is ``--steps`` steps of every arm, each step of the round running one step
+of every arm in a fresh random order, so every arm's round covers the same stretch of wall time.
+(Interleaving whole 50-step blocks instead left a per-block noise of 8-12 % on a shared 2-core VM,
+and ratios that wandered by +-5 % between identical bare arms; step interleaving cuts the per-round
+noise to ~2 %.) Reported per arm: median over rounds of wall time and process CPU time per step
+(logging steps included, amortised); the ratios are medians of per-round ratios to the bare arm's
+same round, with a 95 % interval (+-1.96 standard errors of the mean log ratio). For the preset
+arms also the *attributed* ratio: 1 + (trackdiag's own time on the training thread, its
 forward/backward hooks included, + the sink thread's CPU time) per step / the bare step time. It
-misses indirect costs (cache pollution) but has none of the wall clock's noise, which on a shared
-2-core VM is larger than the budgets (see the ``disabled`` arm: it does nothing). Peers:
+misses indirect costs (cache pollution) but has none of the wall clock's noise. Peers:
 ``wandb.watch(model, log="all", log_freq=every)`` (offline) and Cockpit's ``economy`` config when
 ``cockpit-for-pytorch`` imports (it needs torchvision, which has no CPU wheel on our machines).
 Landscapes are excluded from the preset arms (they are scheduled artifacts, timed separately).
@@ -19,6 +21,7 @@ Landscapes are excluded from the preset arms (they are scheduled artifacts, time
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import statistics
@@ -49,12 +52,13 @@ class Arm:
         self.gen = torch.Generator().manual_seed(seed + 1)
         self.after: Callable[[Any, Any, Any], Any] = lambda loss, out, x: None
         self.closer: Callable[[], Any] = lambda: None
-        self.blocks: list[float] = []
+        self.walls: list[float] = []
         self.cpu: list[float] = []
         self.diag: Any = None
         self.attributed = float("nan")  # own ms/step over the measured rounds (preset arms)
         self._spent0 = 0.0
         self._steps = 0
+        self._wall = self._cpu = 0.0
         if name == "disabled":
             diag = trackdiag.Diagnostics.from_config(None, model=self.model, optimizer=self.opt)
             self.after = lambda loss, out, x: diag.step(loss, outputs=out, batch=x)
@@ -82,20 +86,25 @@ class Arm:
         self.lossfn = extend(torch.nn.CrossEntropyLoss(reduction="mean"))
         raise NotImplementedError("cockpit arm needs per-sample losses wiring")
 
-    def run_block(self, steps: int) -> None:
+    def step(self) -> None:
+        """One training step of this arm; its wall and process CPU time go to the current round."""
         m, opt, wl = self.model, self.opt, self.wl
         c0, t0 = time.process_time(), time.perf_counter()
-        for _ in range(steps):
-            x, y = wl.make_batch(self.gen)
-            out = m(x)
-            loss = wl.loss(out, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            self.after(loss, out, x)
-        self.blocks.append((time.perf_counter() - t0) / steps)
-        self.cpu.append((time.process_time() - c0) / steps)
-        self._steps += steps
+        x, y = wl.make_batch(self.gen)
+        out = m(x)
+        loss = wl.loss(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        self.after(loss, out, x)
+        self._wall += time.perf_counter() - t0
+        self._cpu += time.process_time() - c0
+        self._steps += 1
+
+    def end_round(self, steps: int) -> None:
+        self.walls.append(self._wall / steps)
+        self.cpu.append(self._cpu / steps)
+        self._wall = self._cpu = 0.0
 
     def spent(self) -> float:
         """trackdiag's own seconds so far: training-thread time (hooks included) + sink-thread CPU."""
@@ -105,9 +114,9 @@ class Arm:
         return o["seconds"] + o["sink_thread_cpu_seconds"]
 
     def start_measuring(self) -> None:
-        self.blocks.clear()
+        self.walls.clear()
         self.cpu.clear()
-        self._spent0, self._steps = self.spent(), 0
+        self._spent0, self._steps, self._wall, self._cpu = self.spent(), 0, 0.0, 0.0
 
     def attributed_ms(self) -> float:
         """trackdiag's own milliseconds per measured step (nan for arms without a session)."""
@@ -142,24 +151,38 @@ def bench(wl: Workload, arms: list[str], rounds: int, steps: int, warmup: int) -
     tmp = Path(tempfile.mkdtemp(prefix="trackdiag-bench-"))
     contenders = {name: Arm(name, wl, tmp) for name in arms}
     for arm in contenders.values():
-        arm.run_block(warmup)
+        for _ in range(warmup):
+            arm.step()
         arm.start_measuring()
     order = list(contenders.values())
     for _ in range(rounds):
-        random.shuffle(order)
+        for _ in range(steps):
+            random.shuffle(order)
+            for arm in order:
+                arm.step()
         for arm in order:
-            arm.run_block(steps)
+            arm.end_round(steps)
     for arm in contenders.values():
         arm.attributed = arm.attributed_ms()  # before close: end-of-run artifacts excluded
         arm.closer()
     return contenders
 
 
+def paired_ratio(arm: list[float], bare: list[float]) -> tuple[float, float]:
+    """Median of the per-round ratios, and the half-width of a 95 % interval (1.96 standard errors
+    of the mean log ratio, scaled to the ratio)."""
+    ratios = [a / b for a, b in zip(arm, bare)]
+    logs = [math.log(r) for r in ratios]
+    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else math.nan
+    mid = statistics.median(ratios)
+    return mid, mid * half
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--steps", type=int, default=50, help="steps per block (a multiple of every preset's cadence)")
+    ap.add_argument("--steps", type=int, default=50, help="steps per round (a multiple of every preset's cadence)")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--arms", nargs="*", help="only these arms (bare is always run)")
@@ -174,22 +197,23 @@ def main() -> None:
     for name in args.workloads:
         res = bench(WORKLOADS[name], arms, args.rounds, args.steps, args.warmup)
         bare = res["bare"]
-        bare_ms = 1e3 * statistics.median(bare.blocks)
+        bare_ms = 1e3 * statistics.median(bare.walls)
         for arm in arms:
             a = res[arm]
-            t, c = statistics.median(a.blocks), statistics.median(a.cpu)
-            rt = statistics.median(x / b for x, b in zip(a.blocks, bare.blocks))
-            rc = statistics.median(x / b for x, b in zip(a.cpu, bare.cpu))
+            t, c = statistics.median(a.walls), statistics.median(a.cpu)
+            rt, ci = paired_ratio(a.walls, bare.walls)
+            rc, _ = paired_ratio(a.cpu, bare.cpu)
             own = a.attributed
             ra = 1.0 + own / bare_ms
-            rows.append((name, arm, 1e3 * t, rt, 1e3 * c, rc, own, ra))
+            rows.append((name, arm, 1e3 * t, rt, ci, 1e3 * c, rc, own, ra))
             extra = f"   own {own:6.3f} ms/step  x{ra:.3f}" if own == own else ""
-            print(f"{name:12s} {arm:12s} {1e3 * t:8.2f} ms/step  x{rt:.3f}   cpu {1e3 * c:8.2f} ms/step  x{rc:.3f}{extra}", flush=True)
+            print(f"{name:12s} {arm:12s} {1e3 * t:8.2f} ms/step  x{rt:.3f} ±{ci:.3f}   cpu {1e3 * c:8.2f} ms/step  x{rc:.3f}{extra}",
+                  flush=True)
     if args.markdown:
-        print("\n| workload | arm | ms/step | wall ratio | CPU ratio | own ms/step | attributed ratio |\n|---|---|---:|---:|---:|---:|---:|")
+        print("\n| workload | arm | ms/step | wall ratio (95 %) | CPU ratio | own ms/step | attributed ratio |\n|---|---|---:|---:|---:|---:|---:|")
         for r in rows:
-            own = f"{r[6]:.3f} | {r[7]:.3f}" if r[6] == r[6] else "– | –"
-            print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.3f} | {r[5]:.3f} | {own} |")
+            own = f"{r[7]:.3f} | {r[8]:.3f}" if r[7] == r[7] else "– | –"
+            print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.3f} ±{r[4]:.3f} | {r[6]:.3f} | {own} |")
 
 
 if __name__ == "__main__":

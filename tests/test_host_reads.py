@@ -1,0 +1,134 @@
+"""Cheap by construction: nothing is read back to the host on non-logging steps, one copy per logging step.
+
+On CPU a "host read" cannot stall anything, but the ops that would on CUDA are the same: values turned
+into Python numbers (``aten._local_scalar_dense``: ``.item()``, ``bool()``, ``float()``) and ops whose
+output shape depends on the data (``nonzero``, ``masked_select``...). A dispatch mode counts them around
+whole training steps, with and without a session, and a spy counts ``to_host`` (the batched copy).
+The CUDA test checks the real thing with ``torch.cuda.set_sync_debug_mode`` and skips without a GPU.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import trackdiag
+import trackdiag.session
+from conftest import LEAN_PROBES, batches, make_mlp
+
+READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_dim", "unique_consecutive", "item"}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read device values back to the host (or sync to size their output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        name = func.overloadpacket.__name__
+        if name in READS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _train(digits, steps: int, diag=None, device: str = "cpu", watch=None) -> list[Counter[str]]:
+    """``steps`` plain SGD steps (a loop that itself reads nothing back); per step, the host reads seen."""
+    x, y = digits
+    torch.manual_seed(0)
+    model = make_mlp().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    session = diag(model, opt) if diag else None
+    data = batches(x, y)
+    seen = []
+    for step in range(steps):
+        xb, yb = (t.to(device) for t in next(data))
+        with (watch(step) if watch else HostReads()) as mode:
+            out = model(xb)
+            loss = F.cross_entropy(out, yb)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if session is not None:
+                session.step(loss, outputs=out, batch=(xb, yb))
+        seen.append(getattr(mode, "ops", Counter()))
+    if session is not None:
+        session.close()
+    return seen
+
+
+def _copies(monkeypatch) -> list[int]:
+    """Spy on the session's batched device-to-host copy: the steps at which it ran."""
+    calls: list[int] = []
+    real = trackdiag.session.to_host
+
+    def spy(values):
+        calls.append(len(calls))
+        return real(values)
+
+    monkeypatch.setattr(trackdiag.session, "to_host", spy)
+    return calls
+
+
+@pytest.mark.parametrize("level", ["basic", "advanced", "extreme"])
+def test_non_logging_steps_read_nothing_back(digits, tmp_path, monkeypatch, level: str) -> None:
+    every = 5
+    probes = {**LEAN_PROBES, "nan_replay": {"mode": "log"}, "landscape": {"enabled": False}}
+    bare = _train(digits, 21)
+    assert sum(bare, Counter()) == Counter()  # the control loop itself reads nothing back
+    copies = _copies(monkeypatch)
+    make = lambda m, o: trackdiag.Diagnostics(m, o, level=level, every=every, sinks=["local"],  # noqa: E731
+                                              output_dir=str(tmp_path), probes=probes)
+    seen = _train(digits, 21, make)
+    reads = {step: dict(ops) for step, ops in enumerate(seen) if ops}
+    allowed = {0} if level == "extreme" else set()  # extreme's automatic pre-flight runs on the first batch
+    assert set(reads) == allowed, f"host reads at {level}: {reads}"
+    assert len(copies) == 5  # logging steps 0, 5, 10, 15, 20: one batched copy each (the next step() logs step 20)
+
+
+def test_exact_step_nan_replay_reads_one_flag_per_step(digits, tmp_path) -> None:
+    """``nan_replay: {mode: step}`` pays exactly one host read per step, by design (the finiteness flag)."""
+    make = lambda m, o: trackdiag.Diagnostics(m, o, level="basic", every=5, sinks=["local"],  # noqa: E731
+                                              output_dir=str(tmp_path), probes={"nan_replay": {"enabled": True, "mode": "step"}})
+    seen = _train(digits, 12, make)
+    assert [dict(ops) for ops in seen] == [{"_local_scalar_dense": 1}] * 12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("level", ["basic", "advanced"])
+def test_cuda_non_logging_steps_never_sync_and_logging_steps_sync_once(digits, tmp_path, level: str) -> None:
+    """``set_sync_debug_mode("error")`` around every non-logging step (whole step: forward, backward,
+    optimizer hooks, ``step()``); on logging steps the warnings counted must be exactly one."""
+    every = 5
+    per_logging_step: dict[int, int] = {}
+
+    class Watch:
+        def __init__(self, step: int) -> None:
+            self.step, self.logging = step, step % every == 0
+            self.caught: list = []
+
+        def __enter__(self):
+            torch.cuda.synchronize()
+            self._w = warnings.catch_warnings(record=True)
+            self.caught = self._w.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn" if self.logging else "error")
+            return self
+
+        def __exit__(self, *exc):
+            torch.cuda.set_sync_debug_mode("default")
+            self._w.__exit__(*exc)
+            if self.logging:
+                per_logging_step[self.step] = sum("synchroniz" in str(w.message) for w in self.caught)
+            return False
+
+    make = lambda m, o: trackdiag.Diagnostics(m, o, level=level, every=every, sinks=["local"],  # noqa: E731
+                                              output_dir=str(tmp_path), probes=LEAN_PROBES)
+    _train(digits, 3, device="cuda")  # warm the CUDA context outside the checked steps
+    _train(digits, 22, make, device="cuda", watch=Watch)
+    assert per_logging_step and all(n == 1 for n in per_logging_step.values()), per_logging_step
