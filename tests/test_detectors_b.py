@@ -422,17 +422,22 @@ def test_preflight_overfit_fails_with_a_learning_rate_far_too_small(tmp_path):
     opt = torch.optim.SGD(model.parameters(), 1e-7)
     report = session(model, opt, tmp_path).preflight(next(batches(1)))
     assert [c.name for c in report.failed] == ["overfit"]
-    # reference: the same 30 steps by hand on a copy
+    first, last = _fit_by_hand(model, 1e-7, next(batches(1)))  # reference: the same 30 steps by hand on a copy
+    assert f"from {first:.4g} to {last:.4g}" in report["overfit"].detail
+
+
+def _fit_by_hand(model: nn.Module, lr: float, batch, steps: int = 30) -> tuple[float, float]:
+    """The pre-flight's one-batch fit, by hand on a copy with SGD: (first loss, loss at the last step)."""
     clone = copy.deepcopy(model)
-    o = torch.optim.SGD(clone.parameters(), 1e-7)
-    x, y = next(batches(1))
+    o = torch.optim.SGD(clone.parameters(), lr)
+    x, y = batch
     first = F.cross_entropy(clone(x), y).item()
-    for _ in range(30):
+    for _ in range(steps):
         o.zero_grad()
         loss = F.cross_entropy(clone(x), y)
         loss.backward()
         o.step()
-    assert f"from {first:.4g} to {loss.item():.4g}" in report["overfit"].detail
+    return first, loss.item()
 
 
 def test_preflight_overfit_slow_learning_rate_is_a_note_not_an_alert(tmp_path):
@@ -442,13 +447,6 @@ def test_preflight_overfit_slow_learning_rate_is_a_note_not_an_alert(tmp_path):
     opt = torch.optim.SGD(model.parameters(), 0.02)
     x, y = next(batches(1))
     report = session(model, opt, tmp_path).preflight((x, y))
-    clone = copy.deepcopy(model)
-    o = torch.optim.SGD(clone.parameters(), 0.02)
-    first = F.cross_entropy(clone(x), y).item()
-    for _ in range(30):
-        o.zero_grad()
-        loss = F.cross_entropy(clone(x), y)
-        loss.backward()
-        o.step()
-    assert 0.01 * first < first - loss.item() < 0.1 * first  # fell, but by less than the 10 % asked
+    first, last = _fit_by_hand(model, 0.02, (x, y))
+    assert 0.01 * first < first - last < 0.1 * first  # fell, but by less than the 10 % asked
     assert report.ok and report["overfit"].ok is None and "slower" in report["overfit"].detail
