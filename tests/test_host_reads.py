@@ -20,7 +20,9 @@ import trackdiag
 import trackdiag.session
 from conftest import LEAN_PROBES, batches, make_mlp
 
-READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_dim", "unique_consecutive", "item"}
+# sync on CUDA: a value turned into a Python number, or an output sized by the data (bincount reads its max)
+READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_dim", "unique_consecutive", "bincount",
+         "repeat_interleave"}
 
 
 class HostReads(TorchDispatchMode):
@@ -34,16 +36,21 @@ class HostReads(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in READS:
             self.ops[name] += 1
+        elif name in ("index", "index_put", "index_put_") and any(  # x[mask]: a nonzero inside the kernel
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) if i is not None):
+            self.ops[f"{name}(bool mask)"] += 1
         return func(*args, **(kwargs or {}))
 
 
-def _train(digits, steps: int, diag=None, device: str = "cpu", watch=None) -> list[Counter[str]]:
-    """``steps`` plain SGD steps (a loop that itself reads nothing back); per step, the host reads seen."""
+def _train(digits, steps: int, diag=None, device: str = "cpu", watch=None, scaler: bool = False) -> list[Counter[str]]:
+    """``steps`` plain SGD steps (a loop that itself reads nothing back, unless a ``GradScaler`` steps it);
+    per step, the host reads seen."""
     x, y = digits
     torch.manual_seed(0)
     model = make_mlp().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    session = diag(model, opt) if diag else None
+    amp = torch.amp.GradScaler(device, init_scale=256.0) if scaler else None
+    session = diag(model, opt, amp) if diag else None
     data = batches(x, y)
     seen = []
     for step in range(steps):
@@ -51,8 +58,13 @@ def _train(digits, steps: int, diag=None, device: str = "cpu", watch=None) -> li
         with (watch(step) if watch else HostReads()) as mode:
             out = model(xb)
             loss = F.cross_entropy(out, yb)
-            loss.backward()
-            opt.step()
+            if amp is None:
+                loss.backward()
+                opt.step()
+            else:
+                amp.scale(loss).backward()
+                amp.step(opt)
+                amp.update()
             opt.zero_grad(set_to_none=True)
             if session is not None:
                 session.step(loss, outputs=out, batch=(xb, yb))
@@ -82,8 +94,8 @@ def test_non_logging_steps_read_nothing_back(digits, tmp_path, monkeypatch, leve
     bare = _train(digits, 21)
     assert sum(bare, Counter()) == Counter()  # the control loop itself reads nothing back
     copies = _copies(monkeypatch)
-    make = lambda m, o: trackdiag.Diagnostics(m, o, level=level, every=every, sinks=["local"],  # noqa: E731
-                                              output_dir=str(tmp_path), probes=probes)
+    make = lambda m, o, s: trackdiag.Diagnostics(m, o, s, level=level, every=every, sinks=["local"],  # noqa: E731
+                                                 output_dir=str(tmp_path), probes=probes)
     seen = _train(digits, 21, make)
     reads = {step: dict(ops) for step, ops in enumerate(seen) if ops}
     allowed = {0} if level == "extreme" else set()  # extreme's automatic pre-flight runs on the first batch
@@ -93,10 +105,20 @@ def test_non_logging_steps_read_nothing_back(digits, tmp_path, monkeypatch, leve
 
 def test_exact_step_nan_replay_reads_one_flag_per_step(digits, tmp_path) -> None:
     """``nan_replay: {mode: step}`` pays exactly one host read per step, by design (the finiteness flag)."""
-    make = lambda m, o: trackdiag.Diagnostics(m, o, level="basic", every=5, sinks=["local"],  # noqa: E731
+    make = lambda m, o, s: trackdiag.Diagnostics(m, o, s, level="basic", every=5, sinks=["local"],  # noqa: E731
                                               output_dir=str(tmp_path), probes={"nan_replay": {"enabled": True, "mode": "step"}})
     seen = _train(digits, 12, make)
     assert [dict(ops) for ops in seen] == [{"_local_scalar_dense": 1}] * 12
+
+
+def test_with_a_grad_scaler_the_session_adds_no_host_read(digits, tmp_path) -> None:
+    """``GradScaler.step`` reads its found-inf flag every step; the session (AMP probes included)
+    reads nothing more than the bare loop does, step by step."""
+    bare = _train(digits, 16, scaler=True)
+    assert all(ops for ops in bare)  # the control: the scaler's own reads are seen
+    make = lambda m, o, s: trackdiag.Diagnostics(m, o, s, level="advanced", every=5, sinks=["local"],  # noqa: E731
+                                                 output_dir=str(tmp_path), probes=LEAN_PROBES)
+    assert _train(digits, 16, make, scaler=True) == bare
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -127,8 +149,8 @@ def test_cuda_non_logging_steps_never_sync_and_logging_steps_sync_once(digits, t
                 per_logging_step[self.step] = sum("synchroniz" in str(w.message) for w in self.caught)
             return False
 
-    make = lambda m, o: trackdiag.Diagnostics(m, o, level=level, every=every, sinks=["local"],  # noqa: E731
-                                              output_dir=str(tmp_path), probes=LEAN_PROBES)
+    make = lambda m, o, s: trackdiag.Diagnostics(m, o, s, level=level, every=every, sinks=["local"],  # noqa: E731
+                                                 output_dir=str(tmp_path), probes=LEAN_PROBES)
     _train(digits, 3, device="cuda")  # warm the CUDA context outside the checked steps
     _train(digits, 22, make, device="cuda", watch=Watch)
     assert per_logging_step and all(n == 1 for n in per_logging_step.values()), per_logging_step

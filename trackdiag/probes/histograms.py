@@ -22,7 +22,7 @@ Cost on a due step, per parameter tensor: linear edges, once their values have r
 with the first due step's record: one ``histc`` and one ``lt``/``sum`` (~3x faster than the general
 path on CPU; bin boundaries then follow ``histc``/``torch.histogram(bins=n, range=...)``, equal to the
 published edges up to float rounding); otherwise one ``bucketize`` (a transient int64 copy of the
-tensor) and one ``bincount``; two ``aminmax`` per tensor once, at the first due step.
+tensor) and one ``scatter_add_`` count; two ``aminmax`` per tensor once, at the first due step.
 No host sync: counts and edges go to the host with the session's one copy. Nothing on other steps.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from trackdiag.context import Component, ProbeContext
 from trackdiag.errors import ConfigError
 from trackdiag.layers import group_names, layer_of
-from trackdiag.norms import flat_chunks
+from trackdiag.norms import bin_counts, flat_chunks
 from trackdiag.probes.base import Probe
 from trackdiag.record import Histogram, Record
 
@@ -163,7 +163,7 @@ class HistogramProbe(Probe):
                 continue
             t = t.reshape(-1)
             idx = torch.bucketize(t, edges[g].to(t.device), right=True)  # 0: below, bins + 1: >= last edge
-            c = torch.bincount(idx, minlength=b2).to(device)
+            c = bin_counts(idx, b2).to(device)
             counts[g * b2 : (g + 1) * b2].add_(c)
         self._pending[f"{key}|counts"] = counts
         self._pending[f"{key}|edges"] = edges

@@ -18,8 +18,8 @@ emits, on the first ``max_samples`` (256) rows of the batch:
   ``diag/[<c>/]out/classes``: the number of logit columns.
 
 Cost on a due step, bounded whatever the output size: a float copy of at most 256 x 1024 values, a
-``cdist`` of 64 x 64 rows of 1024 features and, for classifiers, a softmax and a ``bincount`` over at
-most 256 rows of logits; all on device, read with the other diagnostics. Nothing at all on other steps
+``cdist`` of 64 x 64 rows of 1024 features and, for classifiers, a softmax and a class count
+(``scatter_add_``) over at most 256 rows of logits; all on device, read with the other diagnostics. Nothing at all on other steps
 (no reference to the outputs is kept).
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 
 from trackdiag.context import ProbeContext, StepInputs
 from trackdiag.errors import ConfigError
+from trackdiag.norms import bin_counts
 from trackdiag.probes.base import Probe, take_pending
 from trackdiag.record import Record
 
@@ -109,7 +110,7 @@ def output_stats(x: torch.Tensor, classifier: bool, max_samples: int, max_featur
     if classifier and rows.shape[1] >= 2:
         logp = rows.float().log_softmax(dim=1)
         out["pred_entropy"] = -(logp.exp() * logp).sum(dim=1).mean()
-        counts = torch.bincount(logp.argmax(dim=1), minlength=rows.shape[1])
+        counts = bin_counts(logp.argmax(dim=1), rows.shape[1])
         out["top_class_fraction"] = counts.max().float() / m
         out["classes"] = float(rows.shape[1])
     return out
