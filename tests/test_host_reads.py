@@ -44,7 +44,8 @@ class HostReads(TorchDispatchMode):
 
 def _train(digits, steps: int, diag=None, device: str = "cpu", watch=None, scaler: bool = False) -> list[Counter[str]]:
     """``steps`` plain SGD steps (a loop that itself reads nothing back, unless a ``GradScaler`` steps it);
-    per step, the host reads seen."""
+    per step, the host reads seen. A probe that failed (and was switched off) fails the test: its
+    reads, or its sync error under CUDA's sync debug mode, would otherwise go unseen."""
     x, y = digits
     torch.manual_seed(0)
     model = make_mlp().to(device)
@@ -71,6 +72,7 @@ def _train(digits, steps: int, diag=None, device: str = "cpu", watch=None, scale
         seen.append(getattr(mode, "ops", Counter()))
     if session is not None:
         session.close()
+        assert session.summary()["disabled_probes"] == {}
     return seen
 
 
