@@ -20,9 +20,10 @@ import trackdiag
 import trackdiag.session
 from conftest import LEAN_PROBES, batches, make_mlp
 
-# sync on CUDA: a value turned into a Python number, or an output sized by the data (bincount reads its max)
+# sync on CUDA: a value turned into a Python number, or an output sized by the data (bincount reads its max),
+# or a kernel that reads a count back itself (CUDA's nanmedian: its NaN count)
 READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_dim", "unique_consecutive", "bincount",
-         "repeat_interleave"}
+         "repeat_interleave", "nanmedian"}
 
 
 class HostReads(TorchDispatchMode):

@@ -7,7 +7,7 @@ difference. Emits per component:
   ``diag/[<c>/]update/ratio/<layer>``: ||w_new - w_old|| / ||w_old|| of the layer's parameters
       (``nan`` for a layer whose weights are all zero); coarsened to the key budget like the
       gradient keys, the full per-layer table in ``record.tables`` when coarsened;
-  ``diag/[<c>/]update/ratio_median``: the median over layers (~1e-3 is the usual healthy value);
+  ``diag/[<c>/]update/ratio_median``: the median over layers with weights (~1e-3 is the usual healthy value);
   ``diag/[<c>/]update/global_ratio``: the same ratio over all parameters at once.
 
 Cost on a due step: a transient copy of the parameters (1x parameter memory, freed at the end of
@@ -61,7 +61,7 @@ class UpdateProbe(Probe):
         lw, ld = idx.per_layer_norm(w_norms), idx.per_layer_norm(d_norms)
         nan = torch.full_like(lw, math.nan)
         ratio = torch.where(lw > 0, ld / lw, nan)
-        out = {"ratio": ratio, "ratio_median": ratio.nanmedian(),
+        out = {"ratio": ratio,  # its median is taken on the host: CUDA's nanmedian reads its NaN count back
                "global_ratio": torch.linalg.vector_norm(d_norms) / torch.linalg.vector_norm(w_norms)}
         if idx.grouped:
             gw, gd = idx.per_group_norm(lw), idx.per_group_norm(ld)
@@ -76,7 +76,8 @@ class UpdateProbe(Probe):
             ratio = values.get(f"{comp.name}|ratio")
             if ratio is None:
                 continue
-            record.scalars[comp.key("update/ratio_median")] = float(values[f"{comp.name}|ratio_median"][0])
+            finite = ratio[~np.isnan(ratio)]
+            record.scalars[comp.key("update/ratio_median")] = float(np.median(finite)) if finite.size else math.nan
             record.scalars[comp.key("update/global_ratio")] = float(values[f"{comp.name}|global_ratio"][0])
             publish_layers(comp.key("update/ratio"), comp, ratio, record, values.get(f"{comp.name}|group_ratio"))
 
