@@ -2,7 +2,8 @@
 
 ``tensor_norms`` is one ``_foreach_norm`` launch for a whole list (no host sync, no per-tensor
 Python loop beyond building the list); ``max_abs`` the largest magnitude over a list; ``all_finite``
-whether a list holds no NaN/Inf; ``bin_counts`` a sync-free ``bincount``. All return device tensors. :class:`~trackdiag.layers.LayerIndex` caches the gradient and parameter norms per
+whether a list holds no NaN/Inf; ``bin_counts`` a sync-free ``bincount``. All return device
+tensors. :class:`~trackdiag.layers.LayerIndex` caches the gradient and parameter norms per
 optimizer-step hook, so the probes that read them at the same hook share one kernel launch.
 """
 from __future__ import annotations

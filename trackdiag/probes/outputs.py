@@ -19,8 +19,8 @@ emits, on the first ``max_samples`` (256) rows of the batch:
 
 Cost on a due step, bounded whatever the output size: a float copy of at most 256 x 1024 values, a
 ``cdist`` of 64 x 64 rows of 1024 features and, for classifiers, a softmax and a class count
-(``scatter_add_``) over at most 256 rows of logits; all on device, read with the other diagnostics. Nothing at all on other steps
-(no reference to the outputs is kept).
+(``scatter_add_``) over at most 256 rows of logits; all on device, read with the other diagnostics.
+Nothing at all on other steps (no reference to the outputs is kept).
 """
 from __future__ import annotations
 
