@@ -151,3 +151,18 @@ def test_state_dict_round_trip(digits, tmp_path) -> None:
     assert fresh.global_step == 40
     assert fresh.state_dict()["rules"] == state["rules"]
     fresh.close()
+
+
+def test_console_summary_reports_the_overhead_and_how_to_cut_it(digits, tmp_path, capsys) -> None:
+    """A tiny model logged on every step: trackdiag's fixed cost dominates, and the end-of-run summary
+    says so with the per-step figure of ``summary()``; the note is absent below its threshold."""
+    from trackdiag.sinks.console import NOTE_ABOVE, format_summary
+
+    diag = train(digits, tmp_path, 60, level="advanced", every=1, sinks=["local", "console"])
+    overhead = diag.summary()["overhead"]
+    assert overhead["fraction"] > NOTE_ABOVE  # precondition: 60 logging steps on a 64-32-32-10 MLP
+    printed = " ".join(capsys.readouterr().err.split())
+    assert f"overhead {100 * overhead['fraction']:.2f}% ({overhead['per_step_ms']:.2f} ms/step)" in printed
+    assert "log less often" in printed
+    quiet = format_summary({**diag.summary(), "overhead": {**overhead, "fraction": NOTE_ABOVE / 2}})
+    assert "ms/step" in quiet and "log less often" not in quiet

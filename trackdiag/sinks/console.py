@@ -8,11 +8,18 @@ from typing import Any, TextIO
 from trackdiag.runinfo import RunInfo
 from trackdiag.sinks.base import Sink
 
+NOTE_ABOVE = 0.05  # overhead fraction above which the summary says how to cut it
+
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The end-of-run report as plain text."""
+    overhead = summary.get("overhead", {})
+    fraction, per_step = overhead.get("fraction", 0.0), overhead.get("per_step_ms", 0.0)
     lines = [f"trackdiag: {summary.get('steps', 0)} steps, health {summary.get('health', '?').upper()}, "
-             f"overhead {100 * summary.get('overhead', {}).get('fraction', 0.0):.2f}%"]
+             f"overhead {100 * fraction:.2f}% ({per_step:.2f} ms/step)"]
+    if fraction > NOTE_ABOVE:
+        lines.append("  (mostly a fixed cost per step and per logging step: with steps this short, log less often "
+                     "with a larger `every` (diag.every=50) or use a lighter preset)")
     alerts = summary.get("alerts", {})
     if alerts:
         lines.append(f"  {'alert':<22}{'count':>7}{'first step':>12}{'suppressed':>12}  where (first)")
