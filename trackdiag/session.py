@@ -235,10 +235,12 @@ class Diagnostics(SetupChecks):
         if self._dist is not None:  # collective: every rank reduces, then judges the same record
             host, reduced = self._dist.reduce(host, self.probes)
         record = Record(step=step, time=time.time())
-        for i, p in enumerate(self.probes):
-            mine = {k.split("\t", 1)[1]: v for k, v in host.items() if k.startswith(f"{i}\t")}
-            if mine:
-                self._guard(p, "publish", ctx, mine, record)
+        by_probe: dict[int, dict[str, Any]] = collections.defaultdict(dict)
+        for k, v in host.items():
+            i, _, key = k.partition("\t")
+            by_probe[int(i)][key] = v
+        for i, mine in sorted(by_probe.items()):
+            self._guard(self.probes[i], "publish", ctx, mine, record)
         if self._dist is not None:
             reduced.apply(record)
         n = max(step - self._last_logged, 1)

@@ -4,6 +4,8 @@ They read the ``memory`` probe's keys: CUDA allocated memory when the model is o
 allocator-level), else the process RSS (noisier: the allocator keeps freed pages, libraries load)."""
 from __future__ import annotations
 
+import itertools
+
 import math
 from typing import Any, Sequence
 
@@ -54,8 +56,7 @@ class MemoryLeak(Rule):
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for key in _leak_keys(record):
-            pts = [(r.step, r.scalars[key]) for r in [*history, record] if key in r.scalars and r.step >= self.warmup]
-            pts = pts[-self.window:]
+            pts = _last_points(key, record, history, self.window, self.warmup)
             if len(pts) < self.min_points:
                 continue
             xs, ys = [float(s) for s, _ in pts], [v for _, v in pts]
@@ -111,3 +112,15 @@ class MemoryPressure(Rule):
             where = "host" if key == "diag/mem/rss_frac" else "cuda" + ("" if key.count("/") == 2 else ":" + key.rsplit("/", 1)[1])
             out.append(self.make(record.step, f"{what} is {100 * v:.1f}% of capacity.", v, self.threshold, where))
         return out
+
+
+def _last_points(key: str, record: Record, history: Sequence[Record], n: int, warmup: int) -> list[tuple[int, float]]:
+    """The last ``n`` (step, value) readings of ``key`` from step ``warmup`` on, oldest first; walks the
+    history backwards and stops there (it holds up to ``diag.history`` records)."""
+    pts: list[tuple[int, float]] = []
+    for r in itertools.chain((record,), reversed(history)):
+        if r.step < warmup or len(pts) == n:
+            break
+        if key in r.scalars:
+            pts.append((r.step, r.scalars[key]))
+    return pts[::-1]
