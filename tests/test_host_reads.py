@@ -78,7 +78,7 @@ def _train(digits, steps: int, diag=None, device: str = "cpu", watch=None, scale
 
 
 def _copies(monkeypatch) -> list[int]:
-    """Spy on the session's batched device-to-host copy: the steps at which it ran."""
+    """Spy on the session's batched device-to-host copy: one entry per call."""
     calls: list[int] = []
     real = trackdiag.session.to_host
 
@@ -103,13 +103,13 @@ def test_non_logging_steps_read_nothing_back(digits, tmp_path, monkeypatch, leve
     reads = {step: dict(ops) for step, ops in enumerate(seen) if ops}
     allowed = {0} if level == "extreme" else set()  # extreme's automatic pre-flight runs on the first batch
     assert set(reads) == allowed, f"host reads at {level}: {reads}"
-    assert len(copies) == 5  # logging steps 0, 5, 10, 15, 20: one batched copy each (the next step() logs step 20)
+    assert len(copies) == 5  # logging steps 0, 5, 10, 15, 20: one batched copy each
 
 
 def test_exact_step_nan_replay_reads_one_flag_per_step(digits, tmp_path) -> None:
     """``nan_replay: {mode: step}`` pays exactly one host read per step, by design (the finiteness flag)."""
     make = lambda m, o, s: trackdiag.Diagnostics(m, o, s, level="basic", every=5, sinks=["local"],  # noqa: E731
-                                              output_dir=str(tmp_path), probes={"nan_replay": {"enabled": True, "mode": "step"}})
+                                                 output_dir=str(tmp_path), probes={"nan_replay": {"enabled": True, "mode": "step"}})
     seen = _train(digits, 12, make)
     assert [dict(ops) for ops in seen] == [{"_local_scalar_dense": 1}] * 12
 
