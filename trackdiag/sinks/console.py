@@ -18,8 +18,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"trackdiag: {summary.get('steps', 0)} steps, health {summary.get('health', '?').upper()}, "
              f"overhead {100 * fraction:.2f}% ({per_step:.2f} ms/step)"]
     if fraction > NOTE_ABOVE:
-        lines.append("  (mostly a fixed cost per step and per logging step: with steps this short, log less often "
-                     "with a larger `every` (diag.every=50) or use a lighter preset)")
+        lines.append("  (mostly fixed costs, per step, per logging step and at start-up: with steps this short, "
+                     "log less often with a larger `every` (diag.every=50) or use a lighter preset)")
     alerts = summary.get("alerts", {})
     if alerts:
         lines.append(f"  {'alert':<22}{'count':>7}{'first step':>12}{'suppressed':>12}  where (first)")
