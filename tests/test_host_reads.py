@@ -1,8 +1,8 @@
 """Cheap by construction: nothing is read back to the host on non-logging steps, one copy per logging step.
 
 On CPU a "host read" cannot stall anything, but the ops that would on CUDA are the same: values turned
-into Python numbers (``aten._local_scalar_dense``: ``.item()``, ``bool()``, ``float()``) and ops whose
-output shape depends on the data (``nonzero``, ``masked_select``...). A dispatch mode counts them around
+into Python numbers (``aten._local_scalar_dense``: ``.item()``, ``bool()``, ``float()``), ops whose
+output shape depends on the data (``nonzero``, ``masked_select``...), and tensors made from host data. A dispatch mode counts them around
 whole training steps, with and without a session, and a spy counts ``to_host`` (the batched copy).
 The CUDA test checks the real thing with ``torch.cuda.set_sync_debug_mode`` and skips without a GPU.
 """
@@ -21,9 +21,10 @@ import trackdiag.session
 from conftest import LEAN_PROBES, batches, make_mlp
 
 # sync on CUDA: a value turned into a Python number, or an output sized by the data (bincount reads its max),
-# or a kernel that reads a count back itself (CUDA's nanmedian: its NaN count)
+# or a kernel that reads a count back itself (CUDA's nanmedian: its NaN count), or a tensor made from host
+# data (``torch.tensor(list, device=...)``: ``lift_fresh``, then a synchronous host-to-device copy)
 READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_dim", "unique_consecutive", "bincount",
-         "repeat_interleave", "nanmedian"}
+         "repeat_interleave", "nanmedian", "lift_fresh"}
 
 
 class HostReads(TorchDispatchMode):

@@ -18,7 +18,7 @@
   structured output) when the shapes pair up (``(N, C)`` with ``(N,)``, ``(B, T, C)`` with
   ``(B, T)``, ``(N, C, H, W)`` with ``(N, H, W)``); otherwise nothing is checked.
   Cost per step: one ``aminmax`` over the targets (plus ``ne``/``where`` to mask ``ignore_index``),
-  kept by reference; judged on device at the logging step; no host sync.
+  kept by reference; the window is stacked, copied with everything else and judged on the host.
 Both collect at every logging step (``always_collect``), so no step of a window is lost.
 """
 from __future__ import annotations
@@ -30,21 +30,6 @@ from trackdiag.context import ProbeContext, StepInputs
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.tensors import class_dim, float_tensors, logits_of, targets_of
-
-NONE = 2**62  # "no step yet" on device; published as -1
-
-
-def split(values: dict[str, np.ndarray]) -> tuple[dict[str, int], dict[str, int]]:
-    """Host values of ``first\\t<key>`` / ``count\\t<key>`` entries as ``({key: first step or -1}, {key: count})``."""
-    first, count = {}, {}
-    for k, v in values.items():
-        kind, _, key = k.partition("\t")
-        if kind == "first":
-            first[key] = -1 if v[0] >= NONE else int(v[0])
-        elif kind == "count":
-            count[key] = int(v[0])
-    return first, count
-
 
 class DataFiniteProbe(Probe):
     """See module docstring (``data_finite``). Per step and float tensor of the batch: one
@@ -119,6 +104,7 @@ class DataLabelsProbe(Probe):
         super().__init__(enabled=enabled, every=every)
         self.target, self.output, self.ignore_index = target, output, ignore_index
         self._seen: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (step, classes, lo, hi)
+        self._window: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # the collected steps and classes
         self._classes = -1
 
     @torch.no_grad()
@@ -135,21 +121,21 @@ class DataLabelsProbe(Probe):
         self._seen.append((ctx.step, self._classes, lo, hi))
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
-        """The window judged on device (a few ops, once per logging step): first bad step, count, range."""
+        """The window's per-step label ranges, stacked (one kernel) and copied with everything else;
+        judged on the host (no tensor is built from host values: that copy would sync on CUDA)."""
         if not self._seen:
             return {}
         steps, classes, los, his = zip(*self._seen)
         self._seen = []
-        lo, hi = torch.stack(los).long(), torch.stack(his).long()
-        dev = lo.device
-        bad = (hi >= torch.tensor(classes, device=dev)) | (lo < 0)
-        first = torch.where(bad, torch.tensor(steps, device=dev), NONE).min()
-        return {"first\tlabels": first, "count\tlabels": bad.sum(), "min": lo.min(), "max": hi.max()}
+        self._window = (steps, classes)
+        return {"range": torch.stack([torch.stack(los), torch.stack(his)], dim=1).long()}
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
-        first, count = split(values)
-        record.scalars["diag/data/label_first_bad_step"] = float(first.get("labels", -1))
-        record.scalars["diag/data/label_bad_steps"] = float(count.get("labels", 0))
-        record.scalars["diag/data/label_min"] = float(values["min"][0])
-        record.scalars["diag/data/label_max"] = float(values["max"][0])
+        steps, classes = self._window
+        lo, hi = values["range"].reshape(len(steps), 2).T
+        bad = (hi >= np.asarray(classes)) | (lo < 0)
+        record.scalars["diag/data/label_first_bad_step"] = float(steps[int(np.argmax(bad))]) if bad.any() else -1.0
+        record.scalars["diag/data/label_bad_steps"] = float(bad.sum())
+        record.scalars["diag/data/label_min"] = float(lo.min())
+        record.scalars["diag/data/label_max"] = float(hi.max())
         record.scalars["diag/data/num_classes"] = float(self._classes)
