@@ -14,8 +14,8 @@ same round, with a 95 % interval (+-1.96 standard errors of the mean log ratio).
 arms also the *attributed* ratio: 1 + (trackdiag's own time on the training thread, its
 forward/backward hooks included, + the sink thread's CPU time) per step / the bare step time. It
 misses indirect costs (cache pollution) but has none of the wall clock's noise. Peers:
-``wandb.watch(model, log="all", log_freq=every)`` (offline) and Cockpit's ``economy`` config when
-``cockpit-for-pytorch`` imports (it needs torchvision, which has no CPU wheel on our machines).
+``wandb.watch(model, log="all", log_freq=every)`` (offline). Cockpit is not an arm: it needs BackPACK and
+torchvision, which has no CPU wheel for our torch, so an arm for it could never be run or checked here.
 Landscapes are excluded from the preset arms (they are scheduled artifacts, timed separately).
 """
 from __future__ import annotations
@@ -75,16 +75,6 @@ class Arm:
             run = wandb.init(mode="offline", dir=str(tmp), project="bench")  # watch() logs through the global run
             run.watch(self.model, log="all", log_freq=10)
             self.closer = run.finish
-        elif name == "cockpit":
-            self._cockpit()
-
-    def _cockpit(self) -> None:  # pragma: no cover - only where cockpit-for-pytorch imports
-        from backpack import extend
-        from cockpit import Cockpit, CockpitPlotter  # noqa: F401
-
-        self.model = extend(self.model)
-        self.lossfn = extend(torch.nn.CrossEntropyLoss(reduction="mean"))
-        raise NotImplementedError("cockpit arm needs per-sample losses wiring")
 
     def step(self) -> None:
         """One training step of this arm; its wall and process CPU time go to the current round."""
@@ -137,12 +127,6 @@ def available_peers() -> list[str]:
 
         peers.append("wandb.watch")
     except ImportError:
-        pass
-    try:
-        import cockpit  # noqa: F401
-
-        peers.append("cockpit")
-    except Exception:
         pass
     return peers
 

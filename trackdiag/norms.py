@@ -2,8 +2,8 @@
 
 ``tensor_norms`` is one ``_foreach_norm`` launch for a whole list (no host sync, no per-tensor
 Python loop beyond building the list); ``max_abs`` the largest magnitude over a list; ``all_finite``
-whether a list holds no NaN/Inf; ``bin_counts`` a sync-free ``bincount``. All return device
-tensors. :class:`~trackdiag.layers.LayerIndex` caches the gradient and parameter norms per
+whether a list holds no NaN/Inf; ``bin_counts`` a sync-free ``bincount``; ``stack_scalars`` 0-d
+values into one vector. All return device tensors. :class:`~trackdiag.layers.LayerIndex` caches the gradient and parameter norms per
 optimizer-step hook, so the probes that read them at the same hook share one kernel launch.
 """
 from __future__ import annotations
@@ -83,14 +83,9 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.ones((), dtype=torch.bool)
     dev = tensors[0].device
     found = torch.zeros(1, device=dev)
-    try:
+    try:  # one call for the whole list: mixed dtypes take the kernel's per-tensor route, no Python loop here
         with torch.no_grad():
-            groups: dict[torch.dtype, list[torch.Tensor]] = {}
-            for t in tensors:
-                groups.setdefault(t.dtype, []).append(t)
-            one = torch.ones(1, device=dev)
-            for group in groups.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, torch.ones(1, device=dev))
     except (RuntimeError, NotImplementedError):
         return torch.isfinite(tensor_norms([t.detach() for t in tensors])).all()
     return found[0] == 0
@@ -101,3 +96,13 @@ def bin_counts(idx: torch.Tensor, n: int) -> torch.Tensor:
     ``bincount`` reads the largest index back to size its output; a ``scatter_add_`` into ``n``
     counts does not (CPU: ~2x slower than ``bincount``, 1.2 ms per million values)."""
     return torch.zeros(n, dtype=torch.long, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
+
+
+def stack_scalars(values: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """0-d (or one-element) tensors as one 1-D ``dtype`` vector on the first one's device: a single
+    ``stack`` in the usual case (one dtype, one device, 0-d), a per-value conversion otherwise."""
+    try:
+        return torch.stack(values).to(dtype)
+    except RuntimeError:
+        dev = values[0].device
+        return torch.stack([v.reshape(()).to(dev, dtype) for v in values])

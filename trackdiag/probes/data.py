@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from trackdiag.context import ProbeContext, StepInputs
+from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.tensors import class_dim, float_tensors, logits_of, targets_of
@@ -68,10 +69,7 @@ class DataFiniteProbe(Probe):
         self._steps = {}
         for path, (steps, vals) in self._seen.items():
             self._steps[path] = steps
-            try:  # one kernel when every value is a 0-d tensor of one dtype and device (the usual case)
-                out[path] = torch.stack(vals).float()
-            except RuntimeError:
-                out[path] = torch.stack([v.float().reshape(()).to(vals[0].device) for v in vals])
+            out[path] = stack_scalars(vals)
         self._seen = {}
         return out
 
@@ -128,7 +126,7 @@ class DataLabelsProbe(Probe):
         steps, classes, los, his = zip(*self._seen)
         self._seen = []
         self._window = (steps, classes)
-        return {"range": torch.stack([torch.stack(los), torch.stack(his)], dim=1).long()}
+        return {"range": torch.stack([stack_scalars(los, torch.long), stack_scalars(his, torch.long)], dim=1)}
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         steps, classes = self._window

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from trackdiag.context import ProbeContext, StepInputs
+from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.stats import Ema
@@ -37,11 +38,7 @@ class _Ring:
         steps, values = self.steps, self.values
         self.steps, self.values = [], []
         if all(isinstance(v, torch.Tensor) for v in values):
-            try:  # one kernel: the usual case of 0-d losses of one dtype on one device
-                return steps, torch.stack(values).float()
-            except RuntimeError:
-                dev = values[0].device
-                return steps, torch.stack([v.reshape(()).to(dev).float() for v in values]).float()
+            return steps, stack_scalars(values)
         return steps, torch.tensor([float(v) for v in values], dtype=torch.float64)
 
 

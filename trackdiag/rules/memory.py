@@ -5,7 +5,6 @@ allocator-level), else the process RSS (noisier: the allocator keeps freed pages
 from __future__ import annotations
 
 import itertools
-
 import math
 from typing import Any, Sequence
 
