@@ -15,10 +15,16 @@ def _model_opt():
 
 
 def _no_hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> bool:
+    """Nothing of trackdiag on the model, the optimizer, or torch's global hook tables."""
+    import torch.optim.optimizer as optim_mod
+    from torch.nn.modules import module as module_mod
+
     mods = list(model.modules())
     return (not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+            and not optim_mod._global_optimizer_pre_hooks and not optim_mod._global_optimizer_post_hooks
+            and not module_mod._global_forward_hooks and not module_mod._global_forward_pre_hooks
             and all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in mods)
-            and all(not p._backward_hooks if p._backward_hooks else True for p in model.parameters()))
+            and all(not p._backward_hooks for p in model.parameters()))
 
 
 def test_presets_are_packaged_and_valid() -> None:
@@ -82,6 +88,6 @@ def test_from_config_dictconfig_with_overrides(tmp_path) -> None:
     assert diag.enabled and diag.every == 7
     rule = next(r for r in diag.rules if r.kind == "grad_explosion")
     assert rule.threshold == 50.0
-    assert opt._optimizer_step_pre_hooks  # the enabled session hooks the optimizer...
+    assert not _no_hooks(model, opt)  # the enabled session follows the optimizer and the gradients...
     diag.close()
     assert _no_hooks(model, opt)  # ...and close() removes every hook

@@ -261,11 +261,14 @@ def test_dead_units_negative_bias(tmp_path: Any) -> None:
     model = mlp()
     with torch.no_grad():
         model[0].bias.fill_(-10.0)  # pre-activations all < 0: every unit of the first ReLU is dead
+    from trackdiag.forward_watch import FORWARD
+
     attached: dict[int, int] = {}
 
     def hook(where: str, step: int) -> None:
-        if where == "before_step":
-            attached[step] = len(model[1]._forward_hooks)
+        if where == "before_step":  # watched through the global watcher; nothing ever on the module itself
+            attached[step] = int(id(model[1]) in FORWARD._post)
+            assert not model[1]._forward_hooks
 
     r = train(model, tmp_path, steps=60, hook=hook, probes=quiet_probes())
     dead = r.kinds["dead_units"][0]
@@ -273,8 +276,8 @@ def test_dead_units_negative_bias(tmp_path: Any) -> None:
     assert "3" not in {a.where for a in r.kinds["dead_units"]}
     sampled = {s for s, _ in series(tmp_path, "diag/act/dead_fraction/1")}
     assert {0, 50} <= sampled and len(sampled) < 60
-    assert {s for s, n in attached.items() if n} == sampled  # hooks only for the due steps' forwards
-    assert len(model[1]._forward_hooks) == 0  # removed at close
+    assert {s for s, n in attached.items() if n} == sampled  # watched only for the due steps' forwards
+    assert id(model[1]) not in FORWARD._post  # removed at close
 
 
 def test_dead_fraction_matches_manual_forward(tmp_path: Any) -> None:

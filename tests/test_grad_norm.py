@@ -13,7 +13,8 @@ from conftest import LEAN_PROBES, batches, make_mlp
 
 
 def _series(out_dir, key: str) -> dict[int, float]:
-    return {r.step: r.scalars[key] for r in read_records(out_dir) if key in r.scalars}
+    """Every (step, value) point of ``key`` in the local record (scalars and every-step series)."""
+    return {s: v for r in read_records(out_dir) for k, s, v in r.points() if k == key}
 
 
 @pytest.mark.parametrize("mode", ["plain", "scaler_explicit_unscale", "scaler_implicit_unscale", "accumulate", "clipped"])
@@ -38,9 +39,8 @@ def test_global_grad_norm_matches_clip_grad_norm(digits, tmp_path, mode: str) ->
                 # reference on a copy of the unscaled grads; scaler.step unscales itself before optimizer.step
                 grads = [p.grad.detach().clone() / scaler.get_scale() for p in model.parameters()]
                 expected[step] = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
-            elif mode == "clipped":
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-                expected[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf).item()
+            elif mode == "clipped":  # the pre-clip norm: what clip_grad_norm_ returns
+                expected[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item()
             else:
                 expected[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf).item()
             if scaler:
@@ -54,8 +54,14 @@ def test_global_grad_norm_matches_clip_grad_norm(digits, tmp_path, mode: str) ->
     assert sorted(got) == list(range(12))
     for step, ref in expected.items():
         assert got[step] == pytest.approx(ref, rel=1e-5), step
-    if mode == "clipped":
-        assert max(got.values()) <= 0.5 * (1 + 1e-5)
+    if mode == "clipped":  # the clipped norm and the coefficient beside it
+        clipped = _series(tmp_path, "diag/grad/clipped_norm")
+        coef = _series(tmp_path, "diag/grad/clip_coef")
+        assert sorted(clipped) == sorted(coef) == list(range(12))
+        assert sum(ref > 0.1 for ref in expected.values()) >= 6  # the clip did bite
+        for step, ref in expected.items():
+            assert clipped[step] == pytest.approx(min(ref, 0.1), rel=1e-4)
+            assert coef[step] == pytest.approx(min(1.0, 0.1 / ref), rel=1e-4)
 
 
 def test_per_layer_norms_and_max_abs_match_direct_computation(digits, tmp_path) -> None:
@@ -111,11 +117,11 @@ def test_named_components_gan_style(tmp_path) -> None:
             diag.step({"G": lg, "D": ld})
     records = list(read_records(tmp_path))
     for name in ("G", "D"):
-        got = [r.scalars[f"diag/{name}/grad/global_norm"] for r in records if f"diag/{name}/grad/global_norm" in r.scalars]
+        got = [v for _, v in sorted(_series(tmp_path, f"diag/{name}/grad/global_norm").items())]
         assert got == pytest.approx(refs[name], rel=1e-5)
         series = [p for r in records for p in r.series.get(f"diag/{name}/loss", [])]
         assert [s for s, _ in series] == [0, 1, 2, 3]
-    assert "diag/grad/global_norm" not in records[0].scalars
+    assert "diag/grad/global_norm" not in records[0].series
 
 
 def test_many_tensors_take_the_chunked_paths_and_still_match(tmp_path) -> None:
@@ -143,10 +149,14 @@ def test_many_tensors_take_the_chunked_paths_and_still_match(tmp_path) -> None:
     finally:
         norms.CHUNK = old_chunk
     records = list(read_records(tmp_path))
+    norms = _series(tmp_path, "diag/grad/global_norm")
     for rec, (total, top) in zip(records[:2], refs[:2]):
-        assert rec.scalars["diag/grad/global_norm"] == pytest.approx(total, rel=1e-5)
+        assert norms[rec.step] == pytest.approx(total, rel=1e-5)
         assert rec.scalars["diag/grad/max_abs"] == pytest.approx(top, rel=1e-6)
-    assert math.isnan(records[2].scalars["diag/grad/max_abs"]) and records[2].scalars["diag/grad/nonfinite_tensors"] == 1
+    # the NaN was written after the backward pass: the pre-clip norm is still the finite one, but the
+    # gradients the optimizer used hold it
+    assert norms[2] == pytest.approx(refs[2][0], rel=1e-5)
+    assert records[2].scalars["diag/grad/nonfinite_tensors"] == 1
 
 
 def test_no_gradient_or_output_outlives_its_step(tmp_path) -> None:

@@ -54,7 +54,7 @@ def test_advanced_preset_with_overrides_healthy_300_steps(app: Path, tmp_path: P
     summary = json.loads((diag_dir / "summary.json").read_text())
     assert summary["steps"] == 300 and summary["alerts"] == {} and summary["health"] == "ok"
     steps = [json.loads(line)["step"] for line in (diag_dir / "records.jsonl").read_text().splitlines()]
-    assert steps[:3] == [0, 20, 40]
+    assert steps[:13] == [*range(10), 20, 40, 60]  # the first 10 steps one by one (update ratios), then every 20
 
 
 def test_planted_nan_fires_through_hydra(app: Path, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from torch import nn
 from trackdiag.context import Component
 from trackdiag.errors import TrackdiagError
 from trackdiag.layers import LayerIndex
+from trackdiag.optimizers import param_groups, real_optimizer
 
 
 def unwrap(model: Any) -> Any:
@@ -19,32 +20,97 @@ def unwrap(model: Any) -> Any:
         model = inner
 
 
+def module_key(name: str, taken: set[str]) -> str:
+    """``name`` as a ``ModuleDict`` key (no dots, not empty), unique among ``taken``."""
+    key = (str(name) or "_").replace(".", "_")
+    while key in taken:
+        key += "_"
+    taken.add(key)
+    return key
+
+
+def _optimizers(opt: Any) -> list[Any]:
+    """The user's optimizer argument for one component as a list (``None`` -> ``[]``)."""
+    if opt is None:
+        return []
+    return [o for o in opt if o is not None] if isinstance(opt, (list, tuple)) else [opt]
+
+
 def build_components(model: Any, optimizer: Any, budget: int) -> list[Component]:
     """One component per named model/optimizer pair.
 
     A single model and optimizer give one unnamed component. Dicts are paired by key
-    (``{"G": g, "D": d}`` with ``{"G": opt_g, "D": opt_d}``). A dict of models with one optimizer
-    becomes one component whose layer names are prefixed with the model keys.
+    (``{"G": g, "D": d}`` with ``{"G": opt_g, "D": opt_d}``); any string works as a key. A dict of
+    models with one optimizer becomes one component whose layer names are prefixed with the model
+    keys. An optimizer may be a wrapper (accelerate, Lightning, ZeRO, Lookahead: the optimizer that
+    really steps is found inside), a list of optimizers, or ``None`` (found when it first steps).
     """
     if isinstance(model, Mapping) and not isinstance(optimizer, Mapping):
-        model = nn.ModuleDict({k: unwrap(m) for k, m in model.items()})
-    models = {k: unwrap(m) for k, m in model.items()} if isinstance(model, Mapping) else {"": unwrap(model)}
-    opts = dict(optimizer) if isinstance(optimizer, Mapping) else {"": optimizer}
+        taken: set[str] = set()
+        model = nn.ModuleDict({module_key(k, taken): unwrap(m) for k, m in model.items()})
+    outers = {str(k): m for k, m in model.items()} if isinstance(model, Mapping) else {"": model}
+    models = {k: unwrap(m) for k, m in outers.items()}
+    opts = {str(k): v for k, v in optimizer.items()} if isinstance(optimizer, Mapping) else {"": optimizer}
     names = list(dict.fromkeys([*models, *opts])) if len(models) > 1 or len(opts) > 1 else [""]
     comps = []
     for name in names:
         m = models.get(name, models.get("") if len(models) == 1 else None)
         if m is None and len(models) == 1:
             m = next(iter(models.values()))
-        o = opts.get(name, opts.get("") if len(opts) == 1 else None)
-        if o is not None:
-            params = [p for g in o.param_groups for p in g["params"]]
-        elif m is not None:
-            params = [p for p in m.parameters() if p.requires_grad]
-        else:
+        given = _optimizers(opts.get(name, opts.get("") if len(opts) == 1 else None))
+        if m is None and not given:
             raise TrackdiagError(f"component {name!r} has neither a model nor an optimizer")
-        comps.append(Component(name, m, o, LayerIndex.build(m, params, budget)))
+        comp = Component(name, m, None, LayerIndex.build(m, [], budget), given=given,
+                         outer=outers.get(name, next(iter(outers.values())) if len(outers) == 1 else m))
+        for o in given:
+            comp.add_optimizer(o)
+        reindex(comp, budget)
+        comps.append(comp)
     return comps
+
+
+def component_params(comp: Component) -> list[Any]:
+    """The parameters a component's statistics cover: those its optimizers step (every param group,
+    in order, each once), else the model's trainable parameters."""
+    seen: set[int] = set()
+    params = []
+    for o in comp.optimizers or [g for g in comp.given if param_groups(g)]:
+        for group in param_groups(o):
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+    if not params and comp.model is not None:
+        params = [p for p in comp.model.parameters() if p.requires_grad]
+    return params
+
+
+def reindex(comp: Component, budget: int) -> bool:
+    """Rebuild ``comp.index`` if its parameter list changed (a param group added, a layer
+    unfrozen, parameters materialised later); True when it did. Host work only."""
+    params = component_params(comp)
+    signature = tuple((id(p), p.requires_grad) for p in params)
+    if signature == comp.signature:
+        return False
+    comp.signature = signature
+    comp.index = LayerIndex.build(comp.model, params, budget)
+    comp.generation += 1
+    return True
+
+
+def groups_signature(comp: Component) -> tuple[Any, ...]:
+    """A cheap fingerprint of the component's optimizers' param groups (number of groups and of
+    tensors per group): it changes with ``add_param_group``."""
+    return tuple((id(o), tuple(len(g["params"]) for g in param_groups(o))) for o in comp.optimizers)
+
+
+def attachable(comp: Component, opt: Any) -> bool:
+    """True when ``opt`` steps some of ``comp``'s model's parameters (or the component has no
+    model and no optimizer yet)."""
+    ids = {id(p) for g in param_groups(opt) for p in g["params"]}
+    if comp.model is not None:
+        return any(id(p) in ids for p in comp.model.parameters())
+    return any(id(p) in ids for p in comp.index.params)
 
 
 def batch_size_of(batch: Any) -> int | None:
@@ -58,3 +124,7 @@ def batch_size_of(batch: Any) -> int | None:
     if isinstance(batch, (list, tuple)) and batch:
         return batch_size_of(batch[0])
     return None
+
+
+__all__ = ["attachable", "batch_size_of", "build_components", "component_params", "groups_signature",
+           "real_optimizer", "reindex", "unwrap"]

@@ -13,16 +13,47 @@ from trackdiag.layers import LayerIndex
 
 @dataclass
 class Component:
-    """One named model with the optimizer that steps it (``name == ""`` for a single model)."""
+    """One named model with the optimizer(s) that step it (``name == ""`` for a single model).
+
+    ``optimizer``: the first optimizer that really steps it (found behind wrappers; for the LR and
+    the set-up checks), or None. ``optimizers``: every such optimizer (hookable ones: torch's step
+    hooks run for them). ``given``: what the user passed (wrappers included). ``generation`` grows
+    each time ``index`` is rebuilt (param groups added, layers unfrozen).
+    """
 
     name: str
     model: nn.Module | None
-    optimizer: torch.optim.Optimizer | None
+    optimizer: Any
     index: LayerIndex
+    given: list[Any] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    generation: int = 0
+    signature: tuple[Any, ...] = ()
+    groups: tuple[Any, ...] = ()
+    #: the model as the user passed it (a DDP or ``torch.compile`` wrapper included): forward calls
+    #: are watched on it, while ``model`` is the module inside
+    outer: Any = None
 
     def key(self, suffix: str) -> str:
         """The metric key of ``suffix`` for this component: ``diag/[<name>/]<suffix>``."""
         return f"diag/{self.name}/{suffix}" if self.name else f"diag/{suffix}"
+
+    def add_optimizer(self, opt: Any) -> bool:
+        """Adopt ``opt`` (or the optimizer it wraps); True if it is new to this component."""
+        from trackdiag.optimizers import param_groups, real_optimizer
+
+        if all(opt is not g for g in self.given):
+            self.given.append(opt)
+        real = real_optimizer(opt)
+        new = real is not None and all(real is not o for o in self.optimizers)
+        if new:
+            self.optimizers.append(real)
+        self.optimizer = self.optimizers[0] if self.optimizers else next((g for g in self.given if param_groups(g)), None)
+        return new
+
+    def owns(self, opt: Any) -> bool:
+        """True when ``opt`` is one of this component's (real) optimizers."""
+        return any(opt is o for o in self.optimizers)
 
 
 @dataclass
@@ -51,6 +82,10 @@ class ProbeContext:
     #: seconds spent in trackdiag's forward/backward hooks since the last logging step (they run inside
     #: the user's forward/backward, so the session's own clock does not see them)
     hook_seconds: float = 0.0
+    #: components whose optimizer stepped in the step being recorded (set at ``Diagnostics.step``)
+    stepped: set[str] = field(default_factory=set)
+    #: some part of a model is compiled (``torch.compile``): no module hooks, replays run eager
+    compiled: bool = False
 
     def is_due(self, schedule: Callable[[int], bool]) -> bool:
         return schedule(self.step) or (self.step <= self.anomaly_until and getattr(schedule, "anomaly", True))

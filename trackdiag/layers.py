@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trackdiag.distributed import is_sharded, local
-from trackdiag.norms import all_finite, tensor_norms
+from trackdiag.norms import all_finite, grad_norms
 
 ROOT = "(root)"
 
@@ -52,22 +52,29 @@ class LayerIndex:
     _zeros: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
     sharded: bool = False  # some parameters are DTensors (FSDP2): read their local shards
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    index_of: list[int] = field(default_factory=list)  # host copy of ``index``
+    low_precision: bool = False  # some parameters are fp16/bf16: norms accumulate in fp32
 
     @classmethod
     def build(cls, model: nn.Module | None, params: list[torch.Tensor], budget: int) -> "LayerIndex":
-        by_id = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        by_id: dict[int, str] = {}
+        if model is not None:
+            for n, p in model.named_parameters(remove_duplicate=False):
+                by_id.setdefault(id(p), n)
         names = [by_id.get(id(p), f"param{i}") for i, p in enumerate(params)]
         layer_names = [layer_of(n) for n in names]
         layers = list(dict.fromkeys(layer_names))
         pos = {n: i for i, n in enumerate(layers)}
         device = params[0].device if params else torch.device("cpu")
-        index = torch.tensor([pos[n] for n in layer_names], dtype=torch.long, device=device)
+        index_of = [pos[n] for n in layer_names]
+        index = torch.tensor(index_of, dtype=torch.long, device=device)
         group_of_layer = group_names(layers, budget)
         groups = list(dict.fromkeys(group_of_layer))
         gpos = {g: i for i, g in enumerate(groups)}
         group_index = torch.tensor([gpos[g] for g in group_of_layer], dtype=torch.long, device=device)
+        low = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
         return cls(params, names, layers, index, groups, group_index, grouped=len(groups) < len(layers),
-                   sharded=any(is_sharded(p) for p in params))
+                   sharded=any(is_sharded(p) for p in params), index_of=index_of, low_precision=low)
 
     def grads(self) -> list[torch.Tensor]:
         """Each parameter's gradient (this rank's shard of a DTensor gradient under FSDP2); a zero
@@ -93,7 +100,7 @@ class LayerIndex:
         """Per-parameter L2 norms of :meth:`grads` (one ``_foreach_norm``; cached for this hook)."""
         norms = self._cache.get("grad")
         if norms is None:
-            norms = self._cache["grad"] = tensor_norms(self.grads())
+            norms = self._cache["grad"] = grad_norms(self.grads(), self.low_precision)
         return norms
 
     def grads_finite(self) -> torch.Tensor:
@@ -107,7 +114,7 @@ class LayerIndex:
         norms = self._cache.get("param")
         if norms is None:
             params = [local(p.detach()) for p in self.params] if self.sharded else [p.detach() for p in self.params]
-            norms = self._cache["param"] = tensor_norms(params)
+            norms = self._cache["param"] = grad_norms(params, self.low_precision)
         return norms
 
     def clear_cache(self) -> None:

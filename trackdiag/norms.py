@@ -41,15 +41,37 @@ def _joined(run: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return flat.to(dtype)
 
 
-def tensor_norms(tensors: list[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
-    """Per-tensor norms as one 1-D tensor (foreach kernel; no host sync)."""
+def tensor_norms(tensors: list[torch.Tensor], ord: float = 2.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Per-tensor norms as one 1-D tensor (foreach kernel; no host sync). ``dtype``: accumulate and
+    return in this dtype (fp32 for fp16/bf16 tensors, whose squares overflow above ~256)."""
     if not tensors:
         return torch.zeros(0)
     devices = {t.device for t in tensors}
     if len(devices) == 1:
-        return torch.stack(torch._foreach_norm(tensors, ord))
+        return torch.stack(torch._foreach_norm(tensors, ord, dtype=dtype) if dtype is not None else torch._foreach_norm(tensors, ord))
     dev = tensors[0].device
-    return torch.stack([torch.linalg.vector_norm(t, ord).to(dev) for t in tensors])
+    return torch.stack([torch.linalg.vector_norm(t, ord, dtype=dtype).to(dev) for t in tensors])
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A dense real tensor with the same L2 norm and NaN/Inf as ``t``: a sparse tensor's coalesced
+    values, a complex tensor's magnitudes."""
+    if t.layout is not torch.strided:
+        t = t.coalesce().values() if t.layout is torch.sparse_coo else t.to_dense()
+    return t.abs() if t.is_complex() else t
+
+
+def grad_norms(grads: list[torch.Tensor], low_precision: bool = False) -> torch.Tensor:
+    """Per-tensor L2 norms of gradients, in fp32: one foreach kernel in the usual case (accumulated
+    in fp32 when some are fp16/bf16); sparse and complex gradients, mixed precisions and several
+    devices take a per-tensor path over :func:`plain` values."""
+    try:
+        if low_precision:
+            return tensor_norms(grads, dtype=torch.float32)
+        return tensor_norms(grads).float()
+    except (RuntimeError, NotImplementedError):
+        dev = grads[0].device
+        return torch.stack([torch.linalg.vector_norm(plain(g).float()).to(dev) for g in grads])
 
 
 def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -59,6 +81,8 @@ def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
     at most ``CHUNK`` values (a transient copy of at most 16 MB)."""
     if not tensors:
         return torch.zeros(())
+    if any(t.layout is not torch.strided or t.is_complex() for t in tensors):
+        tensors = [plain(t) for t in tensors]
     if len({t.device for t in tensors}) > 1:
         return tensor_norms(tensors, math.inf).max()
     if len(tensors) <= 64:

@@ -20,13 +20,16 @@ fault was noticed), a replay would blame the first layer: this is detected and r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from trackdiag.gradtap import TAP_QUEUE
 from trackdiag.layers import ROOT
+from trackdiag.snapshot import ParamSnapshot
 from trackdiag.tensors import default_loss, float_tensors
 
 Call = tuple[tuple[Any, ...], dict[str, Any], tuple[str, torch.dtype] | None]  # args, kwargs, autocast
@@ -145,20 +148,44 @@ class _Recorder:
         return max(bad_out, key=self.order.__getitem__) if bad_out else None
 
 
+def eager() -> contextlib.AbstractContextManager[Any]:
+    """Compiled code runs eagerly inside (hooks are seen, nothing is traced or recompiled)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 def replay(model: nn.Module, calls: list[Call], *, step: int, batch: Any = None,
-           loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backward: bool = True) -> Finding:
-    """Replay ``calls`` (captured forward arguments of step ``step``) on ``model``; see module doc."""
+           loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backward: bool = True,
+           snapshot: ParamSnapshot | None = None) -> Finding:
+    """Replay ``calls`` (captured forward arguments of step ``step``) on ``model``; see module doc.
+    When the weights already hold NaN/Inf, the replay runs on ``snapshot`` (weights of an earlier,
+    finite step) if there is one."""
     if not calls:
         return Finding(step, "unavailable", detail=f"no forward call of step {step} was captured.")
-    bad_state = nonfinite_state(model)
-    if bad_state:
+    with TAP_QUEUE.pause(), eager():
+        bad_state = nonfinite_state(model)
+        if not bad_state:
+            return _replay(model, calls, step, batch, loss_fn, backward)
         inputs_ok = _finite([c[:2] for c in calls])
+        why = snapshot.refused if snapshot is not None and snapshot.refused else "no earlier weights were kept"
+        if snapshot is not None and snapshot.step is not None and snapshot.step <= step:
+            with snapshot.applied() as at:
+                if not nonfinite_state(model):
+                    found = _replay(model, calls, step, batch, loss_fn, backward)
+                    return dataclasses.replace(found, detail=(
+                        f"{found.detail} (replayed on the weights of step {at}, {step - at} step(s) before the bad "
+                        f"step: by the time it was noticed, the optimizer had already written NaN/Inf into the weights)"))
+            why = f"the weights kept at step {snapshot.step} are not finite either"
         return Finding(step, "params", _layer(bad_state[0]), inputs_ok, (
             f"{len(bad_state)} parameter/buffer tensor(s) already hold NaN/Inf (first: {bad_state[0]}): the optimizer "
-            f"applied the bad step's update before the fault was noticed, so a replay now would blame the first layer. "
-            f"The input batch was {'finite' if inputs_ok else 'NON-finite'}. Set probes.nan_replay.mode=step to replay "
-            f"before the update."))
+            f"applied the bad step's update before the fault was noticed, and {why}. The input batch was "
+            f"{'finite' if inputs_ok else 'NON-finite'}. Set probes.nan_replay.mode=step to replay before the update."))
+
+
+def _replay(model: nn.Module, calls: list[Call], step: int, batch: Any,
+            loss_fn: Callable[[Any, Any], torch.Tensor] | None, backward: bool) -> Finding:
     training = {m: m.training for m in model.modules()}
+    plain = plain_state(model)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     found = Finding(step, "none")
@@ -186,6 +213,23 @@ def replay(model: nn.Module, calls: list[Call], *, step: int, batch: Any = None,
                 b.copy_(saved)
         for m, flag in training.items():
             m.training = flag
+        restore_plain_state(plain)
+
+
+PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+def plain_state(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """Each module's plain attributes (numbers, strings, None: step counters, flags), to put back
+    after a diagnostic forward so it leaves no trace in the user's modules."""
+    return [(m, {k: v for k, v in vars(m).items() if isinstance(v, PLAIN)}) for m in model.modules()]
+
+
+def restore_plain_state(saved: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+    for m, attrs in saved:
+        for k, v in attrs.items():
+            if getattr(m, k, v) is not v:
+                object.__setattr__(m, k, v)
 
 
 def _after_forward(model: nn.Module, rec: _Recorder, outputs: Any, batch: Any,

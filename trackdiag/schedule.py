@@ -21,3 +21,16 @@ class Never:
 
     def __call__(self, step: int) -> bool:
         return False
+
+
+@dataclass(frozen=True)
+class EarlyThenEvery:
+    """Fires on every step below ``early``, then on ``0, n, 2n, ...`` (faults present from the
+    first step are measured at once); with ``anomaly`` also on anomaly-window steps."""
+
+    early: int
+    n: int
+    anomaly: bool = True
+
+    def __call__(self, step: int) -> bool:
+        return step < self.early or step % self.n == 0

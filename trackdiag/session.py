@@ -5,9 +5,9 @@ import atexit
 import collections
 import logging
 import time
-from functools import partial
 from typing import TYPE_CHECKING, Any, Mapping
 
+import torch
 
 from trackdiag.alert import Alert
 from trackdiag.alerting import AlertBook, merge_places
@@ -16,6 +16,7 @@ from trackdiag.config import resolve, to_plain
 from trackdiag.context import Component, ProbeContext, StepInputs
 from trackdiag.distributed import DistSync, is_main_process
 from trackdiag.errors import AlertRaised
+from trackdiag.forward_watch import compiled_parts
 from trackdiag.probes.base import Probe
 from trackdiag.probes.nan_replay import enrich_alerts
 from trackdiag.record import Record
@@ -23,6 +24,7 @@ from trackdiag.registry import PROBES, RULES, SINKS, lookup
 from trackdiag.rules.base import Rule
 from trackdiag.runinfo import RunInfo, resolve_run
 from trackdiag.session_checks import SetupChecks
+from trackdiag.session_steps import OptimizerEvents
 from trackdiag.sinks.base import Sink, SinkHub
 from trackdiag.transfer import to_host
 
@@ -37,12 +39,14 @@ def _build(family: dict[str, str], name: str, entry: Mapping[str, Any] | None) -
     return lookup(family, name, entry)(**{k: v for k, v in entry.items() if k != "_target_"})
 
 
-class Diagnostics(SetupChecks):
+class Diagnostics(OptimizerEvents, SetupChecks):
     """Training diagnostics for one run. See the README for the metric keys and alert kinds.
 
     Args:
-        model: an ``nn.Module`` or a dict of named modules.
-        optimizer: an optimizer or a dict of named optimizers (paired with the models by key).
+        model: an ``nn.Module`` or a dict of named modules (any string keys).
+        optimizer: an optimizer (any wrapper: accelerate, Lightning, ZeRO, ...; a list for several),
+            a dict of them paired with the models by key, or ``None``: an optimizer that later steps
+            these parameters is adopted at its first step (or pass it to :meth:`attach`).
         scaler: the AMP ``GradScaler``, if any.
         level: preset name (``basic`` | ``advanced`` | ``extreme``).
         sinks: sink names (default: the preset's). hparams: the user's config, logged with the run.
@@ -79,6 +83,7 @@ class Diagnostics(SetupChecks):
         self.every: int = cfg["every"]
         self.components: list[Component] = build_components(model, optimizer, cfg["max_layer_metrics"])
         self._ctx = ProbeContext(self.components, self.every, cfg["max_layer_metrics"], scaler)
+        self._ctx.compiled = any(compiled_parts(m) for m in (model.values() if isinstance(model, Mapping) else [model]))
         self.probes: list[Probe] = [_build(PROBES, n, e) for n, e in cfg["probes"].items() if (e or {}).get("enabled", True)]
         self.rules: list[Rule] = [_build(RULES, n, e) for n, e in cfg["rules"].items() if (e or {}).get("enabled", True)]
         self._dist = DistSync.detect(self.components)  # None outside torch.distributed
@@ -88,6 +93,7 @@ class Diagnostics(SetupChecks):
             p.bind(self.every)
             p.attach(self._ctx)
         self._on_step = [p for p in self.probes if type(p).on_step is not Probe.on_step]
+        self._after_record = [p for p in self.probes if type(p).after_record is not Probe.after_record]
         self._schedules = self._distinct_schedules()
         name, out_dir, cwd, group, job = resolve_run(cfg["output_dir"], cfg["run_name"])
         self.run = RunInfo(name, out_dir, cfg["level"], cfg, to_plain(hparams) or {}, cwd, group, job,
@@ -107,30 +113,8 @@ class Diagnostics(SetupChecks):
         self._opened = self._closed = False
         self.should_stop = False
         self._preflighted = False
-        self._hook_optimizers()
-
-    def _hook_optimizers(self) -> None:
-        pre = [p for p in self.probes if type(p).before_optimizer_step is not Probe.before_optimizer_step]
-        post = [p for p in self.probes if type(p).after_optimizer_step is not Probe.after_optimizer_step]
-        for comp in self.components:
-            if comp.optimizer is None:
-                continue
-            if pre:
-                self._handles.append(comp.optimizer.register_step_pre_hook(partial(self._opt_hook, pre, "before_optimizer_step", comp)))
-            if post:
-                self._handles.append(comp.optimizer.register_step_post_hook(partial(self._opt_hook, post, "after_optimizer_step", comp)))
-
-    def _opt_hook(self, probes: list[Probe], method: str, comp: Component, *_: Any) -> None:
-        t0 = time.perf_counter()
-        ctx = self._ctx
-        for p in probes:  # hot path: inline try instead of _guard's getattr per call
-            if p.enabled and (not p.due_only or ctx.is_due(p.schedule)):
-                try:
-                    getattr(p, method)(ctx, comp)
-                except Exception as exc:
-                    self._fail(p, method, exc)
-        comp.index.clear_cache()  # valid for this hook only; and it must not keep the gradients alive
-        self._window_overhead += time.perf_counter() - t0
+        self._warned_shape: set[str] = set()
+        self._init_events()
 
     def _guard(self, probe: Probe, method: str, *args: Any) -> Any:
         """Call a probe; a probe that fails is disabled with one warning, never kills training."""
@@ -188,10 +172,16 @@ class Diagnostics(SetupChecks):
         if self._t_first is None:
             self._t_first = t0
         ctx = self._ctx
-        losses = loss if isinstance(loss, Mapping) else {"": loss}
+        losses = {k: self._scalar_loss(k, v) for k, v in (loss.items() if isinstance(loss, Mapping) else [("", loss)])}
+        if self._is_micro_step():  # accelerate's accumulate: not an optimizer step yet
+            self._micro.append(losses)
+            self._window_overhead += time.perf_counter() - t0
+            return self.should_stop
+        losses = self._merge_micro(losses)
         inputs = StepInputs(losses, outputs, batch, batch_size if batch_size is not None else batch_size_of(batch))
         if not self._preflighted:
             self._auto_preflight(inputs)
+        self._finish_components()
         for p in self._on_step:  # only probes that implement on_step
             if p.enabled:
                 try:
@@ -201,6 +191,8 @@ class Diagnostics(SetupChecks):
         raised = None
         if any(ctx.is_due(sched) for sched in self._schedules):  # a few distinct schedules, not every probe
             raised = self._log(ctx.step)
+            self._check_reindex()
+        self._reset_steps()
         self._step += 1
         ctx.step = self._step
         self._t_last = time.perf_counter()
@@ -208,6 +200,17 @@ class Diagnostics(SetupChecks):
         if raised is not None:
             raise AlertRaised(raised)
         return self.should_stop
+
+    def _scalar_loss(self, name: str, value: Any) -> Any:
+        """A loss of more than one element (per-sample losses) is reduced to its mean, with a
+        one-time warning (device op, no sync)."""
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            if name not in self._warned_shape:
+                self._warned_shape.add(name)
+                log.warning("trackdiag: the loss%s passed to step() has shape %s; recording its mean. Pass the "
+                            "scalar loss you call backward() on.", f" {name!r}" if name else "", tuple(value.shape))
+            return value.detach().float().mean() if value.numel() else None
+        return value
 
     def log_eval(self, loss: Any = None, **metrics: Any) -> None:
         """Record evaluation results (``diag/eval/loss``, ``diag/eval/<name>``) at the current step."""
@@ -252,6 +255,9 @@ class Diagnostics(SetupChecks):
         self._last_logged = step
         alerts = [(r, a) for r in self.rules if r.enabled for a in r.check(record, self._history, self.components)]
         alerts = enrich_alerts(self.probes, ctx, alerts)  # NaN replay: the culprit module into `where`
+        for p in self._after_record:
+            if p.enabled:
+                self._guard(p, "after_record", ctx, record)
         self._history.append(record)
         return self._emit(record, alerts)
 
@@ -288,6 +294,7 @@ class Diagnostics(SetupChecks):
                          "fraction": spent / wall if wall > 0 else 0.0,
                          "sink_thread_cpu_seconds": self._hub.cpu_seconds},
             "should_stop": self.should_stop, "disabled_probes": dict(self._disabled),
+            "notes": list(self._notes.values()),
             "output_dir": str(self.run.output_dir),
         }
 
@@ -301,6 +308,7 @@ class Diagnostics(SetupChecks):
             return
         self._closed = True
         atexit.unregister(self.close)
+        self._stop_events()
         for h in self._handles:
             h.remove()
         self._handles.clear()

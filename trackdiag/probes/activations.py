@@ -17,13 +17,20 @@ Emits per component and module (train-mode forwards only), once the module has b
 Beyond the session's key budget, modules are grouped by name prefix (unit-weighted) and the full
 per-module table goes to ``record.tables``.
 
-Cost: hooks are registered in ``on_step`` of the step *before* a due step and removed in
-``on_step`` of the due step; per watched module and hooked forward, one comparison and one ``sum``
-reduction into a per-unit count on device. Nothing at all on other steps. Under ``torch.compile``
-adding/removing hooks invalidates the compiled graph's guards: use a large ``every`` or disable it.
+How it sees the outputs: through trackdiag's global forward watcher (:mod:`trackdiag.forward_watch`),
+armed in ``on_step`` of the step *before* a due step and disarmed in ``on_step`` of the due step;
+nothing is registered on the modules (``torch.save(model)`` stays clean). When some part of the
+model is compiled, the training forward is not watched (that would break or recompile its graph):
+instead, on a due step, the step's batch (``step(batch=...)``) is run once more through the model
+eagerly (no grad, train mode, buffers/RNG/attributes restored) and that forward is watched.
+
+Cost: per watched module and watched forward, one comparison and one ``sum`` reduction into a
+per-unit count on device; under compile, one extra no-grad forward per due step. Nothing at all on
+other steps.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from functools import partial
@@ -34,9 +41,13 @@ import torch
 from torch import nn
 
 from trackdiag.context import ProbeContext, StepInputs
+from trackdiag.forward_watch import FORWARD
 from trackdiag.layers import group_names
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
+from trackdiag.tensors import inputs_of
+
+log = logging.getLogger("trackdiag")
 
 RELU_FAMILY: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.CELU,
                                             nn.SELU, nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish)
@@ -88,7 +99,9 @@ class ActivationProbe(Probe):
         super().__init__(enabled=enabled, every=every)
         self.window, self.saturation, self.saturated_share = max(1, window), saturation, saturated_share
         self._modules: list[tuple[str, str, nn.Module, str]] = []  # (component, name, module, family)
-        self._handles: list[Any] = []
+        self._stops: list[Any] = []
+        self._keys: list[tuple[str, str, str]] = []  # collect's order: (component, name, family)
+        self._noted = False
         self._cur: dict[tuple[str, str, str], tuple[torch.Tensor, int]] = {}
         self._hist: dict[tuple[str, str, str], deque[tuple[torch.Tensor, int]]] = {}
         self._units: dict[tuple[str, str], int] = {}
@@ -103,42 +116,80 @@ class ActivationProbe(Probe):
                 fam = family_of(mod)
                 if fam is not None:
                     self._modules.append((comp.name, name or type(mod).__name__, mod, fam))
-        if ctx.is_due(self.schedule):
+        if ctx.is_due(self.schedule) and not ctx.compiled:
             self._hook()
 
     def _hook(self) -> None:
         for comp, name, mod, fam in self._modules:
-            self._handles.append(mod.register_forward_hook(partial(self._observe, comp, name, fam)))
+            self._stops.append(FORWARD.watch(mod, post=partial(self._observe, comp, name, fam)))
 
     def _unhook(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        for stop in self._stops:
+            stop()
+        self._stops.clear()
 
     @torch.no_grad()
-    def _observe(self, comp: str, name: str, fam: str, module: nn.Module, inputs: Any, output: Any) -> None:
+    def _observe(self, comp: str, name: str, fam: str, module: nn.Module, inputs: Any, kwargs: Any, output: Any) -> None:
         if not self.enabled or not module.training or not isinstance(output, torch.Tensor) \
                 or not output.is_floating_point() or output.ndim < 2:
             return
         t0 = time.perf_counter()
         counts, n = unit_counts(active(module, output.detach(), self.saturation))
         units = self._units.setdefault((comp, name), counts.numel())
-        key = (comp, name if units == counts.numel() else f"{name}[{counts.numel()}]", fam)
+        key = (comp, name if units == counts.numel() else f"{name} ({counts.numel()} units)", fam)
+        self._units.setdefault((comp, key[1]), counts.numel())
         prev = self._cur.get(key)
         self._cur[key] = (counts, n) if prev is None else (prev[0] + counts, prev[1] + n)
         if self._ctx is not None:
             self._ctx.hook_seconds += time.perf_counter() - t0
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        if ctx.compiled:
+            if ctx.is_due(self.schedule):
+                self._replay(ctx, inputs)
+            return
         nxt = ctx.step + 1
         want = self.schedule(nxt) or (nxt <= ctx.anomaly_until and self.follows_anomaly)
-        if want and not self._handles:
+        if want and not self._stops:
             self._hook()
-        elif not want and self._handles:
+        elif not want and self._stops:
             self._unhook()
+
+    def _replay(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        """Compiled model: watch one eager, no-grad forward of the step's batch (state restored)."""
+        from trackdiag.replay import eager, plain_state, restore_plain_state
+
+        if inputs.batch is None:
+            if not self._noted:
+                self._noted = True
+                log.info("trackdiag: activations of a compiled model are measured on step(batch=...): none given")
+            return
+        model_input = inputs_of(inputs.batch)
+        for comp in ctx.components:
+            model = comp.model
+            if model is None or not any(c == comp.name for c, *_ in self._modules):
+                continue
+            saved = plain_state(model)
+            buffers = [(b, b.detach().clone()) for b in model.buffers()]
+            training = {m: m.training for m in model.modules()}
+            devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+            self._hook()
+            try:
+                with torch.no_grad(), eager(), torch.random.fork_rng(devices=devices):
+                    model.train()
+                    model(model_input)
+            finally:
+                self._unhook()
+                with torch.no_grad():
+                    for b, v in buffers:
+                        b.copy_(v)
+                for m, flag in training.items():
+                    m.training = flag
+                restore_plain_state(saved)
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        self._keys = []
         for key, counts in self._cur.items():
             hist = self._hist.setdefault(key, deque(maxlen=self.window))
             hist.append(counts)
@@ -147,16 +198,17 @@ class ActivationProbe(Probe):
                 inactive = total == 0
             else:
                 inactive = total < (1.0 - self.saturated_share) * sum(n for _, n in hist)
-            out["\x1f".join(key)] = inactive.float().mean()
+            out[str(len(self._keys))] = inactive.float().mean()
+            self._keys.append(key)
         self._cur = {}
         return out
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         by_prefix: dict[str, dict[str, tuple[float, int]]] = {}
-        for joined, v in values.items():
-            comp, name, fam = joined.split("\x1f")
+        for pos, v in values.items():
+            comp, name, fam = self._keys[int(pos)]
             prefix = f"diag/{comp}/act/{fam}_fraction" if comp else f"diag/act/{fam}_fraction"
-            units = int(name[name.rindex("[") + 1:-1]) if name.endswith("]") else self._units.get((comp, name), 1)
+            units = self._units.get((comp, name), 1)
             by_prefix.setdefault(prefix, {})[name] = (float(v[0]), units)
         for prefix, mods in by_prefix.items():
             record.scalars[f"{prefix}_max"] = max(f for f, _ in mods.values())

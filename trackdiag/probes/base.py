@@ -1,12 +1,15 @@
 """The :class:`Probe` contract. Every hook is a documented no-op here."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext, StepInputs
+
+if TYPE_CHECKING:
+    from trackdiag.gradtap import GradView
 from trackdiag.record import Record
 from trackdiag.schedule import Every
 
@@ -32,6 +35,8 @@ class Probe:
     follows_anomaly: ClassVar[bool] = True
     #: the optimizer-step hooks only act on due steps: the session skips the call on other steps
     due_only: ClassVar[bool] = False
+    #: ``on_grads`` reads the gradients' max |g| / version counters on its due steps (the tap takes them)
+    wants_detail: ClassVar[bool] = False
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         self.enabled = enabled
@@ -49,7 +54,17 @@ class Probe:
         """Undo ``attach``. Default: nothing."""
 
     def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
-        """Gradients are final (unscaled, clipped) here. Default: nothing."""
+        """The first optimizer step pre-hook of ``comp`` in this step (parameters not yet updated;
+        gradients possibly clipped). Default: nothing."""
+
+    def on_grads(self, ctx: ProbeContext, comp: Component, view: "GradView") -> None:
+        """Once per step and component, when the step consumes the gradients: ``view.norms`` are
+        the pre-clip norms the backward pass left (see :class:`~trackdiag.gradtap.GradView`).
+        Every step: must cost at most a few device ops off due steps. Default: nothing."""
+
+    def reindexed(self, ctx: ProbeContext, comp: Component) -> None:
+        """``comp.index`` was rebuilt (param groups added, layers unfrozen): drop per-component
+        caches. Default: nothing."""
 
     def after_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
         """Parameters are updated here. Default: nothing."""
@@ -65,6 +80,10 @@ class Probe:
         """Write host values into ``record``. Default: each value as a scalar under its own key."""
         for k, v in values.items():
             record.scalars[k] = float(v.reshape(-1)[0])
+
+    def after_record(self, ctx: ProbeContext, record: Record) -> None:
+        """The logging step's record, complete and judged by the rules (alerts in ``record.alerts``
+        not yet: they are applied after). Default: nothing."""
 
     def finish(self, ctx: ProbeContext, record: Record) -> None:
         """At the end of the run, after the local record is complete on disk (``ctx.output_dir``):

@@ -8,9 +8,8 @@ no gradient at all (``grad is None``: frozen, detached, unused) are skipped; the
 Emits per component: ``diag/[<c>/]grad/flow_ratio`` = ||g(first layer)|| / ||g(last layer)|| (< 1:
 gradients shrink on the way back to the input, > 1: they grow) and the table
 ``diag/[<c>/]grad/flow`` = ``{first layer: norm, last layer: norm}``.
-Cost on a due step: the gradient norms the grads probe takes anyway (one ``_foreach_norm`` when it
-is off), one ``index_add_`` and a host pass over
-the parameters' ``grad is None``; nothing on other steps.
+Cost on a due step: the pre-clip gradient norms the tap took anyway, one ``index_add_`` and a host
+pass over the parameters' ``grad is None``; nothing on other steps.
 """
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext
+from trackdiag.gradtap import GradView
 from trackdiag.layers import layer_of
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
@@ -30,7 +30,6 @@ class GradFlowProbe(Probe):
     """See module docstring."""
 
     name = "gradflow"
-    due_only = True  # hooks act on due steps only: the session skips them otherwise
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)
@@ -39,7 +38,7 @@ class GradFlowProbe(Probe):
         self._ends: dict[str, tuple[str, str]] = {}
 
     @torch.no_grad()
-    def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
+    def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         idx = comp.index
         if not ctx.is_due(self.schedule) or len(idx.layers) < 2:
             return
@@ -51,9 +50,13 @@ class GradFlowProbe(Probe):
         if len(with_grad) < 2:
             return
         first, last = with_grad[0], with_grad[-1]
-        layer = idx.per_layer_norm(idx.grad_norms().float())  # norms shared with the grads probe
+        layer = idx.per_layer_norm(view.norms)  # pre-clip norms the tap took
         self._pending[comp.name] = torch.stack([layer[first], layer[last]])
         self._ends[comp.name] = (idx.layers[first], idx.layers[last])
+
+    def reindexed(self, ctx: ProbeContext, comp: Component) -> None:
+        self._layer_of.pop(comp.name, None)
+        self._pending.pop(comp.name, None)
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         out, self._pending = dict(self._pending), {}

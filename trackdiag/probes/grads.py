@@ -1,11 +1,19 @@
-"""Gradient probe, read at the optimizer step (unscaled under AMP, after clipping).
+"""Gradient probe: the gradients as the backward pass left them (before clipping), every step.
 
-Emits per component: ``diag/grad/global_norm`` (equal to what ``clip_grad_norm_`` returns),
-``diag/grad/max_abs``, ``diag/grad/nonfinite_tensors`` (parameter tensors whose gradient holds a
-NaN/Inf) and, with ``per_layer``, ``diag/grad/norm/<layer>`` (layers coarsened to the session's
-``max_layer_metrics`` budget; the full per-layer table goes to ``record.tables`` when coarsened).
-Cost on a logging step: one ``_foreach_norm`` kernel over the gradients (shared with the other
-gradient probes of that step), one ``aminmax`` per tensor and a few reductions; nothing on other steps.
+Emits per component (``diag/`` or ``diag/<component>/``):
+  series ``grad/global_norm``: the pre-clip global L2 norm at **every** step (kept on the device
+      between logging steps, like the loss): equal to what ``clip_grad_norm_`` returns when the
+      loop clips, and to the norm the optimizer sees when it does not. Steps a ``GradScaler``
+      skipped (overflow) are left out;
+  on due steps: ``grad/max_abs`` (pre-clip), ``grad/nonfinite_tensors`` (parameter tensors whose
+      gradient holds a NaN/Inf), ``grad/clipped_norm`` and ``grad/clip_coef`` (= clipped / pre-clip)
+      when something changed the gradients between the backward pass and the optimizer step
+      (``clip_grad_norm_``; under AMP also ``unscale_``, coef 1), and, with ``per_layer``,
+      ``grad/norm/<layer>`` (pre-clip; layers coarsened to the session's ``max_layer_metrics``
+      budget, the full table in ``record.tables`` when coarsened).
+Cost: per step, one ``vector_norm`` of the per-tensor norms the tap took (see
+:mod:`trackdiag.gradtap`); on due steps a few reductions, and one more ``_foreach_norm`` only when
+the gradients were clipped. Host reads: none off logging steps.
 """
 from __future__ import annotations
 
@@ -16,7 +24,8 @@ import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext
-from trackdiag.norms import max_abs, tensor_norms  # noqa: F401  (re-exported for user probes)
+from trackdiag.gradtap import GradView
+from trackdiag.norms import max_abs, stack_scalars, tensor_norms  # noqa: F401  (re-exported for user probes)
 from trackdiag.probes.base import Probe, take_pending
 from trackdiag.record import Record
 
@@ -25,6 +34,8 @@ def publish_layers(prefix: str, comp: Component, per_layer: np.ndarray, record: 
     """Per-layer values as metric keys ``<prefix>/<layer or group>``, plus the full table when
     the layers had to be coarsened to fit the key budget."""
     idx = comp.index
+    if len(per_layer) != len(idx.layers):  # measured before the component was re-indexed
+        return
     if idx.grouped and per_group is not None:
         for g, v in zip(idx.groups, per_group.tolist()):
             record.scalars[f"{prefix}/{g}"] = v
@@ -42,28 +53,43 @@ def first_bad_layer(comp: Component, per_layer: np.ndarray) -> str:
     return ""
 
 
+def scaler_skipped(ctx: ProbeContext, comp: Component, view: GradView) -> bool:
+    """A ``GradScaler`` step that did not run the optimizer (overflow): its gradients are not the run's."""
+    scaler = ctx.scaler
+    return not view.stepped and bool(comp.optimizers) and scaler is not None and bool(getattr(scaler, "_enabled", False))
+
+
 class GradProbe(Probe):
     """See module docstring. Args: ``per_layer`` also emit per-layer norms."""
 
     name = "grads"
-    due_only = True  # hooks act on due steps only: the session skips them otherwise
+    wants_detail = True
+    always_collect = True  # the every-step norm series
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, per_layer: bool = True) -> None:
         super().__init__(enabled=enabled, every=every)
         self.per_layer = per_layer
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._ring: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self._steps: dict[str, list[int]] = {}
 
     @torch.no_grad()
-    def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
-        if not ctx.is_due(self.schedule) or not comp.index.params:
+    def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
+        if not comp.index.params:
             return
-        grads = comp.index.grads()
-        norms = comp.index.grad_norms()  # shared with gradflow / nan_replay at this hook
-        out = {
-            "global_norm": torch.linalg.vector_norm(norms),
-            "max_abs": max_abs(grads),
-            "nonfinite_tensors": (~torch.isfinite(norms)).sum(),
-        }
+        norms = view.norms
+        total = torch.linalg.vector_norm(norms)
+        if not scaler_skipped(ctx, comp, view):
+            self._ring.setdefault(comp.name, []).append((ctx.step, total))
+        if not ctx.is_due(self.schedule):
+            return
+        bad = ~torch.isfinite(norms)
+        out = {"pre_norm": total, "max_abs": view.tap.max_abs if view.tap.max_abs is not None else max_abs(comp.index.grads())}
+        if view.modified():  # clipped, unscaled, or edited by hand after the backward pass
+            now = view.now_norms()
+            out["clipped_norm"] = torch.linalg.vector_norm(now)
+            bad = bad | ~torch.isfinite(now)  # a NaN written after the backward pass counts too
+        out["nonfinite_tensors"] = bad.sum()
         if self.per_layer:
             layer = comp.index.per_layer_norm(norms)
             out["layer_norm"] = layer
@@ -72,18 +98,36 @@ class GradProbe(Probe):
         self._pending[comp.name] = out
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
-        return take_pending(self._pending)
+        out = take_pending(self._pending)
+        self._steps = {}
+        for name, ring in self._ring.items():
+            if ring:
+                self._steps[name] = [s for s, _ in ring]
+                out[f"{name}|global_norm_series"] = stack_scalars([v for _, v in ring])
+                ring.clear()
+        return out
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         for comp in ctx.components:
             get = lambda k: values.get(f"{comp.name}|{k}")  # noqa: E731
-            if get("global_norm") is None:
+            series = get("global_norm_series")
+            if series is not None:
+                record.series[comp.key("grad/global_norm")] = list(zip(self._steps.get(comp.name, []), map(float, series.tolist())))
+            if get("pre_norm") is None:
                 continue
-            for k in ("global_norm", "max_abs", "nonfinite_tensors"):
+            for k in ("max_abs", "nonfinite_tensors"):
                 record.scalars[comp.key(f"grad/{k}")] = float(get(k)[0])
+            clipped = get("clipped_norm")
+            if clipped is not None:
+                pre, post = float(get("pre_norm")[0]), float(clipped[0])
+                record.scalars[comp.key("grad/clipped_norm")] = post
+                record.scalars[comp.key("grad/clip_coef")] = post / pre if pre > 0 and math.isfinite(pre) else math.nan
             layer = get("layer_norm")
             if layer is not None:
                 publish_layers(comp.key("grad/norm"), comp, layer, record, get("group_norm"))
                 bad = first_bad_layer(comp, layer)
                 if bad:
                     record.tables.setdefault(comp.key("grad/nonfinite_layers"), {})[bad] = 1.0
+
+    def reindexed(self, ctx: ProbeContext, comp: Component) -> None:
+        self._pending.pop(comp.name, None)

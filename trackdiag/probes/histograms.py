@@ -1,11 +1,12 @@
 """Histogram probe: gradient and parameter distributions per layer group, binned on the device.
 
 Emits per component (``diag/`` or ``diag/<component>/``), at due steps only:
-  ``record.histograms["diag/grad/hist/<group>"]``: gradient values, read at the optimizer step
-  (unscaled under AMP, after clipping);
-  ``record.histograms["diag/param/hist/<group>"]``: parameter values, read right after the step;
+  ``record.histograms["diag/grad/hist/<group>"]``: gradient values as the optimizer uses them
+  (unscaled under AMP, after any clipping; the shape is the pre-clip one, clipping only rescales);
+  ``record.histograms["diag/param/hist/<group>"]``: parameter values after the step;
   ``record.tables["diag/grad/hist_clipped"]`` / ``["diag/param/hist_clipped"]``: per group, how
   many values fell outside the edges (only when some did).
+Sparse and complex tensors are not binned (their norms are in the ``grads`` probe).
 Groups are the layer names coarsened (truncated at dots, like the metric keys) to ``max_groups``.
 
 Bin edges are fixed per series, so the histograms of one run are comparable step to step:
@@ -35,6 +36,7 @@ import torch
 
 from trackdiag.context import Component, ProbeContext
 from trackdiag.errors import ConfigError
+from trackdiag.gradtap import GradView
 from trackdiag.layers import group_names, layer_of
 from trackdiag.norms import bin_counts, flat_chunks
 from trackdiag.probes.base import Probe
@@ -44,6 +46,11 @@ MAX_BINS = 512
 DECADES = 8  # symlog edges: the smallest magnitude bin starts this many decades below the top
 SCALES = ("linear", "symlog")
 KINDS = ("grad", "param")
+
+
+def _binnable(t: torch.Tensor) -> bool:
+    """Dense real tensors are binned; sparse and complex ones are left out (the module doc says so)."""
+    return t.layout is torch.strided and not t.is_complex()
 
 
 class _Series:
@@ -96,22 +103,23 @@ class HistogramProbe(Probe):
 
     # ------------------------------------------------------------------ hooks
     @torch.no_grad()
-    def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
+    def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         if "grad" in self.kinds and comp.index.params and ctx.is_due(self.schedule):
             self._measure(comp, "grad", [p.grad for p in comp.index.params])
 
-    @torch.no_grad()
-    def after_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
-        if "param" in self.kinds and comp.index.params and ctx.is_due(self.schedule):
-            self._measure(comp, "param", [p.detach() for p in comp.index.params])
-
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
-        for comp in ctx.components:  # a component without an optimizer has no step hook
-            if "param" in self.kinds and comp.optimizer is None and comp.index.params:
+        for comp in ctx.components:
+            if "param" in self.kinds and comp.index.params and ctx.is_due(self.schedule):
                 with torch.no_grad():
                     self._measure(comp, "param", [p.detach() for p in comp.index.params])
         out, self._pending = self._pending, {}
         return out
+
+    def reindexed(self, ctx: ProbeContext, comp: Component) -> None:
+        self._layout.pop(comp.name, None)
+        for key in [k for k in self._edges if k.startswith(f"{comp.name}|")]:
+            self._edges.pop(key, None)
+            self._ranges.pop(key, None)
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         b = self.bins
@@ -159,7 +167,7 @@ class HistogramProbe(Probe):
             return
         counts = torch.zeros(len(layout.groups) * b2, dtype=torch.long, device=device)
         for t, g in zip(tensors, layout.param_group):
-            if t is None or t.numel() == 0 or t.is_sparse:
+            if t is None or t.numel() == 0 or not _binnable(t):
                 continue
             t = t.reshape(-1)
             idx = torch.bucketize(t, edges[g].to(t.device), right=True)  # 0: below, bins + 1: >= last edge
@@ -176,7 +184,7 @@ class HistogramProbe(Probe):
         b, n = self.bins, len(layout.groups)
         members: list[list[torch.Tensor]] = [[] for _ in range(n)]
         for t, g in zip(tensors, layout.param_group):
-            if t is not None and t.numel() and not t.is_sparse:
+            if t is not None and t.numel() and _binnable(t):
                 members[g].append(t)
         counts = torch.zeros(n, b + 2, dtype=torch.float64, device=device)
         for g, group in enumerate(members):
@@ -200,7 +208,7 @@ class HistogramProbe(Probe):
         lo = torch.full((n,), math.inf, dtype=torch.float32, device=device)
         hi = torch.full((n,), -math.inf, dtype=torch.float32, device=device)
         for t, g in zip(tensors, layout.param_group):
-            if t is None or t.numel() == 0 or t.is_sparse:
+            if t is None or t.numel() == 0 or not _binnable(t):
                 continue
             mn, mx = torch.aminmax(t.detach().float())
             lo[g] = torch.minimum(lo[g], mn.to(device))

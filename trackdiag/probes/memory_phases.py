@@ -2,13 +2,14 @@
 
 On scheduled steps, reads ``torch.cuda.memory_allocated`` (a host-side counter: no sync) at four
 points of the step and emits ``diag/[<c>/]mem/phase/<phase>_mb``:
-  ``start``: before the forward (a forward pre-hook on the root module);
-  ``forward``: after the forward (activations kept for backward; a forward hook on the root module);
+  ``start``: before the forward; ``forward``: after the forward (activations kept for backward);
+  both seen through trackdiag's global forward watcher (nothing is stored on the model);
   ``backward``: at the optimizer's pre-step hook (gradients allocated, activations freed);
   ``step``: at the optimizer's post-step hook (optimizer state allocated).
-The root-module hooks are attached only for the due step (registered at the end of the previous
-step, removed after the first forward they see); with gradient accumulation the first micro-batch
-is measured. Models on the CPU: nothing is hooked or emitted.
+The forward readings are armed only for the due step (at the end of the previous step) and taken
+at the first forward; with gradient accumulation the first micro-batch is measured. Models on the
+CPU: nothing is watched or emitted. On a model compiled before the session, the forward phases are
+not measured (the watcher would invalidate its graphs once).
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from typing import Any
 import torch
 
 from trackdiag.context import Component, ProbeContext, StepInputs
+from trackdiag.forward_watch import FORWARD
 from trackdiag.probes.base import Probe
-from trackdiag.tensors import SafeHook
 
 
 def _cuda_device(comp: Component) -> torch.device | None:
@@ -33,15 +34,24 @@ class MemoryPhasesProbe(Probe):
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)
-        self._handles: dict[str, list[Any]] = {}
+        self._armed: set[str] = set()
+        self._stops: list[Any] = []
         self._values: dict[str, float] = {}
         self._devices: dict[str, torch.device] = {}
 
     def attach(self, ctx: ProbeContext) -> None:
+        from trackdiag.probes.nan_replay import compiled_before
+
+        watch = not ctx.compiled or not compiled_before()
         for comp in ctx.components:
             dev = _cuda_device(comp)
             if dev is not None and comp.model is not None:
                 self._devices[comp.name] = dev
+                if watch:
+                    root = comp.outer if comp.outer is not None else comp.model
+                    self._stops.append(FORWARD.watch(
+                        root, pre=lambda *_, c=comp, d=dev: self._pre(c, d),
+                        post=lambda *_, c=comp, d=dev: self._after_forward(c, d)))
         if self._devices and self._due(ctx, ctx.step):
             self._arm(ctx)
 
@@ -49,23 +59,20 @@ class MemoryPhasesProbe(Probe):
         return self.schedule(step) or step <= ctx.anomaly_until
 
     def _arm(self, ctx: ProbeContext) -> None:
-        """Hook the root modules for their next forward only."""
-        self.detach()
-        for comp in ctx.components:
-            dev = self._devices.get(comp.name)
-            if dev is not None and comp.model is not None:
-                self._handles[comp.name] = [
-                    comp.model.register_forward_pre_hook(SafeHook(lambda *_, c=comp, d=dev: self._read(c, d, "start"))),
-                    comp.model.register_forward_hook(SafeHook(lambda *_, c=comp, d=dev: self._after_forward(c, d))),
-                ]
+        """Measure the root modules' next forward only."""
+        self._armed = set(self._devices)
+
+    def _pre(self, comp: Component, dev: torch.device) -> None:
+        if comp.name in self._armed:
+            self._read(comp, dev, "start")
 
     def _read(self, comp: Component, dev: torch.device, phase: str) -> None:
         self._values.setdefault(comp.key(f"mem/phase/{phase}_mb"), torch.cuda.memory_allocated(dev) / 2**20)
 
     def _after_forward(self, comp: Component, dev: torch.device) -> None:
-        self._read(comp, dev, "forward")
-        for h in self._handles.pop(comp.name, []):  # one-shot
-            h.remove()
+        if comp.name in self._armed:
+            self._read(comp, dev, "forward")
+            self._armed.discard(comp.name)  # one-shot
 
     def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
         dev = self._devices.get(comp.name)
@@ -81,14 +88,14 @@ class MemoryPhasesProbe(Probe):
         if self._devices and self._due(ctx, ctx.step + 1):
             self._arm(ctx)
         else:
-            self.detach()
+            self._armed.clear()
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         out, self._values = self._values, {}
         return out
 
     def detach(self) -> None:
-        for handles in self._handles.values():
-            for h in handles:
-                h.remove()
-        self._handles.clear()
+        for stop in self._stops:
+            stop()
+        self._stops.clear()
+        self._armed.clear()

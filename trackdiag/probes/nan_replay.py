@@ -2,27 +2,35 @@
 ``nonfinite_input`` fires, replays the bad step's batch once (see :mod:`trackdiag.replay`) and
 writes the culprit into the alert: ``where="body.2 (input finite)"`` and the message.
 
-What it keeps: a forward pre-hook on each root module stores *references* (``detach()``-ed views,
-no copies) to the arguments of every training-mode forward with grad enabled, with the autocast
-state, for the last ``ring`` steps (default: the session's ``every`` + 1, so the batch of any step of
-the current logging window is there). Memory cost: those input batches stay alive ``ring`` steps
-longer than they would (``ring`` x batch bytes, on the batch's device); a loop that refills one
-input tensor in place replays the latest data. ``max_calls`` (8) micro-batches per step are kept.
+What it keeps:
+  * *references* (``detach()``-ed views, no copies) to the arguments of every training-mode forward
+    of each root model with grad enabled, with the autocast state, for the last ``ring`` steps
+    (default: the session's ``every`` + 1). They are seen through a global forward hook
+    (:mod:`trackdiag.forward_watch`: nothing is stored on the model, so ``torch.save(model)`` stays
+    clean). On a model that was already compiled before the session, or when nothing was
+    captured, the batch given to ``step(batch=...)`` is replayed as ``model(inputs)``. Memory cost:
+    those input batches stay alive ``ring`` steps longer (``ring`` x batch bytes on their device).
+  * a copy of the weights from the last logging step whose record was entirely finite
+    (:mod:`trackdiag.snapshot`; ``snapshot_mb`` caps it, default 1024 MB; 0 turns it off): when the
+    optimizer has already written NaN into the weights by the time the fault is noticed (the usual
+    case at the default cadence), the bad step's batch is replayed on those weights instead.
 
 Modes:
-  ``log`` (default, no sync): replay at the logging step that notices the fault. Correct as long as
-  the parameters are still finite (AMP/GradScaler skipped the step, NaN only in the loss). When the
-  optimizer already wrote NaN into the weights, the replay says so instead of blaming the first layer.
-  ``step``: at every optimizer step, check the gradients (one ``_foreach_norm`` and ONE host sync per
-  step) and replay right there, before the optimizer applies the bad update: exact in every case.
+  ``log`` (default, no sync): replay at the logging step that notices the fault, on the current
+  weights if they are finite, else on the snapshot (at most ``every`` steps older than the fault).
+  ``step``: at every optimizer step, check the gradients (ONE host sync per step) and replay right
+  there, before the optimizer applies the bad update: exact in every case.
+Replays run eagerly (``torch.compile`` stance ``force_eager``), restore buffers, RNG and the
+modules' plain attributes, and are not seen by the gradient tap.
 Emits no metric keys. Options: ``loss_fn`` (callable or dotted path, ``fn(outputs, batch) -> loss``;
-default: cross-entropy/MSE guessed from the batch), ``backward``, ``max_replays`` (1).
+default: cross-entropy/MSE guessed from the batch), ``backward``, ``max_replays`` (1), ``snapshot_mb``.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import logging
+import math
 import time
 from functools import partial
 from typing import Any
@@ -37,7 +45,11 @@ from trackdiag.probes.base import Probe
 from trackdiag.registry import resolve
 from trackdiag.replay import Call, Finding, replay
 from trackdiag.schedule import Never
-from trackdiag.tensors import SafeHook
+from trackdiag.forward_watch import FORWARD
+from trackdiag.gradtap import GradView
+from trackdiag.record import Record
+from trackdiag.snapshot import ParamSnapshot
+from trackdiag.tensors import inputs_of
 
 log = logging.getLogger("trackdiag")
 TRIGGERS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_input")
@@ -61,8 +73,12 @@ class NanReplayProbe(Probe):
     name = "nan_replay"
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, mode: str = "log", loss_fn: Any = None,
-                 ring: int | None = None, max_replays: int = 1, max_calls: int = 8, backward: bool = True) -> None:
+                 ring: int | None = None, max_replays: int = 1, max_calls: int = 8, backward: bool = True,
+                 snapshot_mb: float = 1024.0) -> None:
         super().__init__(enabled=enabled, every=every)
+        self.snapshot_bytes = int(max(snapshot_mb, 0.0) * 2**20)
+        self._snapshots: dict[str, ParamSnapshot] = {}
+        self._stops: list[Any] = []
         if mode not in MODES:
             raise ConfigError([f"diag.probes.nan_replay.mode: {mode!r} is not one of {', '.join(MODES)}"])
         self.mode, self.ring, self.max_replays, self.max_calls, self.backward = mode, ring, max_replays, max_calls, backward
@@ -81,20 +97,33 @@ class NanReplayProbe(Probe):
 
     def attach(self, ctx: ProbeContext) -> None:
         self._ctx = ctx
+        watch = not ctx.compiled or not compiled_before()
         for comp in ctx.components:
-            if comp.model is not None:
+            if comp.model is None:
+                continue
+            if self.snapshot_bytes:
+                self._snapshots[comp.name] = ParamSnapshot(comp.model, self.snapshot_bytes)
+            if watch:
                 dev = comp.index.params[0].device.type if comp.index.params else "cpu"
-                hook = SafeHook(partial(self._capture, comp.name, dev))
-                self._handles.append(comp.model.register_forward_pre_hook(hook, with_kwargs=True))
+                self._stops.append(FORWARD.watch(comp.outer if comp.outer is not None else comp.model,
+                                                 post=partial(self._capture, comp.name, dev)))
 
     def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        for stop in self._stops:
+            stop()
+        self._stops.clear()
         self._ring.clear()
+        self._snapshots.clear()
 
-    def _capture(self, comp: str, device_type: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Forward pre-hook: keep references to a training forward's arguments (host work only)."""
+    def after_record(self, ctx: ProbeContext, record: Record) -> None:
+        """A logging step whose record is entirely finite: keep these weights for a later replay."""
+        if self._snapshots and not _nonfinite(record):
+            for snap in self._snapshots.values():
+                snap.take(ctx.step + 1)  # the weights the next step's forward will use
+
+    def _capture(self, comp: str, device_type: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 output: Any) -> None:
+        """Forward watcher: keep references to a training forward's arguments (host work only)."""
         if self._busy or self._ctx is None or not module.training or not torch.is_grad_enabled():
             return None
         t0 = time.perf_counter()
@@ -113,14 +142,22 @@ class NanReplayProbe(Probe):
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         entry = self._ring.get(ctx.step)
+        if entry is None and inputs.batch is not None:  # nothing captured (compiled before the session)
+            entry = self._ring[ctx.step] = {"calls": {}, "batch": None}
+            model_input = inputs_of(inputs.batch)
+            for comp in ctx.components:
+                if comp.model is not None:
+                    entry["calls"][comp.name] = [((_detached(model_input),), {}, None)]
+            while len(self._ring) > self._size:
+                self._ring.popitem(last=False)
         if entry is not None:
             entry["batch"] = inputs.batch
 
-    def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
+    def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         """``mode=step``: one host sync on the gradients' finiteness; replay before the update."""
         if self.mode != "step" or self._replays >= self.max_replays or comp.model is None or not comp.index.params:
             return
-        if bool(comp.index.grads_finite()):  # the one host sync of mode=step; norms reused on logging steps
+        if bool(torch.isfinite(view.norms).all()):  # the one host sync of mode=step
             return
         self._replays += 1
         self._findings[ctx.step] = (comp.name, self._run(comp, ctx.step, None))
@@ -130,7 +167,7 @@ class NanReplayProbe(Probe):
         self._busy = True
         try:
             found = replay(comp.model, entry["calls"].get(comp.name, []), step=step, batch=batch,  # type: ignore[arg-type]
-                           loss_fn=self.loss_fn, backward=self.backward)
+                           loss_fn=self.loss_fn, backward=self.backward, snapshot=self._snapshots.get(comp.name))
         except Exception as exc:  # noqa: BLE001 - a replay never kills training
             found = Finding(step, "error", detail=f"the replay failed: {type(exc).__name__}: {exc}")
         finally:
@@ -176,6 +213,23 @@ class NanReplayProbe(Probe):
                     message=f"{alert.message} Replay of step {found.step}: {found.detail}")
             out.append((rule, alert))
         return out
+
+
+def _nonfinite(record: Record) -> bool:
+    """Whether anything in ``record`` is NaN/Inf (loss or gradient series, counts of bad tensors)."""
+    if any(not math.isfinite(v) for pts in record.series.values() for _, v in pts):
+        return True
+    return any(not v == 0 for k, v in record.scalars.items() if k.endswith(("nonfinite_tensors", "nonfinite_steps")))
+
+
+def compiled_before() -> bool:
+    """Has Dynamo compiled anything in this process yet? (Installing a global forward hook after
+    that would invalidate those graphs' guards once.)"""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001
+        return False
+    return bool(counters["stats"]["unique_graphs"])
 
 
 def enrich_alerts(probes: list[Probe], ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> list[tuple[Any, Alert]]:

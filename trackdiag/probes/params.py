@@ -1,4 +1,4 @@
-"""Parameter probe, read right after the optimizer step.
+"""Parameter probe, read at the logging step (after every optimizer of the step ran).
 
 Emits per component: ``diag/param/global_norm``, ``diag/param/nonfinite_tensors`` and, with
 ``per_layer``, ``diag/param/norm/<layer>`` (coarsened like the gradient keys).
@@ -21,17 +21,11 @@ class ParamProbe(Probe):
     """See module docstring. Args: ``per_layer`` also emit per-layer norms."""
 
     name = "params"
-    due_only = True  # hooks act on due steps only: the session skips them otherwise
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, per_layer: bool = True) -> None:
         super().__init__(enabled=enabled, every=every)
         self.per_layer = per_layer
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
-
-    @torch.no_grad()
-    def after_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
-        if ctx.is_due(self.schedule) and comp.index.params:
-            self._pending[comp.name] = self._measure(comp)
 
     @torch.no_grad()
     def _measure(self, comp: Component) -> dict[str, torch.Tensor]:
@@ -45,11 +39,10 @@ class ParamProbe(Probe):
         return out
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
-        # A component without an optimizer has no step hook: measure it now.
         for comp in ctx.components:
-            if comp.optimizer is None and comp.name not in self._pending and comp.index.params:
+            if comp.index.params:
                 self._pending[comp.name] = self._measure(comp)
-                comp.index.clear_cache()  # the cache lives for one hook; this is the hook-less path
+                comp.index.clear_cache()
         return take_pending(self._pending)
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:

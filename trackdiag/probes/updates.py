@@ -1,18 +1,23 @@
-"""Update-to-weight ratio probe: how far one optimizer step moves each layer, relative to its size.
+"""Update-to-weight ratio probe: how far one step moves each layer, relative to its size.
 
-On due steps only: ``before_optimizer_step`` snapshots the parameters (one foreach copy) and their
-norms; ``after_optimizer_step`` subtracts the new values in place and takes the norms of the
-difference. Emits per component:
-
+Measured on due steps (every step of the first ``early`` steps, then every ``every``), whatever
+updates the weights:
+  * a component whose optimizer steps: the parameters are copied at its first step pre-hook (one
+    foreach copy, after the backward pass, so the copy never coexists with the activations) and
+    compared at ``Diagnostics.step``, after every optimizer of the step ran;
+  * a component without an optimizer (hand-written ``p.data.add_(...)``): copied at the previous
+    ``Diagnostics.step`` and compared at this one;
+  * a component whose optimizer did not step (an optimizer the user stopped calling): when none of
+    its parameters' version counters moved, the update is exactly zero (host check, no copy).
+Emits per component:
   ``diag/[<c>/]update/ratio/<layer>``: ||w_new - w_old|| / ||w_old|| of the layer's parameters
       (``nan`` for a layer whose weights are all zero); coarsened to the key budget like the
       gradient keys, the full per-layer table in ``record.tables`` when coarsened;
   ``diag/[<c>/]update/ratio_median``: the median over layers with weights (~1e-3 is the usual healthy value);
   ``diag/[<c>/]update/global_ratio``: the same ratio over all parameters at once.
-
-Cost on a due step: a transient copy of the parameters (1x parameter memory, freed at the end of
-the step), two ``_foreach_norm`` and one ``_foreach_sub_`` kernels, two ``index_add_``. Nothing on
-other steps. Under ``GradScaler`` a skipped step calls neither hook, so nothing is measured.
+Cost on a due step: a transient copy of the parameters (1x parameter memory), two
+``_foreach_norm`` and one ``_foreach_sub_`` kernels, two ``index_add_``. Nothing on other steps.
+A ``GradScaler``-skipped step is not measured.
 """
 from __future__ import annotations
 
@@ -22,51 +27,87 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from trackdiag.context import Component, ProbeContext
-from trackdiag.probes.base import Probe, take_pending
+from trackdiag.context import Component, ProbeContext, StepInputs
 from trackdiag.norms import tensor_norms
+from trackdiag.probes.base import Probe, take_pending
 from trackdiag.probes.grads import publish_layers
 from trackdiag.record import Record
+from trackdiag.schedule import EarlyThenEvery
 
 
 class UpdateProbe(Probe):
-    """See module docstring."""
+    """See module docstring. Args: ``early`` steps measured one by one at the start."""
 
     name = "updates"
     due_only = True  # hooks act on due steps only: the session skips them otherwise
     follows_anomaly = False  # too costly to run on every step of an anomaly window
 
-    def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
+    def __init__(self, *, enabled: bool = True, every: int | None = None, early: int = 10) -> None:
         super().__init__(enabled=enabled, every=every)
-        self._snap: dict[str, tuple[Sequence[torch.Tensor], torch.Tensor]] = {}
+        self.early = max(0, early)
+        self._snap: dict[str, tuple[int, Sequence[torch.Tensor], torch.Tensor]] = {}
+        self._versions: dict[str, list[int]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
 
-    @torch.no_grad()
-    def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
-        if not ctx.is_due(self.schedule) or not comp.index.params:
-            return
-        params = [p.detach() for p in comp.index.params]
-        self._snap[comp.name] = (torch._foreach_mul(params, 1.0), tensor_norms(params))
+    def bind(self, default_every: int) -> None:
+        self.schedule = EarlyThenEvery(self.early, self.every or default_every, type(self).follows_anomaly)
+
+    def attach(self, ctx: ProbeContext) -> None:
+        self._prepare(ctx, 0)
 
     @torch.no_grad()
-    def after_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
-        snap = self._snap.pop(comp.name, None)
-        if snap is None:
+    def _copy(self, comp: Component) -> tuple[int, Sequence[torch.Tensor], torch.Tensor]:
+        params = [p.detach() for p in comp.index.params]
+        return comp.generation, torch._foreach_mul(params, 1.0), tensor_norms(params).float()
+
+    def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
+        if ctx.is_due(self.schedule) and comp.index.params:
+            self._snap[comp.name] = self._copy(comp)  # replaces a copy taken at the last step()
+
+    @torch.no_grad()
+    def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        due = ctx.is_due(self.schedule)
+        for comp in ctx.components:
+            snap = self._snap.pop(comp.name, None)
+            if not due or not comp.index.params:
+                continue
+            if snap is not None and snap[0] == comp.generation:
+                if comp.optimizers and comp.name not in ctx.stepped and ctx.scaler is not None:
+                    continue  # a GradScaler-skipped step
+                self._pending[comp.name] = self._diff(comp, snap[1], snap[2])
+            elif comp.optimizers and comp.name not in ctx.stepped and comp.name in self._versions:
+                if [p._version for p in comp.index.params] == self._versions[comp.name]:
+                    n = len(comp.index.layers)
+                    self._pending[comp.name] = {"ratio": torch.zeros(n), "global_ratio": torch.zeros(()),
+                                                **({"group_ratio": torch.zeros(len(comp.index.groups))} if comp.index.grouped else {})}
+        self._prepare(ctx, ctx.step + 1)
+
+    def _prepare(self, ctx: ProbeContext, step: int) -> None:
+        """Before due step ``step``: copy hook-less components, note the others' version counters."""
+        if not (self.schedule(step) or step <= ctx.anomaly_until and self.follows_anomaly):
+            self._versions.clear()
             return
-        old, w_norms = snap
+        for comp in ctx.components:
+            if not comp.index.params:
+                continue
+            if comp.optimizers:
+                self._versions[comp.name] = [p._version for p in comp.index.params]
+            else:
+                self._snap[comp.name] = self._copy(comp)
+
+    def _diff(self, comp: Component, old: Sequence[torch.Tensor], w_norms: torch.Tensor) -> dict[str, torch.Tensor]:
         torch._foreach_sub_(list(old), [p.detach() for p in comp.index.params])  # old := w_old - w_new
-        d_norms = tensor_norms(list(old))
+        d_norms = tensor_norms(list(old)).float()
         del old
         idx = comp.index
         lw, ld = idx.per_layer_norm(w_norms), idx.per_layer_norm(d_norms)
         nan = torch.full_like(lw, math.nan)
-        ratio = torch.where(lw > 0, ld / lw, nan)
-        out = {"ratio": ratio,  # its median is taken on the host: CUDA's nanmedian reads its NaN count back
+        out = {"ratio": torch.where(lw > 0, ld / lw, nan),  # its median is taken on the host (CUDA's nanmedian syncs)
                "global_ratio": torch.linalg.vector_norm(d_norms) / torch.linalg.vector_norm(w_norms)}
         if idx.grouped:
             gw, gd = idx.per_group_norm(lw), idx.per_group_norm(ld)
             out["group_ratio"] = torch.where(gw > 0, gd / gw, torch.full_like(gw, math.nan))
-        self._pending[comp.name] = out
+        return out
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         return take_pending(self._pending)
@@ -80,6 +121,10 @@ class UpdateProbe(Probe):
             record.scalars[comp.key("update/ratio_median")] = float(np.median(finite)) if finite.size else math.nan
             record.scalars[comp.key("update/global_ratio")] = float(values[f"{comp.name}|global_ratio"][0])
             publish_layers(comp.key("update/ratio"), comp, ratio, record, values.get(f"{comp.name}|group_ratio"))
+
+    def reindexed(self, ctx: ProbeContext, comp: Component) -> None:
+        self._pending.pop(comp.name, None)
+        self._versions.pop(comp.name, None)
 
     def detach(self) -> None:
         self._snap.clear()

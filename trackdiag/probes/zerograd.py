@@ -1,33 +1,31 @@
-"""Gradients-not-zeroed probe: did the gradients the optimizer consumed get reset before the next one?
+"""Zero-grad probe: were the gradients reset when they should be, and only then?
 
-How: after a due optimizer step, one gradient hook is put on a single "sentinel" parameter (the last
-one that has a gradient). The hook runs at every backward until the next optimizer step and sees
-the sentinel's gradient *before* the new one is accumulated into it: ``None`` (``zero_grad()``
-with ``set_to_none``) or all zeros (``zero_grad(set_to_none=False)``) means the gradients were reset.
-At the next optimizer step the verdict is: not zeroed iff at least one backward ran and none of
-them saw a reset. This is exact and has no false positives for:
+Made from what the gradient tap's sentinel saw (see :mod:`trackdiag.gradtap`): for each backward
+pass, whether one chosen parameter's gradient had been reset (``None``, or all zero) before the pass
+accumulated into it, and that parameter's version counter (it changes when the optimizer updates
+the parameters in place). Two verdicts per step, for every step and every loop style:
 
-- ``zero_grad(set_to_none=True)`` / ``zero_grad()`` anywhere between two steps (before the forward,
-  between forward and backward, after the step);
-- gradient accumulation over k micro-batches per step (the first backward sees the reset, the
-  later ones see this step's own partial sums, which never count against it);
-- GAN-style loops where another loss backpropagates into this model before it is zeroed;
-- closure optimizers (LBFGS) and steps with no backward in between: no verdict.
+* **not zeroed** (``grads_not_zeroed``): backward passes ran since the previous step and none of
+  them started from a reset gradient, so the step used the sum of this step's and earlier steps'
+  gradients. No false positive for accumulation over micro-batches (the first one sees the reset),
+  GAN loops where another loss backpropagates into this model before it is zeroed, or closure
+  optimizers (the closure's ``zero_grad`` is seen inside ``step()``). With ``accumulation_steps`` =
+  k > 1 gradients may be carried over k steps: only k steps in a row without a reset count.
+* **reset inside the accumulation window** (``accumulation_reset``): two or more of the step's
+  backward passes started from a reset gradient while the parameters did not change between them:
+  every pass but the last was thrown away (``model.zero_grad()`` inside accelerate's
+  ``accumulate``, instead of the prepared optimizer's). Passes separated by a parameter update
+  (LBFGS line search, SAM's two passes) are not counted together.
 
-With ``accumulation_steps`` = k > 1 the gradients may legitimately be carried across k optimizer
-steps: the watch spans k steps and only a run of k steps without any reset counts.
-
-Emits per component, at the logging step after the verdict: ``diag/[<c>/]grad/not_zeroed`` (1.0 or
-0.0) and the table ``diag/[<c>/]grad/zero_check`` = ``{"step": the optimizer step that used the
-stale gradients, "backwards": backward passes seen}``.
-Cost: on a due step, one hook registration; per backward until the next step, one all-zero test of
-one tensor (on device, no sync); nothing on other steps. The hook is a tensor hook on a leaf
-parameter (fine under DDP; not under FSDP's flat parameters).
+Emits per component, at the logging step: ``diag/[<c>/]grad/not_zeroed`` and
+``diag/[<c>/]grad/accum_reset`` (1.0 when some step of the window failed, else 0.0), and the tables
+``grad/zero_check`` / ``grad/accum_check`` = ``{"step": first failing step, "backwards": its passes}``.
+Cost per step: nothing when the loop zeroes with ``set_to_none`` (the usual way); otherwise one
+``|`` per backward pass of small device booleans. No host read off logging steps.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -35,103 +33,111 @@ import torch
 
 from trackdiag.context import Component, ProbeContext
 from trackdiag.errors import ConfigError
+from trackdiag.gradtap import GradView, Pass
+from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 
+Flag = bool | torch.Tensor
 
-@dataclass
-class _Watch:
-    """One armed check: the hook on the sentinel and what it saw."""
 
-    param: torch.Tensor
-    steps_left: int
-    ctx: ProbeContext | None = None
-    handle: Any = None
-    backwards: int = 0
-    reset_seen: bool = False  # a None gradient was seen (known on the host)
-    reset_dev: torch.Tensor | None = None  # device bool: an all-zero gradient was seen
+def _any(flags: list[Flag]) -> Flag:
+    """OR of host and device booleans: host True wins at once, else one device OR chain."""
+    if any(f is True for f in flags):
+        return True
+    dev = [f for f in flags if isinstance(f, torch.Tensor)]
+    if not dev:
+        return False
+    out = dev[0]
+    for f in dev[1:]:
+        out = out | f
+    return out
 
-    @torch.no_grad()
-    def __call__(self, _new_grad: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        self.backwards += 1
-        g = self.param.grad
-        if g is None:
-            self.reset_seen = True
-        elif not self.reset_seen:
-            zero = ~g.detach().ne(0).any()
-            self.reset_dev = zero if self.reset_dev is None else self.reset_dev | zero
-        if self.ctx is not None:
-            self.ctx.hook_seconds += time.perf_counter() - t0
+
+def _count(flags: list[Flag]) -> int | torch.Tensor:
+    host = sum(1 for f in flags if f is True)
+    dev = [f for f in flags if isinstance(f, torch.Tensor)]
+    return host if not dev else host + torch.stack(dev).sum()
+
+
+def wiped(passes: list[Pass]) -> Flag:
+    """Two or more resets among passes with no parameter update between them."""
+    runs: list[list[Pass]] = []
+    for p in passes:
+        if runs and runs[-1][-1].param_version == p.param_version:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    out: list[Flag] = []
+    for run in runs:
+        if len(run) >= 2:
+            n = _count([p.reset for p in run])
+            out.append(n >= 2)
+    return _any(out)
 
 
 class ZeroGradProbe(Probe):
     """See module docstring. Args: ``accumulation_steps`` optimizer steps the gradients may legitimately span."""
 
     name = "zerograd"
+    always_collect = True
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, accumulation_steps: int = 1) -> None:
         super().__init__(enabled=enabled, every=every)
         if accumulation_steps < 1:
             raise ConfigError([f"diag.probes.zerograd.accumulation_steps: must be >= 1, got {accumulation_steps!r}"])
         self.accumulation_steps = accumulation_steps
-        self._watch: dict[str, _Watch] = {}
-        self._verdicts: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+        self._windows: dict[str, deque[Flag]] = {}
+        self._verdicts: dict[str, list[tuple[int, int, Flag, Flag]]] = {}
         self._meta: dict[str, list[tuple[int, int]]] = {}
 
-    def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
-        w = self._watch.get(comp.name)
-        if w is None:
+    def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
+        passes = view.passes
+        if not passes:  # no backward reached the component: no verdict
             return
-        w.steps_left -= 1
-        if w.steps_left > 0:
-            return
-        self._disarm(comp.name)
-        if w.backwards == 0:  # closure optimizer, or a step without backward: no verdict
-            return
-        if w.reset_seen or w.reset_dev is None:
-            stale = torch.zeros((), device=w.param.device)
+        reset = _any([p.reset for p in passes])
+        window = self._windows.setdefault(comp.name, deque(maxlen=self.accumulation_steps))
+        window.append(reset)
+        if len(window) < self.accumulation_steps:
+            stale: Flag = False
         else:
-            stale = (~w.reset_dev).float()
-        self._verdicts.setdefault(comp.name, []).append((ctx.step, w.backwards, stale))
-
-    def after_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
-        if comp.name in self._watch or not ctx.is_due(self.schedule):
-            return
-        sentinel = next((p for p in reversed(comp.index.params) if p.grad is not None and p.requires_grad), None)
-        if sentinel is None:
-            return
-        w = _Watch(sentinel, self.accumulation_steps, ctx)
-        w.handle = sentinel.register_hook(w)
-        self._watch[comp.name] = w
-
-    def _disarm(self, name: str) -> None:
-        w = self._watch.pop(name, None)
-        if w is not None and w.handle is not None:
-            w.handle.remove()
+            any_reset = _any(list(window))
+            stale = (not any_reset) if isinstance(any_reset, bool) else ~any_reset
+        self._verdicts.setdefault(comp.name, []).append((ctx.step, len(passes), stale, wiped(passes)))
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
+        """Device flags go in one stacked tensor (no tensor is made from host data); host flags
+        stay on the host with the steps."""
         out: dict[str, Any] = {}
         self._meta = {}
         for name, verdicts in self._verdicts.items():
-            if verdicts:
-                dev = verdicts[-1][2].device
-                out[name] = torch.stack([v.to(dev) for _, _, v in verdicts])
-                self._meta[name] = [(s, b) for s, b, _ in verdicts]
+            dev: list[torch.Tensor] = []
+            rows = []
+            for step, backwards, *flags in verdicts:
+                slots = []
+                for f in flags:
+                    if isinstance(f, torch.Tensor):
+                        slots.append(len(dev))
+                        dev.append(f)
+                    else:
+                        slots.append(-1.0 - float(f))  # host value v stored as -1 - v
+                rows.append((step, backwards, slots))
+            if dev:
+                out[name] = stack_scalars(dev)
+            out[f"{name}|rows"] = float(len(rows))  # host number: publish runs even without device flags
+            self._meta[name] = rows
         self._verdicts = {}
         return out
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         for comp in ctx.components:
-            vals = values.get(comp.name)
-            if vals is None:
+            rows = self._meta.get(comp.name)
+            if not rows:
                 continue
-            meta = self._meta.get(comp.name, [])
-            bad = [i for i, v in enumerate(vals.tolist()) if v > 0.5]
-            record.scalars[comp.key("grad/not_zeroed")] = 1.0 if bad else 0.0
-            step, backwards = meta[bad[0]] if bad else meta[-1]
-            record.tables[comp.key("grad/zero_check")] = {"step": float(step), "backwards": float(backwards)}
-
-    def detach(self) -> None:
-        for name in list(self._watch):
-            self._disarm(name)
+            dev = values.get(comp.name)
+            flags = [[float(dev[s]) if s >= 0 else -1.0 - s for s in slots] for _, _, slots in rows]
+            for col, key, table in ((0, "not_zeroed", "zero_check"), (1, "accum_reset", "accum_check")):
+                bad = [i for i, f in enumerate(flags) if f[col] > 0.5]
+                record.scalars[comp.key(f"grad/{key}")] = 1.0 if bad else 0.0
+                step, backwards, _ = rows[bad[0]] if bad else rows[-1]
+                record.tables[comp.key(f"grad/{table}")] = {"step": float(step), "backwards": float(backwards)}

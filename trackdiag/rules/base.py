@@ -71,3 +71,19 @@ def layer_values(record: Record, prefix: str) -> dict[str, float]:
         return table
     start = prefix + "/"
     return {k[len(start):]: v for k, v in record.scalars.items() if k.startswith(start)}
+
+
+def points_of(record: Record, key: str) -> list[tuple[int, float]]:
+    """Every ``(step, value)`` of ``key`` in ``record``: its every-step series when it has one,
+    else the scalar at the record's step, else nothing."""
+    pts = record.series.get(key)
+    if pts is not None:
+        return pts
+    v = record.scalars.get(key)
+    return [(record.step, v)] if v is not None else []
+
+
+def latest(record: Record, key: str) -> float | None:
+    """The last value of ``key`` in ``record`` (series or scalar), or None."""
+    pts = points_of(record, key)
+    return pts[-1][1] if pts else None

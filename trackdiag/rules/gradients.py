@@ -7,7 +7,7 @@ from typing import Any, Sequence
 from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
-from trackdiag.rules.base import Rule, layer_values
+from trackdiag.rules.base import Rule, latest, layer_values, points_of
 from trackdiag.stats import Ema
 
 
@@ -40,21 +40,24 @@ class GradExplosion(Rule):
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for comp in components:
-            gn = record.scalars.get(comp.key("grad/global_norm"))
-            if gn is None or not math.isfinite(gn):
-                continue
             layers = layer_values(record, comp.key("grad/norm"))
             worst, worst_v = max(layers.items(), key=lambda kv: kv[1] if math.isfinite(kv[1]) else -1.0, default=("", math.nan))
             where = _qualified(comp, worst)
             ema = self._ema.setdefault(comp.name, Ema(self.ema_beta))
-            if gn > self.threshold:
-                out.append(self.make(record.step, f"global gradient norm {gn:.3g} exceeds {self.threshold:g}; largest in {where or 'the model'} ({worst_v:.3g}).", gn, self.threshold, where))
-            elif worst_v > self.layer_threshold:
+            fired = False
+            for step, gn in points_of(record, comp.key("grad/global_norm")):  # every step, pre-clip
+                if not math.isfinite(gn):
+                    continue
+                if not fired and gn > self.threshold:
+                    out.append(self.make(step, f"global gradient norm {gn:.3g} exceeds {self.threshold:g}; largest in {where or 'the model'} ({worst_v:.3g}).", gn, self.threshold, where))
+                    fired = True
+                elif not fired and ema.count >= self.warmup and gn > self.spike_min_norm and gn > self.spike_factor * ema.value:
+                    limit = self.spike_factor * ema.value
+                    out.append(self.make(step, f"global gradient norm {gn:.3g} jumped to {gn / ema.value:.1f}x its recent average {ema.value:.3g}; largest in {where or 'the model'}.", gn, limit, where))
+                    fired = True
+                ema.update(gn)
+            if not fired and worst_v > self.layer_threshold:
                 out.append(self.make(record.step, f"gradient norm of {where} is {worst_v:.3g} (> {self.layer_threshold:g}).", worst_v, self.layer_threshold, where))
-            elif ema.count >= self.warmup and gn > self.spike_min_norm and gn > self.spike_factor * ema.value:
-                limit = self.spike_factor * ema.value
-                out.append(self.make(record.step, f"global gradient norm {gn:.3g} jumped to {gn / ema.value:.1f}x its recent average {ema.value:.3g}; largest in {where or 'the model'}.", gn, limit, where))
-            ema.update(gn)
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -87,7 +90,7 @@ class GradVanishing(Rule):
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for comp in components:
-            gn = record.scalars.get(comp.key("grad/global_norm"))
+            gn = latest(record, comp.key("grad/global_norm"))
             if gn is None or not math.isfinite(gn):
                 continue
             if self._bump(f"{comp.name}|", gn < self.threshold):

@@ -1,0 +1,319 @@
+"""The gradient tap: gradients measured as the backward pass left them, before anyone changes them.
+
+Why: the optimizer's step hooks run after the user's ``clip_grad_norm_`` and ``scaler.unscale_``,
+so a norm read there is the post-clip norm (pinned at the clip value), and a loop without an
+optimizer, or one that passes a closure to ``step``, never shows its gradients there at all.
+
+How: a tensor hook on every trainable parameter of every component (parameter hooks are not saved
+by ``torch.save``, are not deep-copied, and run in the autograd engine, outside any compiled
+graph). The first hook to fire in a backward pass queues one end-of-backward callback (twice
+removed, so it runs after DDP's and FSDP's own end-of-backward work); that callback measures, for
+each component the pass reached, the per-tensor L2 norms of the accumulated gradients (one
+``_foreach_norm``, in fp32, divided by the ``GradScaler``'s scale when there is one), and on steps
+that need detail also the largest magnitude and the gradients' version counters (to tell later
+whether something clipped or unscaled them). One parameter per component, the *sentinel*, also
+records per backward whether its gradient was reset (``None`` or all zero) before the pass
+accumulated into it, and the parameter's version counter: that is what the zero-grad verdicts
+are made of (:mod:`trackdiag.zerocheck`).
+
+Cost per backward pass: one Python call per parameter that receives a gradient (~1 us), one
+``_foreach_norm`` kernel, one tiny division under a scaler; on the sentinel, one all-zero test of
+one small tensor when its gradient was not ``None``. No host read. Detail steps add a
+``max_abs`` reduction and a host pass over the version counters.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from trackdiag.context import Component, ProbeContext
+from trackdiag.norms import grad_norms, max_abs
+
+log = logging.getLogger("trackdiag")
+
+
+@dataclass
+class Tap:
+    """What one backward pass left in one component's gradients.
+
+    norms: per-parameter L2 norms (fp32 device tensor, unscaled), in ``comp.index.params`` order.
+    max_abs: the largest gradient magnitude (0-d, unscaled), on detail steps, else None.
+    versions / ids: the gradients' version counters and identities, on detail steps, else None.
+    step: the optimizer step in progress; number: the backward pass's running number.
+    """
+
+    norms: torch.Tensor
+    step: int
+    number: int
+    max_abs: torch.Tensor | None = None
+    versions: list[int] | None = None
+    ids: list[int] | None = None
+
+
+@dataclass
+class Pass:
+    """One backward pass as the sentinel saw it: was its gradient reset before the pass
+    (``True`` on the host for ``None``, else a device bool for "all zero"), and the sentinel
+    parameter's version counter (it changes when the parameters are updated in place)."""
+
+    reset: bool | torch.Tensor
+    param_version: int
+
+
+@dataclass
+class CompTap:
+    """Per-component state of the tap."""
+
+    comp: Component
+    generation: int = -1
+    fired: bool = False
+    latest: Tap | None = None  # the most recent backward's measurements
+    first_in_step: Tap | None = None  # the first backward inside a closure-stepped ``step()``
+    in_closure: bool = False
+    passes: list[Pass] = field(default_factory=list)  # backward passes since the gradients were last consumed
+    count: int = 0
+    handles: list[Any] = field(default_factory=list)
+    sentinel: torch.Tensor | None = None
+
+    def fire(self, _grad: torch.Tensor) -> None:
+        """Tensor hook on every parameter: note that this backward reaches the component."""
+        if not self.fired and not TAP_QUEUE.paused:
+            self.fired = True
+            TAP_QUEUE.arm()
+        return None
+
+    def watch(self, _grad: torch.Tensor) -> None:
+        """Tensor hook on the sentinel: was its gradient reset before this pass accumulates?"""
+        p = self.sentinel
+        if p is not None and not TAP_QUEUE.paused:
+            g = p.grad
+            if g is None:
+                reset: bool | torch.Tensor = True
+            else:
+                with torch.no_grad():
+                    reset = ~g.detach().ne(0).any() if g.layout is torch.strided else torch.tensor(g._nnz() == 0)
+            self.passes.append(Pass(reset, p._version))
+            del self.passes[:-64]  # bounded: a loop that never steps
+        return self.fire(_grad)
+
+
+class _Queue:
+    """Queues the end-of-backward callback once per backward pass, for every live tap."""
+
+    def __init__(self) -> None:
+        self.taps: list[GradTap] = []
+        self.queued = False
+        self.paused = False  # trackdiag's own replays and pre-flight: not the user's backward passes
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Backward passes trackdiag runs itself (replays, landscapes) are not measured."""
+        before, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = before
+
+    def arm(self) -> None:
+        if self.queued:
+            return
+        self.queued = True
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._again)
+        except Exception:  # noqa: BLE001 - not inside the engine: measured at the step instead
+            self.queued = False
+
+    def _again(self) -> None:
+        # queued from a callback: runs after the callbacks DDP/FSDP queued during the pass
+        torch.autograd.Variable._execution_engine.queue_callback(self._end)
+
+    def _end(self) -> None:
+        self.queued = False
+        for tap in list(self.taps):
+            tap.end_of_backward()
+
+
+TAP_QUEUE = _Queue()
+
+
+class GradTap:
+    """The session's tap over its components (see module docstring).
+
+    Args:
+        ctx: the session's probe context (step, scaler, hook-time accounting).
+        detail: ``() -> bool``: does the step in progress need max-abs and version counters?
+    """
+
+    def __init__(self, ctx: ProbeContext, detail: Callable[[], bool]) -> None:
+        self.ctx = ctx
+        self.detail = detail
+        self.states: dict[str, CompTap] = {}
+        self.failed: str | None = None
+        TAP_QUEUE.taps.append(self)
+
+    # ------------------------------------------------------------------ hooks
+    def attach(self, comp: Component) -> None:
+        """(Re-)hook ``comp``'s trainable parameters; called again when its parameters change."""
+        st = self.states.get(comp.name)
+        if st is None:
+            st = self.states[comp.name] = CompTap(comp)
+        st.comp = comp
+        if st.generation == comp.generation:
+            return
+        self._unhook(st)
+        st.generation = comp.generation
+        params = [p for p in comp.index.params if p.requires_grad]
+        st.sentinel = pick_sentinel(comp)
+        try:
+            for p in params:
+                st.handles.append(p.register_hook(st.watch if p is st.sentinel else st.fire))
+        except RuntimeError as exc:  # e.g. a parameter that cannot take hooks
+            self._unhook(st)
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.warning("trackdiag: gradient tap off for %r (%s): gradients are read at the optimizer step "
+                        "(after any clipping)", comp.name or "model", self.failed)
+
+    def _unhook(self, st: CompTap) -> None:
+        for h in st.handles:
+            h.remove()
+        st.handles.clear()
+
+    def detach(self) -> None:
+        for st in self.states.values():
+            self._unhook(st)
+        if self in TAP_QUEUE.taps:
+            TAP_QUEUE.taps.remove(self)
+
+    # ------------------------------------------------------------------ measuring
+    def end_of_backward(self) -> None:
+        """For each component this backward reached: measure its accumulated gradients."""
+        t0 = time.perf_counter()
+        for st in self.states.values():
+            if not st.fired:
+                continue
+            st.fired = False
+            st.count += 1
+            try:
+                tap = self.measure(st.comp, st.count)
+            except Exception as exc:  # noqa: BLE001 - never raise into the user's backward
+                log.warning("trackdiag: gradient tap failed (%s: %s): reading at the optimizer step instead",
+                            type(exc).__name__, exc)
+                self.detach()
+                self.failed = f"{type(exc).__name__}: {exc}"
+                return
+            st.latest = tap
+            if st.in_closure and st.first_in_step is None:
+                st.first_in_step = tap
+        self.ctx.hook_seconds += time.perf_counter() - t0
+
+    @torch.no_grad()
+    def measure(self, comp: Component, number: int = 0, unscale: bool = True) -> Tap:
+        """The gradients of ``comp`` now (device tensors; no host read); divided by the scaler's
+        scale when ``unscale`` (the backward pass left them scaled)."""
+        grads = comp.index.grads()
+        comp.index.clear_cache()
+        norms = grad_norms(grads, comp.index.low_precision)
+        scale = self.scale() if unscale else None
+        detail = self.detail()
+        top = max_abs(grads) if detail else None
+        if scale is not None:
+            norms = norms / scale
+            top = top / scale if top is not None else None
+        tap = Tap(norms, self.ctx.step, number, top)
+        if detail:
+            tap.versions = [g._version for g in grads]
+            tap.ids = [id(g) for g in grads]
+        return tap
+
+    def scale(self) -> torch.Tensor | None:
+        """The ``GradScaler``'s current scale (device tensor), or None without an enabled scaler."""
+        scaler = self.ctx.scaler
+        if scaler is None or not getattr(scaler, "_enabled", False):
+            return None
+        scale = getattr(scaler, "_scale", None)
+        return scale.to(torch.float32) if isinstance(scale, torch.Tensor) else None
+
+    # ------------------------------------------------------------------ consuming
+    def begin_closure(self, name: str) -> None:
+        """``optimizer.step(closure)`` started: its first backward is the step's gradient."""
+        st = self.states.get(name)
+        if st is not None:
+            st.in_closure, st.first_in_step = True, None
+
+    def take(self, name: str) -> tuple[Tap | None, list[Pass]]:
+        """The step's tap (the first one inside a closure step, else the latest since the last
+        take) and the backward passes the sentinel saw since then; both are reset."""
+        st = self.states.get(name)
+        if st is None:
+            return None, []
+        tap = st.first_in_step if st.in_closure and st.first_in_step is not None else st.latest
+        st.latest = st.first_in_step = None
+        st.in_closure = False
+        passes, st.passes = st.passes, []
+        return tap, passes
+
+    def hooked(self, name: str) -> bool:
+        st = self.states.get(name)
+        return st is not None and bool(st.handles)
+
+
+def pick_sentinel(comp: Component) -> torch.Tensor | None:
+    """The parameter whose gradient stands for the component's in the zero-grad checks: the
+    smallest trainable tensor of the first or the last layer (every backward pass through the
+    component reaches those; the smallest keeps the all-zero test cheap)."""
+    idx = comp.index
+    cands = [i for i, p in enumerate(idx.params) if p.requires_grad]
+    if not cands:
+        return None
+    ends = {idx.layers[idx.index_of[cands[0]]], idx.layers[idx.index_of[cands[-1]]]}
+    pool = [idx.params[i] for i in cands if idx.layers[idx.index_of[i]] in ends]
+    return min(pool, key=lambda p: p.numel())
+
+
+@dataclass
+class GradView:
+    """A component's gradients at the moment a step consumes them (what gradient probes read).
+
+    ``tap``: the measurements; ``source``: ``"backward"`` (taken at the end of the backward pass,
+    before any clipping or unscaling: the *pre-clip* values) or ``"step"`` (read at consumption: no
+    backward pass reached the component since the last step, or the tap is off). ``stepped``: an
+    optimizer step consumed them (False in a loop without an optimizer, or when the optimizer did
+    not step). ``passes``: the backward passes the sentinel saw since the previous step.
+    """
+
+    comp: Component
+    tap: Tap
+    source: str
+    stepped: bool
+    passes: list[Pass] = field(default_factory=list)
+    _now: torch.Tensor | None = None
+
+    @property
+    def norms(self) -> torch.Tensor:
+        """Per-parameter L2 norms, pre-clip and unscaled (fp32, device)."""
+        return self.tap.norms
+
+    def modified(self) -> bool | None:
+        """Whether the gradients changed since they were measured (``clip_grad_norm_``,
+        ``scaler.unscale_``, replaced); None when not known (no version counters on this step)."""
+        if self.source != "backward":
+            return False
+        if self.tap.versions is None:
+            return None
+        grads = self.comp.index.grads()
+        return [g._version for g in grads] != self.tap.versions or [id(g) for g in grads] != self.tap.ids
+
+    @torch.no_grad()
+    def now_norms(self) -> torch.Tensor:
+        """Per-parameter norms of the gradients as the optimizer sees them (after clipping):
+        the pre-clip norms when nothing changed them, else one more ``_foreach_norm``."""
+        if self._now is None:
+            self._now = self.norms
+            if self.modified():
+                self._now = grad_norms(self.comp.index.grads(), self.comp.index.low_precision)
+        return self._now

@@ -1,0 +1,241 @@
+"""How a session follows optimizer steps and hands each step's gradients to the probes.
+
+Mixed into :class:`trackdiag.Diagnostics`. The moment a component's gradients are *consumed* is:
+  * the optimizer's step pre-hook, for ``optimizer.step()`` (the usual loop);
+  * the step post-hook, for ``optimizer.step(closure)`` (LBFGS, Lightning): the closure runs the
+    backward inside ``step()``; the first backward inside it is the one at the step's parameters;
+  * ``Diagnostics.step()``, for a component whose optimizer did not step (no optimizer, a hand-
+    written update, a ``GradScaler``-skipped step, an optimizer the user stopped calling).
+At that moment the gradient probes get a :class:`~trackdiag.gradtap.GradView` whose norms are the
+ones the backward pass left (pre-clip, unscaled) and the zero-grad sentinel's record of the passes.
+
+Optimizers are followed through torch's global step hooks (:mod:`trackdiag.optimizers`): any
+wrapper works, and an optimizer created after the session is adopted at its first step when it
+steps the session's parameters (or explicitly with :meth:`attach`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from trackdiag.components import attachable, groups_signature, reindex
+from trackdiag.context import Component
+from trackdiag.gradtap import GradTap, GradView
+from trackdiag.optimizers import DISPATCH, accumulating, scaler_of
+from trackdiag.probes.base import Probe
+
+log = logging.getLogger("trackdiag")
+
+
+@dataclass
+class _StepState:
+    """Where one component is within the optimizer step in progress."""
+
+    depth: int = 0  # nesting of step() calls (a wrapper's inner optimizer)
+    stepped: bool = False  # an optimizer step ran
+    consumed: bool = False  # the gradients went to the probes
+    closure: bool = False
+    pre_done: bool = False
+
+
+class OptimizerEvents:
+    """Optimizer steps and gradient consumption; see the module docstring."""
+
+    components: list[Component]
+    probes: list[Probe]
+
+    def _init_events(self) -> None:
+        ctx = self._ctx
+        if ctx.scaler is None:
+            ctx.scaler = next((s for c in self.components for g in c.given if (s := scaler_of(g)) is not None), None)
+        self._detail_step = -1
+        self._detail = False
+        self._tap = GradTap(ctx, self._detail_due)
+        for comp in self.components:
+            self._tap.attach(comp)
+        self._steps: dict[str, _StepState] = {c.name: _StepState() for c in self.components}
+        self._foreign: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._micro: list[Mapping[str, Any]] = []
+        self._notes: dict[str, str] = {}
+        self._grad_probes = [p for p in self.probes if type(p).on_grads is not Probe.on_grads]
+        self._pre_probes = [p for p in self.probes if type(p).before_optimizer_step is not Probe.before_optimizer_step]
+        self._post_probes = [p for p in self.probes if type(p).after_optimizer_step is not Probe.after_optimizer_step]
+        for comp in self.components:
+            comp.groups = groups_signature(comp)
+            if not comp.optimizers:
+                self._note_no_optimizer(comp)
+        DISPATCH.add(self)
+
+    def _note_no_optimizer(self, comp: Component) -> None:
+        what = f"component {comp.name!r}" if comp.name else "the model"
+        given = f" ({type(comp.given[0]).__name__} runs no torch step hooks)" if comp.given else ""
+        note = (f"no optimizer steps {what} yet{given}: gradients are read at the end of each backward pass and "
+                f"updates between step() calls; the learning rate is not measured until an optimizer that steps "
+                f"these parameters runs (it is adopted then) or is given with diag.attach(optimizer).")
+        self._notes[comp.name] = note
+        log.warning("trackdiag: %s", note)
+
+    def _detail_due(self) -> bool:
+        """Does the step in progress need the gradients' max |g| and version counters? (cached per step)"""
+        ctx = self._ctx
+        if self._detail_step != ctx.step:
+            self._detail_step = ctx.step
+            self._detail = any(p.enabled and ctx.is_due(p.schedule) for p in self._grad_probes if p.wants_detail)
+        return self._detail
+
+    # ------------------------------------------------------------------ public
+    def attach(self, optimizer: Any, component: str | None = None) -> None:
+        """Follow ``optimizer`` (any wrapper) for ``component`` (default: the one whose parameters
+        it steps). Use it when the optimizer is created after the session; optimizers that step the
+        session's parameters are also adopted on their own at their first step."""
+        comp = next((c for c in self.components if c.name == component), None) if component is not None else \
+            next((c for c in self.components if attachable(c, optimizer)), self.components[0] if len(self.components) == 1 else None)
+        if comp is None:
+            raise ValueError(f"no component for this optimizer; name one of {[c.name for c in self.components]}")
+        self._adopt(comp, optimizer)
+
+    def _adopt(self, comp: Component, opt: Any) -> None:
+        if comp.add_optimizer(opt):
+            log.info("trackdiag: following %s for %s", type(opt).__name__, comp.name or "the model")
+            self._notes.pop(comp.name, None)
+        if self._ctx.scaler is None:
+            self._ctx.scaler = scaler_of(opt)
+        comp.groups = groups_signature(comp)
+        self._reindex(comp)
+
+    def _reindex(self, comp: Component) -> None:
+        if reindex(comp, self.config["max_layer_metrics"]):
+            self._tap.attach(comp)
+            for p in self.probes:
+                if p.enabled:
+                    self._guard(p, "reindexed", self._ctx, comp)
+
+    # ------------------------------------------------------------------ torch's global step hooks
+    def _owner(self, opt: Any) -> Component | None:
+        for comp in self.components:
+            if comp.owns(opt):
+                return comp
+        if opt in self._foreign or any(st.depth for st in self._steps.values()):
+            return None  # not ours, or the inner optimizer of a wrapper that is stepping
+        for comp in self.components:
+            if attachable(comp, opt):
+                self._adopt(comp, opt)
+                return comp
+        self._foreign.add(opt)
+        return None
+
+    def optimizer_pre_step(self, opt: Any, closure: Any) -> None:
+        if self._closed:
+            return
+        comp = self._owner(opt)
+        if comp is None:
+            return
+        st = self._steps[comp.name]
+        st.depth += 1
+        if st.depth > 1:
+            return
+        t0 = time.perf_counter()
+        sig = groups_signature(comp)
+        if sig != comp.groups:  # add_param_group: follow the new parameters from this step on
+            comp.groups = sig
+            self._reindex(comp)
+        st.stepped = True
+        if not st.pre_done:
+            st.pre_done = True
+            self._run(self._pre_probes, "before_optimizer_step", comp)
+        if closure is not None and not st.consumed:
+            st.closure = True
+            self._tap.begin_closure(comp.name)
+        elif not st.consumed:
+            self._consume(comp)
+        self._window_overhead += time.perf_counter() - t0
+
+    def optimizer_post_step(self, opt: Any, closure: Any) -> None:
+        if self._closed:
+            return
+        comp = next((c for c in self.components if c.owns(opt)), None)
+        if comp is None:
+            return
+        st = self._steps[comp.name]
+        st.depth = max(st.depth - 1, 0)
+        if st.depth:
+            return
+        t0 = time.perf_counter()
+        if st.closure and not st.consumed:
+            self._consume(comp)
+        self._run(self._post_probes, "after_optimizer_step", comp)
+        self._window_overhead += time.perf_counter() - t0
+
+    def _run(self, probes: list[Probe], method: str, comp: Component) -> None:
+        ctx = self._ctx
+        for p in probes:  # hot path: inline try instead of _guard's getattr per call
+            if p.enabled and (not p.due_only or ctx.is_due(p.schedule)):
+                try:
+                    getattr(p, method)(ctx, comp)
+                except Exception as exc:
+                    self._fail(p, method, exc)
+        comp.index.clear_cache()
+
+    def _consume(self, comp: Component) -> None:
+        """The component's gradients for this step go to the gradient probes."""
+        st = self._steps[comp.name]
+        st.consumed = True
+        tap, passes = self._tap.take(comp.name)
+        source = "backward"
+        if tap is None:  # no backward reached the component since the last step, or the tap is off
+            tap, source = self._tap.measure(comp, unscale=False), "step"
+        view = GradView(comp, tap, source, st.stepped, passes)
+        ctx = self._ctx
+        for p in self._grad_probes:
+            if p.enabled:
+                try:
+                    p.on_grads(ctx, comp, view)
+                except Exception as exc:
+                    self._fail(p, "on_grads", exc)
+        comp.index.clear_cache()
+
+    # ------------------------------------------------------------------ Diagnostics.step
+    def _is_micro_step(self) -> bool:
+        """A ``step()`` call between two real optimizer steps (accelerate's ``accumulate``)."""
+        return any(accumulating(g) for c in self.components for g in c.given)
+
+    def _merge_micro(self, losses: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The step's losses: the mean over its micro-batches' losses (device ops only)."""
+        if not self._micro:
+            return losses
+        parts, self._micro = [*self._micro, losses], []
+        out: dict[str, Any] = {}
+        for name in dict.fromkeys(k for part in parts for k in part):
+            vals = [part[name] for part in parts if part.get(name) is not None]
+            if vals and all(isinstance(v, torch.Tensor) for v in vals):
+                out[name] = torch.stack([v.detach().float().reshape(()) for v in vals]).mean()
+            elif vals:
+                out[name] = sum(float(v) for v in vals) / len(vals)
+        return out
+
+    def _finish_components(self) -> None:
+        """At ``Diagnostics.step``: components nobody consumed get their gradients read now."""
+        for comp in self.components:
+            st = self._steps[comp.name]
+            if not st.consumed:
+                self._consume(comp)
+        self._ctx.stepped = {c.name for c in self.components if self._steps[c.name].stepped}
+
+    def _reset_steps(self) -> None:
+        for st in self._steps.values():
+            st.stepped = st.consumed = st.closure = st.pre_done = False
+            st.depth = 0
+
+    def _check_reindex(self) -> None:
+        """Logging steps: follow parameters that were unfrozen, added or materialised later."""
+        for comp in self.components:
+            self._reindex(comp)
+
+    def _stop_events(self) -> None:
+        DISPATCH.discard(self)
+        self._tap.detach()
