@@ -50,6 +50,7 @@ class Tap:
     norms: torch.Tensor
     step: int
     number: int
+    generation: int = 0
     max_abs: torch.Tensor | None = None
     versions: list[int] | None = None
     ids: list[int] | None = None
@@ -79,6 +80,7 @@ class CompTap:
     count: int = 0
     handles: list[Any] = field(default_factory=list)
     sentinel: torch.Tensor | None = None
+    pending: Pass | None = None  # seen by the sentinel's tensor hook, kept once accumulated into .grad
 
     def fire(self, _grad: torch.Tensor) -> None:
         """Tensor hook on every parameter: note that this backward reaches the component."""
@@ -97,9 +99,16 @@ class CompTap:
             else:
                 with torch.no_grad():
                     reset = ~g.detach().ne(0).any() if g.layout is torch.strided else torch.tensor(g._nnz() == 0)
-            self.passes.append(Pass(reset, p._version))
-            del self.passes[:-64]  # bounded: a loop that never steps
+            self.pending = Pass(reset, p._version)
         return self.fire(_grad)
+
+    def accumulated(self, _param: torch.Tensor) -> None:
+        """Post-accumulate hook on the sentinel: the pass really added into ``.grad`` (not a
+        ``torch.autograd.grad`` call, which computes gradients without accumulating them)."""
+        if self.pending is not None:
+            self.passes.append(self.pending)
+            self.pending = None
+            del self.passes[:-64]  # bounded: a loop that never steps
 
 
 class _Queue:
@@ -149,9 +158,11 @@ class GradTap:
         detail: ``() -> bool``: does the step in progress need max-abs and version counters?
     """
 
-    def __init__(self, ctx: ProbeContext, detail: Callable[[], bool]) -> None:
+    def __init__(self, ctx: ProbeContext, detail: Callable[[], bool],
+                 refresh: Callable[[Component], None] | None = None) -> None:
         self.ctx = ctx
         self.detail = detail
+        self.refresh = refresh  # called before measuring: follows param groups added since the last step
         self.states: dict[str, CompTap] = {}
         self.failed: str | None = None
         TAP_QUEUE.taps.append(self)
@@ -172,6 +183,8 @@ class GradTap:
         try:
             for p in params:
                 st.handles.append(p.register_hook(st.watch if p is st.sentinel else st.fire))
+            if st.sentinel is not None:
+                st.handles.append(st.sentinel.register_post_accumulate_grad_hook(st.accumulated))
         except RuntimeError as exc:  # e.g. a parameter that cannot take hooks
             self._unhook(st)
             self.failed = f"{type(exc).__name__}: {exc}"
@@ -199,6 +212,8 @@ class GradTap:
             st.fired = False
             st.count += 1
             try:
+                if self.refresh is not None:
+                    self.refresh(st.comp)
                 tap = self.measure(st.comp, st.count)
             except Exception as exc:  # noqa: BLE001 - never raise into the user's backward
                 log.warning("trackdiag: gradient tap failed (%s: %s): reading at the optimizer step instead",
@@ -224,7 +239,7 @@ class GradTap:
         if scale is not None:
             norms = norms / scale
             top = top / scale if top is not None else None
-        tap = Tap(norms, self.ctx.step, number, top)
+        tap = Tap(norms, self.ctx.step, number, comp.generation, top)
         if detail:
             tap.versions = [g._version for g in grads]
             tap.ids = [id(g) for g in grads]
@@ -252,6 +267,8 @@ class GradTap:
         if st is None:
             return None, []
         tap = st.first_in_step if st.in_closure and st.first_in_step is not None else st.latest
+        if tap is not None and tap.generation != st.comp.generation:
+            tap = None  # measured over the parameter list before a re-index: read again
         st.latest = st.first_in_step = None
         st.in_closure = False
         passes, st.passes = st.passes, []

@@ -16,6 +16,7 @@ Cost: one Python call per optimizer step per live session; nothing else.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Protocol
@@ -89,6 +90,20 @@ def accumulating(opt: Any) -> bool:
         if state is not None and getattr(state, "sync_gradients", True) is False:
             return True
     return False
+
+
+def accelerate_accumulating(model: Any) -> bool:
+    """True inside ``accelerator.accumulate(model)`` off the sync step, for a model that
+    ``accelerator.prepare`` saw (whichever optimizer object the session was given)."""
+    if model is None or not getattr(model, "_is_accelerate_prepared", False):
+        return False
+    state_mod = sys.modules.get("accelerate.state")
+    if state_mod is None:
+        return False
+    try:
+        return state_mod.GradientState().sync_gradients is False
+    except Exception:  # noqa: BLE001 - another accelerate version: no opinion
+        return False
 
 
 def closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from trackdiag.gradtap import TAP_QUEUE
+from trackdiag.isolation import eager, isolated
 from trackdiag.layers import ROOT
 from trackdiag.snapshot import ParamSnapshot
 from trackdiag.tensors import default_loss, float_tensors
@@ -148,12 +149,6 @@ class _Recorder:
         return max(bad_out, key=self.order.__getitem__) if bad_out else None
 
 
-def eager() -> contextlib.AbstractContextManager[Any]:
-    """Compiled code runs eagerly inside (hooks are seen, nothing is traced or recompiled)."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
-
-
 def replay(model: nn.Module, calls: list[Call], *, step: int, batch: Any = None,
            loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backward: bool = True,
            snapshot: ParamSnapshot | None = None) -> Finding:
@@ -184,52 +179,24 @@ def replay(model: nn.Module, calls: list[Call], *, step: int, batch: Any = None,
 
 def _replay(model: nn.Module, calls: list[Call], step: int, batch: Any,
             loss_fn: Callable[[Any, Any], torch.Tensor] | None, backward: bool) -> Finding:
-    training = {m: m.training for m in model.modules()}
-    plain = plain_state(model)
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     found = Finding(step, "none")
-    try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            for args, kwargs, autocast in calls:  # micro-batches of the step, in order
-                rec = _Recorder(model, backward)
-                try:
-                    with torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext():
-                        outputs = model(*args, **kwargs)
-                    if rec.first is not None:
-                        name, inp, desc = rec.first
-                        src = "its input already held NaN/Inf" if not inp else "from a finite input"
-                        return Finding(step, "forward", name, inp,
-                                       f"the first non-finite value comes out of '{name}' ({desc}) {src}.")
-                    found = _after_forward(model, rec, outputs, batch, loss_fn, backward, step)
-                finally:
-                    rec.remove()
-                if found.phase != "none":
-                    return found
-        return found
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for m, flag in training.items():
-            m.training = flag
-        restore_plain_state(plain)
-
-
-PLAIN = (bool, int, float, str, bytes, type(None))
-
-
-def plain_state(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
-    """Each module's plain attributes (numbers, strings, None: step counters, flags), to put back
-    after a diagnostic forward so it leaves no trace in the user's modules."""
-    return [(m, {k: v for k, v in vars(m).items() if isinstance(v, PLAIN)}) for m in model.modules()]
-
-
-def restore_plain_state(saved: list[tuple[nn.Module, dict[str, Any]]]) -> None:
-    for m, attrs in saved:
-        for k, v in attrs.items():
-            if getattr(m, k, v) is not v:
-                object.__setattr__(m, k, v)
+    with isolated(model), torch.enable_grad():
+        for args, kwargs, autocast in calls:  # micro-batches of the step, in order
+            rec = _Recorder(model, backward)
+            try:
+                with torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext():
+                    outputs = model(*args, **kwargs)
+                if rec.first is not None:
+                    name, inp, desc = rec.first
+                    src = "its input already held NaN/Inf" if not inp else "from a finite input"
+                    return Finding(step, "forward", name, inp,
+                                   f"the first non-finite value comes out of '{name}' ({desc}) {src}.")
+                found = _after_forward(model, rec, outputs, batch, loss_fn, backward, step)
+            finally:
+                rec.remove()
+            if found.phase != "none":
+                return found
+    return found
 
 
 def _after_forward(model: nn.Module, rec: _Recorder, outputs: Any, batch: Any,

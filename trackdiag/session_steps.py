@@ -26,7 +26,7 @@ import torch
 from trackdiag.components import attachable, groups_signature, reindex
 from trackdiag.context import Component
 from trackdiag.gradtap import GradTap, GradView
-from trackdiag.optimizers import DISPATCH, accumulating, scaler_of
+from trackdiag.optimizers import DISPATCH, accelerate_accumulating, accumulating, scaler_of
 from trackdiag.probes.base import Probe
 
 log = logging.getLogger("trackdiag")
@@ -55,7 +55,7 @@ class OptimizerEvents:
             ctx.scaler = next((s for c in self.components for g in c.given if (s := scaler_of(g)) is not None), None)
         self._detail_step = -1
         self._detail = False
-        self._tap = GradTap(ctx, self._detail_due)
+        self._tap = GradTap(ctx, self._detail_due, self._refresh_groups)
         for comp in self.components:
             self._tap.attach(comp)
         self._steps: dict[str, _StepState] = {c.name: _StepState() for c in self.components}
@@ -108,6 +108,13 @@ class OptimizerEvents:
         comp.groups = groups_signature(comp)
         self._reindex(comp)
 
+    def _refresh_groups(self, comp: Component) -> None:
+        """Follow ``add_param_group`` as soon as a backward pass shows it (before it is measured)."""
+        sig = groups_signature(comp)
+        if sig != comp.groups:
+            comp.groups = sig
+            self._reindex(comp)
+
     def _reindex(self, comp: Component) -> None:
         if reindex(comp, self.config["max_layer_metrics"]):
             self._tap.attach(comp)
@@ -140,10 +147,7 @@ class OptimizerEvents:
         if st.depth > 1:
             return
         t0 = time.perf_counter()
-        sig = groups_signature(comp)
-        if sig != comp.groups:  # add_param_group: follow the new parameters from this step on
-            comp.groups = sig
-            self._reindex(comp)
+        self._refresh_groups(comp)  # add_param_group: follow the new parameters from this step on
         st.stepped = True
         if not st.pre_done:
             st.pre_done = True
@@ -202,7 +206,8 @@ class OptimizerEvents:
     # ------------------------------------------------------------------ Diagnostics.step
     def _is_micro_step(self) -> bool:
         """A ``step()`` call between two real optimizer steps (accelerate's ``accumulate``)."""
-        return any(accumulating(g) for c in self.components for g in c.given)
+        return any(accumulating(g) for c in self.components for g in c.given) or \
+            any(accelerate_accumulating(m) for c in self.components for m in (c.outer, c.model))
 
     def _merge_micro(self, losses: Mapping[str, Any]) -> Mapping[str, Any]:
         """The step's losses: the mean over its micro-batches' losses (device ops only)."""

@@ -85,12 +85,12 @@ def model_summary(model: nn.Module, batch: Any = None, *, max_depth: int = 2, ma
     modules = dict(model.named_modules())
     for name in rows:
         handles.append(modules[name].register_forward_hook(hook(name), with_kwargs=True))
-    training = {m: m.training for m in model.modules()}
-    devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda"]
     try:
         from torch.utils.flop_counter import FlopCounterMode
 
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        from trackdiag.isolation import isolated
+
+        with isolated(model), torch.no_grad():  # buffers, counters, RNG and flags put back afterwards
             model.eval()
             counter = FlopCounterMode(display=False)
             with counter:
@@ -103,6 +103,4 @@ def model_summary(model: nn.Module, batch: Any = None, *, max_depth: int = 2, ma
     finally:
         for h in handles:
             h.remove()
-        for m, flag in training.items():
-            m.training = flag
     return out

@@ -157,7 +157,7 @@ class ActivationProbe(Probe):
 
     def _replay(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         """Compiled model: watch one eager, no-grad forward of the step's batch (state restored)."""
-        from trackdiag.replay import eager, plain_state, restore_plain_state
+        from trackdiag.isolation import isolated
 
         if inputs.batch is None:
             if not self._noted:
@@ -169,23 +169,13 @@ class ActivationProbe(Probe):
             model = comp.model
             if model is None or not any(c == comp.name for c, *_ in self._modules):
                 continue
-            saved = plain_state(model)
-            buffers = [(b, b.detach().clone()) for b in model.buffers()]
-            training = {m: m.training for m in model.modules()}
-            devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
             self._hook()
             try:
-                with torch.no_grad(), eager(), torch.random.fork_rng(devices=devices):
+                with isolated(model), torch.no_grad():
                     model.train()
                     model(model_input)
             finally:
                 self._unhook()
-                with torch.no_grad():
-                    for b, v in buffers:
-                        b.copy_(v)
-                for m, flag in training.items():
-                    m.training = flag
-                restore_plain_state(saved)
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         out: dict[str, Any] = {}

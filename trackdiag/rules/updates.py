@@ -19,7 +19,9 @@ def qualified(comp: Component, layer: str) -> str:
 
 class UpdateRatio(Rule):
     """Fires when a layer's update-to-weight ratio ||dw||/||w|| (``diag/update/ratio/<layer>``) stays
-    above ``high`` (0.1: each step rewrites a tenth of the weights, unstable) or inside (0, ``low``)
+    above ``high`` (1.0: each step moves the weights by more than their own size; healthy runs of
+    real scripts reach 0.1-0.3 in their first steps, e.g. small-init Adam or word_language_model's
+    SGD at lr 20, so the guides' ~1e-3 is a diagnosis, not an alarm) or inside (0, ``low``)
     (1e-6: the layer is not learning) for ``patience`` (3) consecutive measurements. A ratio of
     exactly 0 is left to ``stale_params``. "Too small" is not judged while the learning rate
     (``diag/opt/lr``, when the ``lr`` probe runs) is below ``lr_fraction`` (1%) of the largest seen so
@@ -32,7 +34,7 @@ class UpdateRatio(Rule):
             "gradients, check weight decay and the init scale. Too small: raise the learning rate (or check the "
             "schedule/param group), look for vanishing gradients or an over-large weight init.")
 
-    def __init__(self, *, high: float = 0.1, low: float = 1e-6, patience: int = 3, lr_fraction: float = 0.01,
+    def __init__(self, *, high: float = 1.0, low: float = 1e-6, patience: int = 3, lr_fraction: float = 0.01,
                  **kw: Any) -> None:
         super().__init__(**kw)
         self.high, self.low, self.patience, self.lr_fraction = high, low, patience, lr_fraction

@@ -35,3 +35,29 @@ class GradsNotZeroed(Rule):
                    f"held the previous step's gradients, so the step used their sum.")
             out.append(self.make(step, msg, 1.0, 0.0, comp.name))
         return out
+
+
+class AccumulationReset(Rule):
+    """Fires when gradients were reset between the backward passes of one optimizer step (the
+    ``zerograd`` probe's ``grad/accum_reset`` == 1): every pass but the last was thrown away, so
+    each update used a fraction of the batch. Exact, no patience: ``step`` is the optimizer step
+    whose window lost gradients; ``where`` the component."""
+
+    kind = "accumulation_reset"
+    severity = "critical"
+    hint = ("Gradients were zeroed inside the accumulation window. Zero them only after the optimizer step: with "
+            "accelerate, call the prepared optimizer's optimizer.zero_grad() (it waits for the sync step) instead of "
+            "model.zero_grad(); in a hand-written loop, move zero_grad() under the `if (i + 1) % accum == 0` branch.")
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        for comp in components:
+            if record.scalars.get(comp.key("grad/accum_reset"), 0.0) < 0.5:
+                continue
+            meta = record.tables.get(comp.key("grad/accum_check"), {})
+            step = int(meta.get("step", record.step))
+            n = int(meta.get("backwards", 0))
+            msg = (f"gradients were reset between the {n} backward passes of optimizer step {step}: only the last "
+                   f"pass's gradients reached the update.")
+            out.append(self.make(step, msg, 1.0, 0.0, comp.name))
+        return out

@@ -1,0 +1,57 @@
+"""Forwards trackdiag runs itself (replays, model summary, activation sampling) leave no trace.
+
+``isolated(model)`` restores, on exit, every buffer (BatchNorm statistics and batch counters,
+quantisation observers), every module's ``training`` flag and plain attributes (numbers, strings,
+flags: a module's own step counter), and the RNG state (dropout draws); inside it compiled code
+runs eagerly (``torch.compile``'s ``force_eager`` stance: hooks are seen, nothing is traced or
+recompiled) and the gradient tap does not count the backward passes. Cost: one copy of the buffers
+and a host pass over the modules' attributes, per isolated forward.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+def eager() -> contextlib.AbstractContextManager[Any]:
+    """Compiled code runs eagerly inside (hooks are seen, nothing is traced or recompiled)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+def plain_state(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """Each module's plain attributes (numbers, strings, None: step counters, flags)."""
+    return [(m, {k: v for k, v in vars(m).items() if isinstance(v, PLAIN)}) for m in model.modules()]
+
+
+def restore_plain_state(saved: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+    for m, attrs in saved:
+        for k, v in attrs.items():
+            if vars(m).get(k, v) is not v:
+                object.__setattr__(m, k, v)
+
+
+@contextlib.contextmanager
+def isolated(model: nn.Module) -> Iterator[None]:
+    """See module docstring."""
+    from trackdiag.gradtap import TAP_QUEUE
+
+    training = {m: m.training for m in model.modules()}
+    plain = plain_state(model)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    try:
+        with TAP_QUEUE.pause(), eager(), torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for m, flag in training.items():
+            m.training = flag
+        restore_plain_state(plain)

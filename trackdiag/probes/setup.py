@@ -1,0 +1,74 @@
+"""Set-up probe: parameters that should train but that no optimizer steps.
+
+At the first step (and whenever a component is re-indexed: a param group added, layers unfrozen)
+it lists, per component with an optimizer, the model's parameters that require a gradient but are
+in none of the component's optimizers' param groups: a head replaced after the optimizer was
+built, a layer forgotten in a hand-built param group list. A layer frozen on purpose
+(``requires_grad=False``) is not listed. Emits the table ``diag/[<c>/]setup/unoptimized`` =
+``{layer: number of values}`` at the next logging step (only when some are found).
+Cost: one host pass over the model's parameters at those steps; nothing else.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from trackdiag.context import Component, ProbeContext, StepInputs
+from trackdiag.layers import layer_of
+from trackdiag.probes.base import Probe
+from trackdiag.record import Record
+
+
+def unoptimized(comp: Component) -> dict[str, float]:
+    """``{layer: values}`` of ``comp``'s trainable model parameters that no optimizer of it steps."""
+    if comp.model is None or not comp.optimizers:
+        return {}
+    stepped = {id(p) for p in comp.index.params}
+    out: dict[str, float] = {}
+    for name, p in comp.model.named_parameters():
+        if p.requires_grad and id(p) not in stepped:
+            layer = layer_of(name)
+            out[layer] = out.get(layer, 0.0) + float(p.numel())
+    return out
+
+
+class SetupProbe(Probe):
+    """See module docstring."""
+
+    name = "setup"
+    always_collect = True
+
+    def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
+        super().__init__(enabled=enabled, every=every)
+        self._due: set[str] = set()
+        self._found: dict[str, dict[str, float]] = {}
+
+    def bind(self, default_every: int) -> None:
+        from trackdiag.schedule import Never
+
+        self.schedule = Never()  # never the reason for a logging step
+
+    def attach(self, ctx: ProbeContext) -> None:
+        self._due = {c.name for c in ctx.components}
+
+    def reindexed(self, ctx: ProbeContext, comp: Component) -> None:
+        self._due.add(comp.name)
+
+    def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        """After the step's optimizers ran (late ones were adopted by now)."""
+        for comp in ctx.components:
+            if comp.name in self._due and comp.optimizers:
+                self._due.discard(comp.name)
+                found = unoptimized(comp)
+                if found:
+                    self._found[comp.name] = found
+
+    def collect(self, ctx: ProbeContext) -> dict[str, Any]:
+        return {"found": float(len(self._found))} if self._found else {}
+
+    def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
+        for comp in ctx.components:
+            found = self._found.pop(comp.name, None)
+            if found:
+                record.tables[comp.key("setup/unoptimized")] = found

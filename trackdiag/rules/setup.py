@@ -1,0 +1,40 @@
+"""Set-up rules: ``param_not_optimized`` (trainable parameters that no optimizer steps)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from trackdiag.alert import Alert
+from trackdiag.context import Component
+from trackdiag.record import Record
+from trackdiag.rules.base import Rule
+
+
+def qualified(comp: Component, layer: str) -> str:
+    return f"{comp.name}.{layer}" if comp.name else layer
+
+
+class ParamNotOptimized(Rule):
+    """Fires once per component when the model has parameters that require a gradient but are in
+    none of its optimizers (the ``setup`` probe's table ``setup/unoptimized``): they get gradients
+    and never learn. ``where`` names the layers (the largest first); a layer frozen on purpose
+    (``requires_grad=False``) is not reported."""
+
+    kind = "param_not_optimized"
+    severity = "critical"
+    hint = ("Build the optimizer after the final model (after replacing a head or adding layers), pass "
+            "model.parameters() (or every param group you meant), or call optimizer.add_param_group({...}) for "
+            "the new layers. If they should not train, set requires_grad_(False) on them.")
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        for comp in components:
+            table = record.tables.get(comp.key("setup/unoptimized"))
+            if not table:
+                continue
+            layers = sorted(table, key=lambda k: -table[k])
+            where = ", ".join(qualified(comp, lay) for lay in layers[:5]) + (f" (+{len(layers) - 5} more)" if len(layers) > 5 else "")
+            total = sum(table.values())
+            msg = (f"{len(layers)} layer(s) with {total:.0f} trainable values are in no optimizer: {where}. They receive "
+                   f"gradients but are never updated.")
+            out.append(self.make(record.step, msg, total, 0.0, where))
+        return out
