@@ -84,6 +84,8 @@ class ProbeContext:
     hook_seconds: float = 0.0
     #: components whose optimizer stepped in the step being recorded (set at ``Diagnostics.step``)
     stepped: set[str] = field(default_factory=set)
+    #: components some backward pass reached in that step
+    backward_seen: set[str] = field(default_factory=set)
     #: some part of a model is compiled (``torch.compile``): no module hooks, replays run eager
     compiled: bool = False
 

@@ -194,6 +194,8 @@ class OptimizerEvents:
         if tap is None:  # no backward reached the component since the last step, or the tap is off
             tap, source = self._tap.measure(comp, unscale=False), "step"
         view = GradView(comp, tap, source, st.stepped, passes)
+        if source == "backward":
+            self._ctx.backward_seen.add(comp.name)
         ctx = self._ctx
         for p in self._grad_probes:
             if p.enabled:
@@ -232,6 +234,7 @@ class OptimizerEvents:
         self._ctx.stepped = {c.name for c in self.components if self._steps[c.name].stepped}
 
     def _reset_steps(self) -> None:
+        self._ctx.backward_seen = set()
         for st in self._steps.values():
             st.stepped = st.consumed = st.closure = st.pre_done = False
             st.depth = 0

@@ -15,9 +15,13 @@ Emits per component:
       gradient keys, the full per-layer table in ``record.tables`` when coarsened;
   ``diag/[<c>/]update/ratio_median``: the median over layers with weights (~1e-3 is the usual healthy value);
   ``diag/[<c>/]update/global_ratio``: the same ratio over all parameters at once.
+  ``diag/[<c>/]update/idle_steps`` (every logging step, while > 0): consecutive steps in which
+      backward passes reached the component but none of its optimizers stepped (an ``optimizer.step()``
+      the loop stopped calling), with the table ``update/idle`` = ``{"since": first such step}``;
+      not counted under an enabled ``GradScaler`` (its skips are the AMP rules' business).
 Cost on a due step: a transient copy of the parameters (1x parameter memory), two
-``_foreach_norm`` and one ``_foreach_sub_`` kernels, two ``index_add_``. Nothing on other steps.
-A ``GradScaler``-skipped step is not measured.
+``_foreach_norm`` and one ``_foreach_sub_`` kernels, two ``index_add_``. Nothing on other steps but
+host counters. A ``GradScaler``-skipped step is not measured.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ class UpdateProbe(Probe):
     name = "updates"
     due_only = True  # hooks act on due steps only: the session skips them otherwise
     follows_anomaly = False  # too costly to run on every step of an anomaly window
+    always_collect = True  # the idle-optimizer counters
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, early: int = 10) -> None:
         super().__init__(enabled=enabled, every=every)
@@ -48,6 +53,7 @@ class UpdateProbe(Probe):
         self._snap: dict[str, tuple[int, Sequence[torch.Tensor], torch.Tensor]] = {}
         self._versions: dict[str, list[int]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._idle: dict[str, tuple[int, int]] = {}  # component -> (idle steps, first idle step)
 
     def bind(self, default_every: int) -> None:
         self.schedule = EarlyThenEvery(self.early, self.every or default_every, type(self).follows_anomaly)
@@ -64,8 +70,18 @@ class UpdateProbe(Probe):
         if ctx.is_due(self.schedule) and comp.index.params:
             self._snap[comp.name] = self._copy(comp)  # replaces a copy taken at the last step()
 
+    def _count_idle(self, ctx: ProbeContext) -> None:
+        scaled = ctx.scaler is not None and bool(getattr(ctx.scaler, "_enabled", False))
+        for comp in ctx.components:
+            if not comp.optimizers or comp.name in ctx.stepped or scaled:
+                self._idle.pop(comp.name, None)
+            elif comp.name in ctx.backward_seen:
+                n, since = self._idle.get(comp.name, (0, ctx.step))
+                self._idle[comp.name] = (n + 1, since)
+
     @torch.no_grad()
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        self._count_idle(ctx)
         due = ctx.is_due(self.schedule)
         for comp in ctx.components:
             snap = self._snap.pop(comp.name, None)
@@ -110,10 +126,17 @@ class UpdateProbe(Probe):
         return out
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
-        return take_pending(self._pending)
+        out = take_pending(self._pending)
+        for name, (n, _) in self._idle.items():
+            out[f"{name}|idle_steps"] = float(n)
+        return out
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         for comp in ctx.components:
+            idle = self._idle.get(comp.name)
+            if idle is not None and f"{comp.name}|idle_steps" in values:
+                record.scalars[comp.key("update/idle_steps")] = float(idle[0])
+                record.tables[comp.key("update/idle")] = {"since": float(idle[1])}
             ratio = values.get(f"{comp.name}|ratio")
             if ratio is None:
                 continue

@@ -19,10 +19,12 @@ def qualified(comp: Component, layer: str) -> str:
 
 class UpdateRatio(Rule):
     """Fires when a layer's update-to-weight ratio ||dw||/||w|| (``diag/update/ratio/<layer>``) stays
-    above ``high`` (1.0: each step moves the weights by more than their own size; healthy runs of
-    real scripts reach 0.1-0.3 in their first steps, e.g. small-init Adam or word_language_model's
-    SGD at lr 20, so the guides' ~1e-3 is a diagnosis, not an alarm) or inside (0, ``low``)
-    (1e-6: the layer is not learning) for ``patience`` (3) consecutive measurements. A ratio of
+    above ``high`` (0.1: each step rewrites a tenth of the weights) from step ``settle`` (100) on, or
+    above ``high_early`` (1.0: each step moves the weights by more than their own size: a learning rate
+    orders of magnitude too high) at any step, or inside (0, ``low``)
+    (1e-6: the layer is not learning) for ``patience`` (3) consecutive measurements. Healthy runs of
+    real scripts reach 0.1-0.3 in their first steps (small-init Adam, word_language_model's SGD at
+    lr 20), hence the two tiers; the guides' ~1e-3 is a diagnosis, not an alarm. A ratio of
     exactly 0 is left to ``stale_params``. "Too small" is not judged while the learning rate
     (``diag/opt/lr``, when the ``lr`` probe runs) is below ``lr_fraction`` (1%) of the largest seen so
     far: the end of a cosine schedule anneals on purpose. One alert per direction and check, naming the
@@ -34,16 +36,20 @@ class UpdateRatio(Rule):
             "gradients, check weight decay and the init scale. Too small: raise the learning rate (or check the "
             "schedule/param group), look for vanishing gradients or an over-large weight init.")
 
-    def __init__(self, *, high: float = 1.0, low: float = 1e-6, patience: int = 3, lr_fraction: float = 0.01,
-                 **kw: Any) -> None:
+    def __init__(self, *, high: float = 0.1, high_early: float = 1.0, settle: int = 100, low: float = 1e-6,
+                 patience: int = 3, lr_fraction: float = 0.01, **kw: Any) -> None:
         super().__init__(**kw)
         self.high, self.low, self.patience, self.lr_fraction = high, low, patience, lr_fraction
+        self.high_early, self.settle = high_early, settle
         self._streaks = Streaks(patience)
         self._max_lr: dict[str, float] = {}
 
-    def _off(self, direction: str, v: float, annealed: bool) -> bool:
+    def _limit(self, step: int) -> float:
+        return self.high if step >= self.settle else max(self.high, self.high_early)
+
+    def _off(self, direction: str, v: float, annealed: bool, step: int) -> bool:
         """Whether ratio ``v`` is too high / too low (a ratio of exactly 0 is never "too low")."""
-        return v > self.high if direction == "high" else 0.0 < v < self.low and not annealed
+        return v > self._limit(step) if direction == "high" else 0.0 < v < self.low and not annealed
 
     def _annealed(self, record: Record, comp: Component) -> bool:
         """True while the component's LR is far below the largest seen (a schedule's end or start)."""
@@ -64,7 +70,7 @@ class UpdateRatio(Rule):
             annealed = self._annealed(record, comp)
             for direction in ("high", "low"):
                 due = [lay for lay, v in layers.items()
-                       if self._streaks.bump(f"{comp.name}|{lay}|{direction}", self._off(direction, v, annealed), record.step)]
+                       if self._streaks.bump(f"{comp.name}|{lay}|{direction}", self._off(direction, v, annealed, record.step), record.step)]
                 if not due:
                     continue
                 pick = max if direction == "high" else min
@@ -74,12 +80,12 @@ class UpdateRatio(Rule):
                 start = self._streaks.start(f"{comp.name}|{worst}|{direction}")
                 others = f" ({len(due)} layers in all)" if len(due) > 1 else ""
                 if direction == "high":
-                    msg = (f"update-to-weight ratio of {where} is {v:.3g} (> {self.high:g}) for {self.patience} "
+                    msg = (f"update-to-weight ratio of {where} is {v:.3g} (> {self._limit(record.step):g}) for {self.patience} "
                            f"measurements{others}: each step rewrites a large part of the weights.")
                 else:
                     msg = (f"update-to-weight ratio of {where} is {v:.3g} (< {self.low:g}) for {self.patience} "
                            f"measurements{others}: the layer is barely learning.")
-                out.append(self.make(start, msg, v, self.high if direction == "high" else self.low, where))
+                out.append(self.make(start, msg, v, self._limit(record.step) if direction == "high" else self.low, where))
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -94,7 +100,9 @@ class StaleParams(Rule):
     """Fires when a layer gets no gradient (``None`` or exactly zero: ``diag/grad/norm/<layer>`` == 0)
     or does not change at the optimizer step (``diag/update/ratio/<layer>`` == 0) at ``patience`` (5)
     consecutive measurements spanning at least ``min_steps`` (50) steps: frozen by mistake, a detached
-    branch, an unused module, an LR of 0.
+    branch, an unused module, an LR of 0. Also when a component's optimizer has not stepped for
+    ``min_steps`` steps while backward passes reach it (``update/idle_steps``: an ``optimizer.step()``
+    the loop stopped calling): ``step`` is the first idle step, ``where`` the component.
     Layers excluded from the optimizer on purpose are not seen at all. ``where`` is the layer."""
 
     kind = "stale_params"
@@ -108,9 +116,10 @@ class StaleParams(Rule):
         super().__init__(**kw)
         self.patience, self.min_steps = patience, min_steps
         self._streaks = Streaks(patience)
+        self._idle_reported: dict[str, set[int]] = {}
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
-        out = []
+        out = self._idle(record, components)
         for comp in components:
             grads = layer_values(record, comp.key("grad/norm"))
             ups = layer_values(record, comp.key("update/ratio"))
@@ -123,6 +132,20 @@ class StaleParams(Rule):
                        else "does not change at the optimizer step (update 0)")
                 msg = f"{where} {why} at every measurement since step {self._streaks.start(f'{comp.name}|{layer}')}."
                 out.append(self.make(self._streaks.start(f"{comp.name}|{layer}"), msg, 0.0, 0.0, where))
+        return out
+
+    def _idle(self, record: Record, components: Sequence[Component]) -> list[Alert]:
+        """A component whose optimizer has not stepped for ``min_steps`` steps while it got gradients."""
+        out = []
+        for comp in components:
+            n = record.scalars.get(comp.key("update/idle_steps"), 0.0)
+            since = int(record.tables.get(comp.key("update/idle"), {}).get("since", record.step))
+            if n >= self.min_steps and since not in self._idle_reported.get(comp.name, ()):
+                self._idle_reported.setdefault(comp.name, set()).add(since)
+                what = f"component {comp.name!r}" if comp.name else "the model"
+                msg = (f"the optimizer of {what} has not stepped for {int(n)} steps (since step {since}) although "
+                       f"backward passes keep reaching it: its parameters do not change.")
+                out.append(self.make(since, msg, n, float(self.min_steps), comp.name or "(all layers)"))
         return out
 
     def state_dict(self) -> dict[str, Any]:
