@@ -55,7 +55,8 @@ def test_advanced_preset_with_overrides_healthy_300_steps(app: Path, tmp_path: P
     assert summary["steps"] == 300 and summary["alerts"] == {} and summary["health"] == "ok"
     recs = [json.loads(line) for line in (diag_dir / "records.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in recs if "diag/loss" in r["series"]]  # logging steps (evaluations aside)
-    assert steps[:13] == [*range(10), 20, 40, 60]  # the first 10 steps one by one (update ratios), then every 20
+    # the first 10 steps one by one (update ratios), then every 20 (and the every-50 probes' steps)
+    assert steps[:14] == [*range(10), 20, 40, 50, 60]
 
 
 def test_planted_nan_fires_through_hydra(app: Path, tmp_path: Path) -> None:
