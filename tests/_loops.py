@@ -105,6 +105,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(d, d)
         self.heads = heads
         self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(1, 1, block, block))
+        # a fault switch the tests can flip without a recompile: 1.0 makes the output log1p(-1) = -inf
+        self.register_buffer("fault", torch.zeros(()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -112,7 +114,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
         att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf")).softmax(dim=-1)
-        return self.c_proj((att @ v).transpose(1, 2).contiguous().view(b, t, c))
+        return self.c_proj((att @ v).transpose(1, 2).contiguous().view(b, t, c)) + torch.log1p(-self.fault)
 
 
 class Block(nn.Module):

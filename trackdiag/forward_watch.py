@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -44,6 +45,9 @@ class _ForwardWatch:
             if post is not None:
                 self._post.setdefault(key, []).append(post)
             if not self._handles:
+                # torch warns that global hooks fire once more for a torch.compile(module) wrapper: ours
+                # only act on the watched module itself, so that extra call is a no-op
+                warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
                 self._handles = [nn.modules.module.register_module_forward_pre_hook(self._on_pre),
                                  nn.modules.module.register_module_forward_hook(self._on_post, with_kwargs=True)]
 

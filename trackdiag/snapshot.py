@@ -1,11 +1,13 @@
-"""A bounded copy of a model's weights from before a fault, so a NaN can be replayed on finite weights.
+"""A bounded copy of a model's parameters from before a fault, so a NaN can be replayed on finite weights.
 
 Why: without a host read per step, a NaN made in step k's forward is noticed at the next logging
 step, after the optimizer has written NaN into every weight; a replay on those weights blames the
-first layer. The NaN-replay probe therefore keeps one copy of the parameters (and floating buffers)
-taken at each logging step whose record was entirely finite: at most ``every`` steps older than the
+first layer. The NaN-replay probe therefore keeps one copy of the parameters taken at each logging
+step whose record was entirely finite: at most ``every`` steps older than the
 fault, so a replay of the bad step's batch on it finds the module that makes the NaN whenever the
-fault does not depend on those last few updates.
+fault does not depend on those last few updates. Buffers are not copied: a training-mode forward
+does not read BatchNorm's running statistics, and a fault switched on through a buffer (a mask, a
+flag) must replay as it happened.
 
 Cost: one ``_foreach_copy_`` of the parameters per logging step (the copy is allocated once), and
 1x parameter memory on their device; none beyond ``max_bytes`` (the probe then says why it cannot
@@ -22,7 +24,7 @@ from torch import nn
 
 
 class ParamSnapshot:
-    """Copies of ``model``'s parameters and floating buffers (see module docstring)."""
+    """Copies of ``model``'s parameters (see module docstring)."""
 
     def __init__(self, model: nn.Module, max_bytes: int) -> None:
         self.model = model
@@ -33,8 +35,7 @@ class ParamSnapshot:
 
     def _tensors(self) -> list[torch.Tensor]:
         params = [p.detach() for p in self.model.parameters()]
-        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-        return [t for t in params + buffers if t.layout is torch.strided and t.device.type != "meta"]
+        return [t for t in params if t.layout is torch.strided and t.device.type != "meta"]
 
     @torch.no_grad()
     def take(self, step: int) -> bool:

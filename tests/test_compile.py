@@ -1,0 +1,89 @@
+"""torch.compile: trackdiag adds no graph break and no recompile at any preset (Dynamo's own
+counters, with and without a session, on the same model), ``fullgraph=True`` works, and the
+diagnostics that need module outputs still work (they run eagerly outside the compiled graph)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trackdiag
+from _loops import CharGPT, char_batches, char_data
+from _zoo_a import one_thread
+from trackdiag.sinks.local import read_records
+
+pytestmark = pytest.mark.slow
+LEAN = {"report": {"enabled": False}, "landscape": {"enabled": False}, "histograms": {"enabled": False}}
+
+
+def run(tmp_path, level: str | None, style: str, steps: int = 8, warm_up: bool = False, fault_at: int | None = None):
+    """Train a compiled char-GPT; returns (graph breaks, unique graphs, recompiles, session)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    data, vocab = char_data()
+    model = CharGPT(vocab)
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    if style == "wrap":
+        cm = torch.compile(model, fullgraph=True)
+    else:
+        cm = model
+        model.compile(fullgraph=True)
+    batches = char_batches(data, 32, 8)
+
+    def train_step(x, y):
+        logits, loss = cm(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return logits, loss
+
+    if warm_up:  # compiled and run before the session exists
+        train_step(*next(batches))
+    diag = None
+    if level is not None:
+        diag = trackdiag.Diagnostics(cm, opt, level=level, every=3, sinks=["local"], output_dir=str(tmp_path),
+                                     probes={**LEAN, "activations": {"every": 3}})
+    with one_thread():
+        for step in range(steps):
+            x, y = next(batches)
+            if fault_at is not None and step == fault_at:  # the planted fault: log(0) in block 1's attention
+                model.h[1].attn.fault.fill_(1.0)
+            logits, loss = train_step(x, y)
+            if diag is not None:
+                diag.step(loss, outputs=logits, batch=(x, y))
+    if diag is not None:
+        diag.close()
+    recompiles = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], recompiles, diag
+
+
+@pytest.mark.parametrize("style", ["wrap", "inplace"])
+def test_no_graph_break_or_recompile_at_any_preset(tmp_path, style: str) -> None:
+    bare = run(tmp_path / "bare", None, style)[:3]
+    assert bare[0] == 0 and bare[1] >= 1
+    for level in ("basic", "advanced", "extreme"):
+        breaks, graphs, recompiles, diag = run(tmp_path / level, level, style)
+        assert (breaks, graphs, recompiles) == bare, level
+        assert diag.summary()["disabled_probes"] == {}, level
+        recs = list(read_records(tmp_path / level))
+        norms = [p for r in recs for p in r.series.get("diag/grad/global_norm", [])]
+        assert [s for s, _ in norms] == list(range(8)), level
+        if level != "basic":  # activations measured by an eager no-grad forward of the step's batch
+            assert any(k.startswith("diag/act/") for r in recs for k in r.scalars), level
+
+
+def test_compiled_before_the_session_adds_no_recompile(tmp_path) -> None:
+    bare = run(tmp_path / "bare", None, "wrap", warm_up=True)[:3]
+    got = run(tmp_path / "adv", "advanced", "wrap", warm_up=True)[:3]
+    assert got == bare
+
+
+def test_nan_culprit_is_named_in_a_compiled_model(tmp_path) -> None:
+    *_, diag = run(tmp_path, "advanced", "wrap", steps=8, fault_at=4)
+    a = next(a for a in diag.alerts if a.kind == "nonfinite_loss")
+    assert a.step == 4 and a.where == "h.1.attn (input finite)", a
