@@ -5,7 +5,8 @@ causal self-attention blocks, AdamW, warm-up, clipping, accumulation), a CNN wit
 dropout on real images (scikit-learn's digits), and a names-generator-style sequence model whose
 targets are padded with an ignore index.
 
-The text corpus is this repository's README (real English prose and code, ~30 kB): no download.
+The text corpus is this repository's README and library source (real English prose and Python,
+~600 kB): no download.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @functools.lru_cache(maxsize=None)
 def corpus() -> str:
-    return (ROOT / "README.md").read_text(encoding="utf-8")
+    files = [ROOT / "README.md", *sorted((ROOT / "trackdiag").rglob("*.py"))]
+    return "\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,7 +37,7 @@ def char_data() -> tuple[torch.Tensor, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def word_data(max_vocab: int = 800) -> tuple[torch.Tensor, int]:
+def word_data(max_vocab: int = 2000) -> tuple[torch.Tensor, int]:
     """The corpus as word ids, rare words mapped to ``<unk>`` (id 0)."""
     words = corpus().replace("\n", " <eos> ").split()
     counts: dict[str, int] = {}

@@ -53,6 +53,12 @@ class AlertBook:
             entry["first_step"], entry["first_where"] = alert.step, alert.where
         return True
 
+    def suppress(self, alert: Alert) -> None:
+        """Count ``alert`` as suppressed without emitting it (a consequence of an earlier fault)."""
+        entry = self.kinds.setdefault(alert.kind, {"count": 0, "first_step": alert.step, "first_where": alert.where,
+                                                   "suppressed": 0, "severity": alert.severity})
+        entry["suppressed"] += 1
+
     def health(self) -> str:
         """``critical`` if any critical alert was emitted, ``warning`` if any other, else ``ok``."""
         severities = {a.severity for a in self.alerts}

@@ -89,6 +89,15 @@ def nonfinite_state(model: nn.Module) -> list[str]:
     return [n for (n, _, _), ok in zip(named, flags.tolist()) if not ok]
 
 
+def nonfinite_params(model: nn.Module) -> list[str]:
+    """Names of the parameters that hold a NaN/Inf (one host read per parameter: replay path only)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.layout is torch.strided]
+    if not named:
+        return []
+    flags = torch.stack([torch.isfinite(p.detach()).all().cpu() for _, p in named])
+    return [n for (n, _), ok in zip(named, flags.tolist()) if not ok]
+
+
 def _layer(name: str) -> str:
     head = name.rpartition(".")[0]
     return head or ROOT
@@ -158,14 +167,14 @@ def replay(model: nn.Module, calls: list[Call], *, step: int, batch: Any = None,
     if not calls:
         return Finding(step, "unavailable", detail=f"no forward call of step {step} was captured.")
     with TAP_QUEUE.pause(), eager():
-        bad_state = nonfinite_state(model)
+        bad_state = nonfinite_params(model)  # a training forward does not read BatchNorm's running stats
         if not bad_state:
             return _replay(model, calls, step, batch, loss_fn, backward)
         inputs_ok = _finite([c[:2] for c in calls])
         why = snapshot.refused if snapshot is not None and snapshot.refused else "no earlier weights were kept"
         if snapshot is not None and snapshot.step is not None and snapshot.step <= step:
             with snapshot.applied() as at:
-                if not nonfinite_state(model):
+                if not nonfinite_params(model):
                     found = _replay(model, calls, step, batch, loss_fn, backward)
                     return dataclasses.replace(found, detail=(
                         f"{found.detail} (replayed on the weights of step {at}, {step - at} step(s) before the bad "

@@ -17,6 +17,7 @@ from trackdiag.context import Component, ProbeContext, StepInputs
 from trackdiag.distributed import DistSync, is_main_process
 from trackdiag.errors import AlertRaised
 from trackdiag.forward_watch import compiled_parts
+from trackdiag.incidents import Incidents, order
 from trackdiag.probes.base import Probe
 from trackdiag.probes.nan_replay import enrich_alerts
 from trackdiag.record import Record
@@ -101,6 +102,7 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         self._ctx.output_dir = out_dir if main else None
         self._hub = SinkHub(sinks)
         self._book = AlertBook()
+        self._incidents = Incidents()
         self._history: collections.deque[Record] = collections.deque(maxlen=cfg["history"])
         self._disabled: dict[str, str] = {}
         self._handles: list[Any] = []
@@ -264,7 +266,10 @@ class Diagnostics(OptimizerEvents, SetupChecks):
     def _emit(self, record: Record, alerts: list[tuple[Rule, Alert]]) -> Alert | None:
         """Apply cooldown and actions, send the record and its alerts to the sinks."""
         raised = None
-        for rule, alert in sorted(merge_places(alerts, self.config.get("max_alerts_per_rule", 3)), key=lambda ra: ra[1].step):
+        for rule, alert in sorted(merge_places(alerts, self.config.get("max_alerts_per_rule", 3)), key=lambda ra: order(ra[1])):
+            if not self._incidents.screen(alert):
+                self._book.suppress(alert)  # a consequence of the open non-finite incident
+                continue
             if not self._book.admit(alert, rule.cooldown):
                 continue
             record.alerts.append(alert)
@@ -276,6 +281,7 @@ class Diagnostics(OptimizerEvents, SetupChecks):
                 self.should_stop = True
             elif rule.action == "raise" and raised is None:
                 raised = alert
+        self._incidents.update(record)
         if record.alerts and self.config["anomaly_window"]:
             self._ctx.anomaly_until = max(self._ctx.anomaly_until, self._step + self.config["anomaly_window"])
         self._hub.write(record)

@@ -11,14 +11,22 @@
 
 ``data_labels`` (class targets outside the model's classes) emits:
   ``diag/data/label_first_bad_step`` (-1: none), ``diag/data/label_bad_steps``,
-  ``diag/data/label_min`` / ``diag/data/label_max`` (over the window, ``ignore_index`` excluded),
-  ``diag/data/num_classes`` (from the output's class dimension).
+  ``diag/data/label_min`` / ``diag/data/label_max`` (over the window, the ignore value excluded),
+  ``diag/data/num_classes`` (from the output's class dimension), ``diag/data/ignore_index`` (the
+  padding value in force, when one was seen), and ``diag/data/target_is_input`` (the largest share
+  of target positions equal to the input, over the window: 1.0 when the targets are the inputs
+  themselves, as in a language model whose targets were not shifted by one).
+  The ignore value: ``ignore_index="auto"`` (default) takes the one negative value the targets use
+  for padding (cross-entropy's -100, or -1 as many scripts pass ``ignore_index=-1``) when every
+  negative target of a step has that same value, and keeps it; a second negative value, or
+  targets >= the number of classes, are out of range. An int sets it; ``None``: no padding.
   The targets are ``batch[1]`` / ``batch['target']`` ... (option ``target``: index or key); the
   number of classes is the class dimension of the output (option ``output``: index or key of a
   structured output) when the shapes pair up (``(N, C)`` with ``(N,)``, ``(B, T, C)`` with
   ``(B, T)``, ``(N, C, H, W)`` with ``(N, H, W)``); otherwise nothing is checked.
-  Cost per step: one ``aminmax`` over the targets (plus ``ne``/``where`` to mask ``ignore_index``),
-  kept by reference; the window is stacked, copied with everything else and judged on the host.
+  Cost per step: one ``aminmax`` and one masked ``max`` over the targets (plus an ``eq``/``mean``
+  against the input when both are integer tensors of one shape), kept by reference; the window is
+  stacked, copied with everything else and judged on the host.
 Both collect at every logging step (``always_collect``), so no step of a window is lost.
 """
 from __future__ import annotations
@@ -30,7 +38,7 @@ from trackdiag.context import ProbeContext, StepInputs
 from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
-from trackdiag.tensors import class_dim, float_tensors, logits_of, targets_of
+from trackdiag.tensors import class_dim, float_tensors, inputs_of, logits_of, targets_of
 
 class DataFiniteProbe(Probe):
     """See module docstring (``data_finite``). Per step and float tensor of the batch: one
@@ -98,10 +106,12 @@ class DataLabelsProbe(Probe):
     always_collect = True
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, target: int | str | None = None,
-                 output: int | str | None = None, ignore_index: int | None = -100) -> None:
+                 output: int | str | None = None, ignore_index: int | str | None = "auto") -> None:
         super().__init__(enabled=enabled, every=every)
-        self.target, self.output, self.ignore_index = target, output, ignore_index
-        self._seen: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (step, classes, lo, hi)
+        self.target, self.output = target, output
+        self.auto = ignore_index == "auto"
+        self.ignore_index: int | None = None if self.auto else ignore_index  # type: ignore[assignment]
+        self._seen: list[tuple[int, int, list[torch.Tensor]]] = []  # (step, classes, [lo, hi, top negative, same])
         self._window: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # the collected steps and classes
         self._classes = -1
 
@@ -113,27 +123,47 @@ class DataLabelsProbe(Probe):
         if dim is None or t is None or logits is None or t.numel() == 0:
             return
         self._classes = int(logits.shape[dim])
-        if self.ignore_index is not None:
-            t = torch.where(t != self.ignore_index, t, 0)  # 0 is always a valid class
-        lo, hi = torch.aminmax(t.reshape(-1))
-        self._seen.append((ctx.step, self._classes, lo, hi))
+        flat = t.reshape(-1)
+        lo, hi = torch.aminmax(flat)
+        top_neg = torch.where(flat < 0, flat, torch.iinfo(flat.dtype).min).max()  # -inf-like when none
+        x = inputs_of(inputs.batch)
+        same = (x == t).float().mean() if isinstance(x, torch.Tensor) and x.shape == t.shape \
+            and not x.is_floating_point() and not x.is_complex() else lo.new_zeros(()).float() - 1.0
+        self._seen.append((ctx.step, self._classes, [lo, hi, top_neg, same]))
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
-        """The window's per-step label ranges, stacked (one kernel) and copied with everything else;
-        judged on the host (no tensor is built from host values: that copy would sync on CUDA)."""
+        """The window's per-step label statistics, stacked (one kernel) and copied with everything
+        else; judged on the host (no tensor is built from host values: that copy would sync on CUDA)."""
         if not self._seen:
             return {}
-        steps, classes, los, his = zip(*self._seen)
+        steps, classes, stats = zip(*self._seen)
         self._seen = []
         self._window = (steps, classes)
-        return {"range": torch.stack([stack_scalars(los, torch.long), stack_scalars(his, torch.long)], dim=1)}
+        return {"stats": torch.stack([stack_scalars(s, torch.float64) for s in stats])}
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         steps, classes = self._window
-        lo, hi = values["range"].reshape(len(steps), 2).T
-        bad = (hi >= np.asarray(classes)) | (lo < 0)
+        lo, hi, top_neg, same = values["stats"].reshape(len(steps), 4).T
+        bad = hi >= np.asarray(classes)
+        lows = []
+        for i, (a, b) in enumerate(zip(lo.tolist(), top_neg.tolist())):
+            if a >= 0:
+                lows.append(a)
+                continue
+            single = a == b  # every negative target of this step has one value: padding
+            if single and self.ignore_index is None and self.auto:
+                self.ignore_index = int(a)  # learnt once: cross-entropy's -100, or the -1 a script passes
+            if not (single and a == self.ignore_index):
+                bad[i] = True
+                lows.append(a)
         record.scalars["diag/data/label_first_bad_step"] = float(steps[int(np.argmax(bad))]) if bad.any() else -1.0
         record.scalars["diag/data/label_bad_steps"] = float(bad.sum())
-        record.scalars["diag/data/label_min"] = float(lo.min())
+        record.scalars["diag/data/label_min"] = float(min(lows)) if lows else 0.0
         record.scalars["diag/data/label_max"] = float(hi.max())
         record.scalars["diag/data/num_classes"] = float(self._classes)
+        if self.ignore_index is not None:
+            record.scalars["diag/data/ignore_index"] = float(self.ignore_index)
+        if (same >= 0).any():
+            i = int(np.argmax(same))
+            record.scalars["diag/data/target_is_input"] = float(same[i])
+            record.tables["diag/data/target_is_input"] = {"step": float(steps[i])}

@@ -47,6 +47,7 @@ from trackdiag.replay import Call, Finding, replay
 from trackdiag.schedule import Never
 from trackdiag.forward_watch import FORWARD
 from trackdiag.gradtap import GradView
+from trackdiag.incidents import nonfinite
 from trackdiag.record import Record
 from trackdiag.snapshot import ParamSnapshot
 from trackdiag.tensors import inputs_of
@@ -117,7 +118,7 @@ class NanReplayProbe(Probe):
 
     def after_record(self, ctx: ProbeContext, record: Record) -> None:
         """A logging step whose record is entirely finite: keep these weights for a later replay."""
-        if self._snapshots and not _nonfinite(record):
+        if self._snapshots and not nonfinite(record):
             for snap in self._snapshots.values():
                 snap.take(ctx.step + 1)  # the weights the next step's forward will use
 
@@ -213,13 +214,6 @@ class NanReplayProbe(Probe):
                     message=f"{alert.message} Replay of step {found.step}: {found.detail}")
             out.append((rule, alert))
         return out
-
-
-def _nonfinite(record: Record) -> bool:
-    """Whether anything in ``record`` is NaN/Inf (loss or gradient series, counts of bad tensors)."""
-    if any(not math.isfinite(v) for pts in record.series.values() for _, v in pts):
-        return True
-    return any(not v == 0 for k, v in record.scalars.items() if k.endswith(("nonfinite_tensors", "nonfinite_steps")))
 
 
 def compiled_before() -> bool:

@@ -30,6 +30,12 @@ class Streaks:
         self._fired.add(key)
         return True
 
+    def mark(self, key: str, step: int) -> None:
+        """Start ``key``'s streak at ``step`` as already reported (a condition that fires at once)."""
+        self._count[key] = self._count.get(key, 0)
+        self._start.setdefault(key, step)
+        self._fired.add(key)
+
     def start(self, key: str) -> int:
         """The step at which the current streak of ``key`` began."""
         return self._start.get(key, -1)

@@ -53,6 +53,30 @@ class LabelRange(Rule):
         return [self.make(int(first), msg, value, limit, "targets")]
 
 
+class LabelLeak(Rule):
+    """Fires when the targets equal the inputs at ``threshold`` (0.99) of their positions
+    (``diag/data/target_is_input``, from integer inputs and targets of one shape): a language
+    model's targets not shifted by one, a copy-paste ``y = x``. The task is then trivial, the loss
+    falls to ~0, and nothing learnt transfers. ``step`` is the first such step."""
+
+    kind = "label_leak"
+    severity = "critical"
+    hint = ("The targets are the inputs. For next-token prediction take x = tokens[:, :-1], y = tokens[:, 1:] (or "
+            "shift inside the loss); check that the label column is not the input column.")
+
+    def __init__(self, *, threshold: float = 0.99, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.threshold = threshold
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        share = record.scalars.get("diag/data/target_is_input", -1.0)
+        if share < self.threshold:
+            return []
+        step = int(record.tables.get("diag/data/target_is_input", {}).get("step", record.step))
+        msg = f"the targets equal the inputs at {100 * share:.1f}% of positions (step {step}): the labels leak the answer."
+        return [self.make(step, msg, share, self.threshold, "targets")]
+
+
 class DataBottleneck(Rule):
     """Fires when the loop waits for data more than ``threshold`` (0.5) of its wall time, summed
     over the last ``window`` (3) logging steps, once ``min_batches`` (20) batches were timed in that

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Any, Sequence
 
 from trackdiag.alert import Alert
@@ -28,14 +27,21 @@ def latest_train_loss(history: Sequence[Record]) -> float:
 
 
 class Overfitting(Rule):
-    """Fires at an evaluation where, together:
+    """Fires at an evaluation where the validation loss has turned upward while the train loss
+    (the newest ``diag/loss/ema``) did not:
 
-    - the validation/train loss ratio exceeds ``ratio`` (2.0, the guides' "severe overfitting"); the
-      train loss is the newest ``diag/loss/ema`` of the logging records;
-    - the gap (val - train) grew over the last ``patience`` (3) evaluations;
-    - the validation loss is above its best so far (it is rising, not merely lagging).
+    - **trend**: each of the last ``patience`` (3) evaluations sits above the best validation loss by
+      more than ``min_rise`` (5%) of it and ``giveback`` (10%) of the improvement since the first
+      evaluation, the newest is ``min_rise`` above the one ``patience`` evaluations earlier and above
+      the train loss, and the train loss fell meanwhile;
+    - **ratio**: or val/train exceeds ``ratio`` (2.0, the guides' "severe overfitting") with the last
+      ``patience`` evaluations above the best (a mere lag behind a fast-falling train loss, or one
+      noisy reading, with the validation loss still improving, is not overfitting).
 
-    Fires once per episode (again after the conditions cleared). ``where`` is ``eval/<metric>``.
+    ``step`` is the onset: the evaluation right after the best validation loss. Fires once per
+    episode (again after the conditions cleared). When the train loss is ~0 while the validation
+    loss is many times larger (``leak_ratio``, 20x), the message names label/data leakage as well.
+    ``where`` is ``eval/<metric>``.
     """
 
     kind = "overfitting"
@@ -43,11 +49,12 @@ class Overfitting(Rule):
     hint = ("Regularise: dropout (0.3-0.5), weight decay (AdamW 0.01-0.05), data augmentation, more data or a "
             "smaller model; use early stopping on the validation loss and keep the best checkpoint.")
 
-    def __init__(self, *, ratio: float = 2.0, patience: int = 3, metric: str = "loss", **kw: Any) -> None:
+    def __init__(self, *, ratio: float = 2.0, patience: int = 3, min_rise: float = 0.05, giveback: float = 0.1,
+                 leak_ratio: float = 20.0, metric: str = "loss", **kw: Any) -> None:
         super().__init__(**kw)
         self.ratio, self.patience, self.metric = ratio, max(1, patience), metric
-        self._evals: deque[tuple[int, float, float]] = deque(maxlen=self.patience + 1)
-        self._best = math.inf
+        self.min_rise, self.giveback, self.leak_ratio = min_rise, giveback, leak_ratio
+        self._evals: list[tuple[int, float, float]] = []  # (step, val, train), bounded below
         self._active = False
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
@@ -56,23 +63,36 @@ class Overfitting(Rule):
         if val is None or not math.isfinite(val) or not math.isfinite(train) or train <= 0:
             return []
         self._evals.append((record.step, val, train))
-        best, self._best = self._best, min(self._best, val)
+        del self._evals[:-200]
+        best_i = min(range(len(self._evals)), key=lambda i: self._evals[i][1])
+        best = self._evals[best_i][1]
+        recent = [v for _, v, _ in self._evals[-self.patience:]]
+        # every one of the last `patience` evaluations sits above the best, by a margin that counts both
+        # relative to the best and to what the run gained so far: sustained, not a noisy reading
+        margin = max(best * self.min_rise, self.giveback * (self._evals[0][1] - best))
+        above = len(recent) == self.patience and min(recent) > best + margin + 1e-12
+        trend = False
+        if len(self._evals) > self.patience:
+            s0, v0, t0 = self._evals[-1 - self.patience]
+            trend = above and val > v0 * (1 + self.min_rise) and train < t0 and val > train
         ratio = val / train
-        gaps = [v - t for _, v, t in self._evals]
-        hit = (len(gaps) > self.patience and ratio > self.ratio and gaps[-1] > gaps[0] and val > best)
+        hit = trend or (above and ratio > self.ratio)
         fire, self._active = hit and not self._active, hit
         if not fire:
             return []
-        msg = (f"validation {self.metric} {val:.4g} is {ratio:.1f}x the train loss {train:.4g} (gap grew from "
-               f"{gaps[0]:.3g} to {gaps[-1]:.3g} over {self.patience} evaluations; best validation {best:.4g}).")
-        return [self.make(record.step, msg, ratio, self.ratio, f"eval/{self.metric}")]
+        onset = self._evals[min(best_i + 1, len(self._evals) - 1)][0]
+        why = (f"the validation {self.metric} rose from its best {best:.4g} to {val:.4g} while the train loss fell to "
+               f"{train:.4g}" if trend else f"validation {self.metric} {val:.4g} is {ratio:.1f}x the train loss {train:.4g} "
+               f"and above its best {best:.4g}")
+        leak = (" The train loss is ~0 while the validation loss is far higher: also check for label/data leakage "
+                "(targets visible in the training inputs, duplicates across the split)." if ratio > self.leak_ratio else "")
+        return [self.make(onset, f"{why} (rising since step {onset}).{leak}", ratio, self.ratio, f"eval/{self.metric}")]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"evals": [list(e) for e in self._evals], "best": self._best, "active": self._active}
+        return {"evals": [list(e) for e in self._evals], "active": self._active}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._evals = deque((tuple(e) for e in state.get("evals", [])), maxlen=self.patience + 1)  # type: ignore[misc]
-        self._best = float(state.get("best", math.inf))
+        self._evals = [tuple(e) for e in state.get("evals", [])]  # type: ignore[misc]
         self._active = bool(state.get("active", False))
 
 

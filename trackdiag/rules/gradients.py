@@ -8,7 +8,7 @@ from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
 from trackdiag.rules.base import Rule, latest, layer_values, points_of
-from trackdiag.stats import Ema
+from trackdiag.rules._spike import SpikeDetector
 
 
 def _qualified(comp: Component, layer: str) -> str:
@@ -16,13 +16,13 @@ def _qualified(comp: Component, layer: str) -> str:
 
 
 class GradExplosion(Rule):
-    """Fires when the global gradient norm exceeds ``threshold``, a layer's norm exceeds
-    ``layer_threshold``, or the global norm jumps above ``spike_factor`` x its EMA (after ``warmup``
-    logging steps, and only above ``spike_min_norm``). ``where`` names the layer with the largest norm.
-
-    Args: threshold (100, as the guides suggest), layer_threshold (100), spike_factor (10),
-    spike_min_norm (1.0), ema_beta (0.9), warmup (5 logging steps).
-    """
+    """Fires when the pre-clip global gradient norm (every step) exceeds ``threshold`` (100, as the
+    guides suggest), when it spikes (more than ``spike_z``, 6, standard deviations above the mean of
+    the last ``window``, 128, norms AND more than ``spike_factor``, 10, x that mean, floored at
+    ``floor_fraction``, 0.1, of the first ``warmup``, 20, norms: see
+    :class:`~trackdiag.rules._spike.SpikeDetector`), or when a layer's norm exceeds
+    ``layer_threshold`` (100) at a logging step. ``step`` is the exact step; ``where`` names the
+    layer with the largest norm at the logging step."""
 
     kind = "grad_explosion"
     severity = "critical"
@@ -30,12 +30,13 @@ class GradExplosion(Rule):
             "warm-up, check the initialisation, add normalisation layers (BatchNorm/LayerNorm).")
 
     def __init__(self, *, threshold: float = 100.0, layer_threshold: float = 100.0, spike_factor: float = 10.0,
-                 spike_min_norm: float = 1.0, ema_beta: float = 0.9, warmup: int = 5, **kw: Any) -> None:
+                 spike_z: float = 6.0, window: int = 128, warmup: int = 20, floor_fraction: float = 0.1,
+                 **kw: Any) -> None:
         super().__init__(**kw)
         self.threshold, self.layer_threshold = threshold, layer_threshold
-        self.spike_factor, self.spike_min_norm, self.warmup = spike_factor, spike_min_norm, warmup
-        self.ema_beta = ema_beta
-        self._ema: dict[str, Ema] = {}
+        self.spike = dict(z=spike_z, factor=spike_factor, window=window, warmup=warmup, floor_fraction=floor_fraction)
+        self.spike_factor = spike_factor
+        self._spikes: dict[str, SpikeDetector] = {}
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
@@ -43,33 +44,33 @@ class GradExplosion(Rule):
             layers = layer_values(record, comp.key("grad/norm"))
             worst, worst_v = max(layers.items(), key=lambda kv: kv[1] if math.isfinite(kv[1]) else -1.0, default=("", math.nan))
             where = _qualified(comp, worst)
-            ema = self._ema.setdefault(comp.name, Ema(self.ema_beta))
+            det = self._spikes.setdefault(comp.name, SpikeDetector(**self.spike))
             fired = False
             for step, gn in points_of(record, comp.key("grad/global_norm")):  # every step, pre-clip
-                if not math.isfinite(gn):
+                spike, ref = det.feed(gn)
+                if fired or not math.isfinite(gn):
                     continue
-                if not fired and gn > self.threshold:
+                if gn > self.threshold:
                     out.append(self.make(step, f"global gradient norm {gn:.3g} exceeds {self.threshold:g}; largest in {where or 'the model'} ({worst_v:.3g}).", gn, self.threshold, where))
                     fired = True
-                elif not fired and ema.count >= self.warmup and gn > self.spike_min_norm and gn > self.spike_factor * ema.value:
-                    limit = self.spike_factor * ema.value
-                    out.append(self.make(step, f"global gradient norm {gn:.3g} jumped to {gn / ema.value:.1f}x its recent average {ema.value:.3g}; largest in {where or 'the model'}.", gn, limit, where))
+                elif spike:
+                    out.append(self.make(step, f"global gradient norm {gn:.3g} jumped to {gn / ref:.1f}x its recent average {ref:.3g}; largest in {where or 'the model'}.", gn, self.spike_factor * ref, where))
                     fired = True
-                ema.update(gn)
             if not fired and worst_v > self.layer_threshold:
                 out.append(self.make(record.step, f"gradient norm of {where} is {worst_v:.3g} (> {self.layer_threshold:g}).", worst_v, self.layer_threshold, where))
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: e.state_dict() for k, e in self._ema.items()}
+        return {k: d.state_dict() for k, d in self._spikes.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, s in state.items():
-            self._ema.setdefault(k, Ema(self.ema_beta)).load_state_dict(s)
+            if isinstance(s, dict) and "recent" in s:
+                self._spikes.setdefault(k, SpikeDetector(**self.spike)).load_state_dict(s)
 
 
 class GradVanishing(Rule):
-    """Fires when the global gradient norm stays below ``threshold`` (1e-7), or a layer's norm stays
+    """Fires when the global gradient norm stays in (0, ``threshold``) (1e-7), or a layer's norm stays
     in (0, ``layer_threshold``) (1e-7), for ``patience`` consecutive logging steps (3). Layers whose
     gradient is exactly zero are left to the ``stale_params`` detector."""
 
@@ -93,7 +94,7 @@ class GradVanishing(Rule):
             gn = latest(record, comp.key("grad/global_norm"))
             if gn is None or not math.isfinite(gn):
                 continue
-            if self._bump(f"{comp.name}|", gn < self.threshold):
+            if self._bump(f"{comp.name}|", 0.0 < gn < self.threshold):  # exactly 0 (all frozen): stale_params
                 out.append(self.make(record.step, f"global gradient norm {gn:.3g} below {self.threshold:g} for {self.patience} logged steps.", gn, self.threshold, comp.name))
             for layer, v in layer_values(record, comp.key("grad/norm")).items():
                 if self._bump(f"{comp.name}|{layer}", 0.0 < v < self.layer_threshold):

@@ -34,11 +34,13 @@ def _leak_keys(record: Record) -> list[str]:
 
 
 class MemoryLeak(Rule):
-    """Fires when memory grows steadily: over the last ``window`` (8) memory readings (at least
-    ``min_points``, 5), the least-squares growth is at least ``min_growth_mb`` (64 MB), the linear fit
-    explains it (R² >= ``min_r2``, 0.8) and at least ``min_rising`` (0.6) of the consecutive readings
-    rise. Readings before step ``warmup`` (20) are ignored (start-up allocations). Allocator noise
-    is flat or saw-toothed and fails the R²/rising guards; a leak is a ramp."""
+    """Fires when memory grows steadily: over the readings of the last ``window_steps`` (100) steps
+    (at least ``min_points``, 5, spanning at least ``min_span``, 30, steps), the least-squares growth
+    across them is at least ``min_growth_mb`` (32 MB: a 1 MB/step leak shows by step ~60), the linear
+    fit explains it (R² >= ``min_r2``, 0.8) and at least ``min_rising`` (0.6) of the consecutive
+    readings rise. Readings before step ``warmup`` (20) are ignored (start-up allocations).
+    Allocator noise is flat or saw-toothed and fails the R²/rising guards, however densely it is read
+    (anomaly windows read every step); a leak is a ramp."""
 
     kind = "memory_leak"
     severity = "warning"
@@ -46,17 +48,18 @@ class MemoryLeak(Rule):
             "(losses.append(loss)) — store loss.item() or loss.detach(); also metrics lists of outputs, caches "
             "keyed by step, hooks that save activations, retain_graph=True.")
 
-    def __init__(self, *, window: int = 8, min_points: int = 5, min_growth_mb: float = 64.0, min_r2: float = 0.8,
-                 min_rising: float = 0.6, warmup: int = 20, **kw: Any) -> None:
+    def __init__(self, *, window_steps: int = 100, min_points: int = 5, min_span: int = 30, min_growth_mb: float = 32.0,
+                 min_r2: float = 0.8, min_rising: float = 0.6, warmup: int = 20, **kw: Any) -> None:
         super().__init__(**kw)
-        self.window, self.min_points, self.min_growth_mb = window, max(min_points, 3), min_growth_mb
+        self.window_steps, self.min_points, self.min_growth_mb = window_steps, max(min_points, 3), min_growth_mb
+        self.min_span = min(min_span, window_steps)
         self.min_r2, self.min_rising, self.warmup = min_r2, min_rising, warmup
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for key in _leak_keys(record):
-            pts = _last_points(key, record, history, self.window, self.warmup)
-            if len(pts) < self.min_points:
+            pts = _window_points(key, record, history, self.window_steps, self.warmup)
+            if len(pts) < self.min_points or pts[-1][0] - pts[0][0] < self.min_span:
                 continue
             xs, ys = [float(s) for s, _ in pts], [v for _, v in pts]
             slope, r2 = linear_fit(xs, ys)
@@ -113,12 +116,13 @@ class MemoryPressure(Rule):
         return out
 
 
-def _last_points(key: str, record: Record, history: Sequence[Record], n: int, warmup: int) -> list[tuple[int, float]]:
-    """The last ``n`` (step, value) readings of ``key`` from step ``warmup`` on, oldest first; walks the
-    history backwards and stops there (it holds up to ``diag.history`` records)."""
+def _window_points(key: str, record: Record, history: Sequence[Record], steps: int, warmup: int) -> list[tuple[int, float]]:
+    """The (step, value) readings of ``key`` within the last ``steps`` steps and from step ``warmup``
+    on, oldest first; walks the history backwards and stops at the window's start."""
     pts: list[tuple[int, float]] = []
+    start = max(warmup, record.step - steps)
     for r in itertools.chain((record,), reversed(history)):
-        if r.step < warmup or len(pts) == n:
+        if r.step < start:
             break
         if key in r.scalars:
             pts.append((r.step, r.scalars[key]))

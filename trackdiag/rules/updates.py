@@ -19,16 +19,18 @@ def qualified(comp: Component, layer: str) -> str:
 
 class UpdateRatio(Rule):
     """Fires when a layer's update-to-weight ratio ||dw||/||w|| (``diag/update/ratio/<layer>``) stays
-    above ``high`` (0.1: each step rewrites a tenth of the weights) from step ``settle`` (100) on, or
-    above ``high_early`` (1.0: each step moves the weights by more than their own size: a learning rate
-    orders of magnitude too high) at any step, or inside (0, ``low``)
+    above ``high`` (1.0: each step moves the weights by more than their own size: a learning rate
+    orders of magnitude too high, a weight decay that flips the weights) or inside (0, ``low``)
     (1e-6: the layer is not learning) for ``patience`` (3) consecutive measurements. Healthy runs of
-    real scripts reach 0.1-0.3 in their first steps (small-init Adam, word_language_model's SGD at
-    lr 20), hence the two tiers; the guides' ~1e-3 is a diagnosis, not an alarm. A ratio of
+    real scripts sit at 0.1-0.5 for long stretches (small-init Adam in its first steps,
+    word_language_model's SGD at lr 20 with clipping at 0.25 throughout): the guides' ~1e-3 is a
+    diagnosis, not an alarm. A ratio of
     exactly 0 is left to ``stale_params``. "Too small" is not judged while the learning rate
     (``diag/opt/lr``, when the ``lr`` probe runs) is below ``lr_fraction`` (1%) of the largest seen so
     far: the end of a cosine schedule anneals on purpose. One alert per direction and check, naming the
-    worst layer in ``where`` and the number of layers concerned in the message; ``step`` is where it began."""
+    worst layer in ``where`` and the number of layers concerned in the message; ``step`` is where it began.
+    A single measurement above ``extreme`` (10: the weights moved ten times their size in one step)
+    fires at once."""
 
     kind = "update_ratio"
     severity = "warning"
@@ -36,16 +38,16 @@ class UpdateRatio(Rule):
             "gradients, check weight decay and the init scale. Too small: raise the learning rate (or check the "
             "schedule/param group), look for vanishing gradients or an over-large weight init.")
 
-    def __init__(self, *, high: float = 0.1, high_early: float = 1.0, settle: int = 100, low: float = 1e-6,
-                 patience: int = 3, lr_fraction: float = 0.01, **kw: Any) -> None:
+    def __init__(self, *, high: float = 1.0, extreme: float = 10.0, low: float = 1e-6, patience: int = 3,
+                 lr_fraction: float = 0.01, **kw: Any) -> None:
         super().__init__(**kw)
         self.high, self.low, self.patience, self.lr_fraction = high, low, patience, lr_fraction
-        self.high_early, self.settle = high_early, settle
+        self.extreme = extreme
         self._streaks = Streaks(patience)
         self._max_lr: dict[str, float] = {}
 
     def _limit(self, step: int) -> float:
-        return self.high if step >= self.settle else max(self.high, self.high_early)
+        return self.high
 
     def _off(self, direction: str, v: float, annealed: bool, step: int) -> bool:
         """Whether ratio ``v`` is too high / too low (a ratio of exactly 0 is never "too low")."""
@@ -68,6 +70,13 @@ class UpdateRatio(Rule):
             if not layers:
                 continue
             annealed = self._annealed(record, comp)
+            top = max(layers, key=layers.__getitem__)
+            if layers[top] > self.extreme and self._streaks.count(f"{comp.name}|{top}|high") == 0:
+                where = qualified(comp, top)
+                self._streaks.mark(f"{comp.name}|{top}|high", record.step)  # the streak below will not repeat it
+                out.append(self.make(record.step, f"update-to-weight ratio of {where} is {layers[top]:.3g} (> "
+                                                  f"{self.extreme:g}) at step {record.step}: one step moved the weights "
+                                                  f"{layers[top]:.0f}x their own size.", layers[top], self.extreme, where))
             for direction in ("high", "low"):
                 due = [lay for lay, v in layers.items()
                        if self._streaks.bump(f"{comp.name}|{lay}|{direction}", self._off(direction, v, annealed, record.step), record.step)]
