@@ -48,7 +48,7 @@ DEFAULT_PATTERNS: tuple[str, ...] = (
 )
 _USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.\-]{0,30}://)([^\s:/@]{0,200}):([^\s/@]{1,500})@")
 _SCHEME = re.compile(r"(?i)\b(bearer|basic)\s+(?=[A-Za-z0-9\-._~+/]{0,500}[0-9+/=])[A-Za-z0-9\-._~+/]{8,}=*")
-_PAIR = re.compile(r"([A-Za-z_][\w.\-]{0,100})(=|:[ \t]*)((?:Bearer|Basic)[ \t]+[^\s&;,]+|[^\s&;,]+)")
+_PAIR = re.compile(r"([A-Za-z_][\w.\-]{0,100})(=|:(?!//)[ \t]*)((?:Bearer|Basic)[ \t]+[^\s&;,]+|[^\s&;,]+)")
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _NON_ALNUM = re.compile(r"[^a-z0-9]+")
 

@@ -95,8 +95,9 @@ def hydra_runtime() -> dict[str, Any] | None:
 def safe_component(name: str) -> str:
     """``name`` as one safe file name: no path separators, control or reserved characters, no
     leading dot (``..``, hidden files), not empty, at most 120 UTF-8 bytes (a hash keeps long
-    names apart). ``../../x`` -> ``__.._x``, ``/etc/passwd`` -> ``_etc_passwd``."""
-    text = _UNSAFE.sub("_", name).strip()
+    names apart). ``../../x`` -> ``___.._x``, ``/etc/passwd`` -> ``_etc_passwd``; a redaction mask
+    reads ``redacted``."""
+    text = _UNSAFE.sub("_", name.replace(MASK, "redacted")).strip()
     text = re.sub(r"^\.+", lambda m: "_" * len(m.group()), text) or "run"
     raw = text.encode("utf-8")
     if len(raw) > MAX_NAME_BYTES:
