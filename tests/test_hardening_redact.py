@@ -178,3 +178,31 @@ def test_credentials_in_the_tracking_uri_connect_but_are_never_written(tmp_path:
         server.stop()
     written = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith("server")]
     assert written and not [p for p in written if b"S3cr3t-uri" in p.read_bytes()]
+
+
+@pytest.mark.slow
+def test_hydra_app_secrets_in_config_and_overrides(tmp_path: Path) -> None:
+    """The documented ``hparams=cfg`` in a real Hydra app (installed package, default MLflow sink):
+    secrets in the config and on the command line reach neither the run name, the local record,
+    MLflow's store nor the console. Hydra's own ``.hydra/`` files are Hydra's, not trackdiag's."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    app = tmp_path / "app"
+    shutil.copytree(repo / "examples", app)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
+    proc = subprocess.run(
+        [sys.executable, "train.py", "+diag=basic", "steps=30", "+db.password=S3cr3t-hydra1",
+         "+api_key=S3cr3t-hydra2", "+data.url=s3://bob:S3cr3t-hydra3@bucket/x", f"hydra.run.dir={tmp_path / 'out'}"],
+        cwd=app, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "S3cr3t" not in proc.stdout + proc.stderr
+    run = json.loads((tmp_path / "out" / "diag" / "run.json").read_text())
+    assert run["name"].startswith("train-") and "db.password=redacted" in run["name"]
+    assert run["hparams"]["db"]["password"] == MASK and run["hparams"]["data"]["url"] == f"s3://bob:{MASK}@bucket/x"
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and ".hydra" not in p.parts]
+    assert (app / "mlflow.db") in written
+    assert [str(p) for p in written if b"S3cr3t" in p.read_bytes()] == []

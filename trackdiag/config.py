@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 import typing
+from functools import lru_cache
 from importlib import resources
 from typing import Any, Mapping
 
@@ -47,9 +48,15 @@ def presets() -> list[str]:
 
 
 def load_preset(level: str) -> dict[str, Any]:
-    """The packaged preset ``level`` as a plain dict."""
+    """The packaged preset ``level`` as a plain dict (a fresh copy: callers may change it)."""
     if level not in presets():
         raise ConfigError([f"diag.level: unknown preset {level!r}; accepted: {', '.join(presets())}"])
+    return copy.deepcopy(_preset(level))
+
+
+@lru_cache(maxsize=16)
+def _preset(level: str) -> dict[str, Any]:
+    """The parsed preset (cached: YAML parsing dominated validation's cost); never hand it out."""
     data = _read("diag", f"{level}.yaml")
     out: dict[str, Any] = {}
     for entry in data.pop("defaults", None) or ["_self_"]:  # emulate Hydra's defaults list
@@ -63,7 +70,9 @@ def load_preset(level: str) -> dict[str, Any]:
     return out
 
 
+@lru_cache(maxsize=64)
 def _text(*parts: str) -> str:
+    """A packaged YAML file's text (cached: validation may run many times in a process)."""
     return resources.files("trackdiag.conf").joinpath(*parts).read_text(encoding="utf-8")
 
 

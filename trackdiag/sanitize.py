@@ -122,6 +122,10 @@ def _clean(v: Any, path: str, active: set[int], depth: int, notes: list[str]) ->
         return float(v) if isinstance(v, float) else int(v)
     if isinstance(v, PurePath):
         return str(v)
+    if type(v).__module__.startswith("omegaconf"):  # a DictConfig nested in plain containers
+        v = to_plain_tolerant(v)
+        if isinstance(v, str) or not isinstance(v, (Mapping, list)):
+            return _clean(v, path, active, depth, notes)
     container = _items(v)
     if container is None and not isinstance(v, (list, tuple, set, frozenset)):
         return _scalar(v, where, notes)
