@@ -19,7 +19,7 @@ import torch
 
 hypothesis = pytest.importorskip("hypothesis")
 
-from hypothesis import HealthCheck, event, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
@@ -142,6 +142,9 @@ EDGE = [1, 2, 3, 0.5, 0.9, 0.01, 1e-9, 5, 20, 0, 1.0, 10**6, -1]  # mostly valid
 
 @settings(max_examples=80, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@example(level="advanced", every=1, picks=[(("rules", "loss_divergence", "window"), 0)])  # crashed in step()
+@example(level="advanced", every=1, picks=[(("probes", "nan_replay", "ring"), -1)])  # crashed in step()
+@example(level="advanced", every=2, picks=[(("rules", "memory_leak", "window"), 0), (("probes", "activations", "window"), 0)])
 @given(level=st.sampled_from(["basic", "advanced"]), every=st.integers(1, 4),
        picks=st.lists(st.tuples(st.sampled_from(NUMERIC), st.sampled_from(EDGE)), max_size=4))
 def test_an_accepted_config_runs(level: str, every: int, picks: list[tuple[tuple[str, str, str], Any]],
