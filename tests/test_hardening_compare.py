@@ -47,7 +47,7 @@ def _skips(caplog: pytest.LogCaptureFixture) -> dict[str, str]:
 def test_malformed_run_dirs_are_skipped_one_line_each(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     sweep = tmp_path / "sweep"
-    good = [_run_dir(sweep, "good1"), _run_dir(sweep, "good22")]
+    _run_dir(sweep, "good1"), _run_dir(sweep, "good22")
     bad = {
         "deep": _run_dir(sweep, "deep", raw_run='{"hparams": ' + "[" * 100_000 + "]" * 100_000 + "}"),
         "deep_ok_json": _run_dir(sweep, "deep_ok_json", run={"hparams": json.loads("[" * 200 + "]" * 200)}),

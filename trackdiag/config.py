@@ -8,23 +8,21 @@ value ranges live in :mod:`trackdiag.config_checks`.
 from __future__ import annotations
 
 import copy
-import inspect
-import typing
 from functools import lru_cache
 from importlib import resources
 from typing import Any, Mapping
 
 import yaml
 
-from trackdiag.alert import ACTIONS, SEVERITIES
-from trackdiag.config_checks import (_show, callable_problem, order_problems, range_problem, target_problem,
-                                     type_problem, unresolved_problems)
+from trackdiag.config_checks import show_value, range_problem, type_problem, unresolved_problems
+from trackdiag.config_components import component_problems, constructor_defaults, constructor_params
 from trackdiag.errors import ConfigError
 from trackdiag.redact import pattern_problems
 from trackdiag.registry import PROBES, RULES, SINKS
-from trackdiag.registry import resolve as resolve_target
 from trackdiag.sanitize import Unresolved, to_plain_tolerant
-from trackdiag.sinks.wandb_util import MODES, SEVERITY_RANK
+
+__all__ = ["presets", "load_preset", "merge", "to_plain", "resolve", "validate", "constructor_params",
+           "constructor_defaults"]
 
 _TOP: dict[str, Any] = {
     "level": str, "enabled": bool, "every": int, "max_layer_metrics": int, "history": int,
@@ -33,12 +31,6 @@ _TOP: dict[str, Any] = {
 }
 #: The ``redact`` section (see :mod:`trackdiag.redact`).
 _REDACT: dict[str, Any] = {"enabled": bool, "keys": list[str] | None, "patterns": list[str] | None}
-#: Options whose accepted values are known up front (checked even for sinks not in use).
-ENUMS: dict[tuple[str, str, str], tuple[Any, ...]] = {
-    ("sink", "wandb", "mode"): (*MODES, "dryrun", None),
-    ("sink", "wandb", "notify"): (*SEVERITY_RANK, None),
-    ("sink", "mlflow", "delivery"): ("process", "thread"),
-}
 
 
 def presets() -> list[str]:
@@ -114,7 +106,7 @@ def resolve(cfg: Any) -> dict[str, Any]:
     level = cfg.get("level", "advanced")
     if not isinstance(level, str) or isinstance(level, Unresolved) or level not in presets():
         raise ConfigError(list(dict.fromkeys([
-            *unresolved_problems(cfg), f"diag.level: unknown preset {_show(level)}; accepted: {', '.join(presets())}"])))
+            *unresolved_problems(cfg), f"diag.level: unknown preset {show_value(level)}; accepted: {', '.join(presets())}"])))
     merged = merge(load_preset(level), cfg)
     validate(merged)
     return merged
@@ -134,7 +126,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
         elif (msg := type_problem(value, _TOP[key]) or range_problem(str(key), value)) is not None:
             problems.append(f"diag.{key}: {msg}")
     if not isinstance(cfg.get("level"), Unresolved) and cfg.get("level") not in presets():
-        problems.append(f"diag.level: unknown preset {_show(cfg.get('level'))}; accepted: {', '.join(presets())}")
+        problems.append(f"diag.level: unknown preset {show_value(cfg.get('level'))}; accepted: {', '.join(presets())}")
     sinks = cfg.get("sinks") if isinstance(cfg.get("sinks"), list) else []
     sink_cfg = cfg.get("sink") if isinstance(cfg.get("sink"), Mapping) else {}
     active_sinks = ["local"]
@@ -152,10 +144,10 @@ def validate(cfg: Mapping[str, Any]) -> None:
             continue
         for name, entry in section.items():
             active = name in active_sinks if family == "sink" else _enabled(entry)
-            problems += _component_problems(f"diag.{family}.{name}", family, registry, str(name), entry, active)
+            problems += component_problems(f"diag.{family}.{name}", family, registry, str(name), entry, active)
     for name in dict.fromkeys(active_sinks):
         if name not in sink_cfg and name in SINKS:  # a sink with no options still gets its constructor's checks
-            problems += _component_problems(f"diag.sink.{name}", "sink", SINKS, name, {}, True)
+            problems += component_problems(f"diag.sink.{name}", "sink", SINKS, name, {}, True)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
 
@@ -174,106 +166,3 @@ def _redact_problems(section: Any) -> list[str]:
         if isinstance(section.get(k), list):
             problems += pattern_problems(f"diag.redact.{k}", section[k])
     return problems
-
-
-def _component_problems(path: str, family: str, registry: dict[str, type], name: str, entry: Any,
-                        active: bool) -> list[str]:
-    if entry is None:
-        entry = {}
-    if not isinstance(entry, Mapping):
-        return [f"{path}: expected a mapping of options, got {_show(entry)}"]
-    if "_target_" in entry:
-        cls, problem = target_problem(path, entry["_target_"], _family_base(family), resolve_target)
-        if cls is None:
-            return [problem or f"{path}._target_: invalid"]
-    elif name in registry:
-        cls = registry[name]
-    else:
-        return [f"{path}: unknown {family[:-1] if family != 'sink' else 'sink'} {name!r}; accepted: {', '.join(registry)}"]
-    try:
-        params, defaults = constructor_params(cls), constructor_defaults(cls)
-    except Exception as exc:  # noqa: BLE001 - a user class whose signature cannot be read
-        return [f"{path}: cannot read the options of {cls.__name__}: {type(exc).__name__}: {exc}"]
-    problems = []
-    for key, value in entry.items():
-        if key == "_target_" or isinstance(value, Unresolved):
-            continue
-        if key not in params:
-            problems.append(f"{path}.{key}: unknown option; accepted: {', '.join(params)}")
-        elif (msg := type_problem(value, params[key])) is not None:
-            problems.append(f"{path}.{key}: {msg}")
-        elif key == "action" and value not in ACTIONS:
-            problems.append(f"{path}.action: {_show(value)} is not one of {', '.join(ACTIONS)}")
-        elif key == "severity" and value is not None and value not in SEVERITIES:
-            problems.append(f"{path}.severity: {_show(value)} is not one of {', '.join(SEVERITIES)}")
-        elif (choices := ENUMS.get((family, name, key))) is not None and \
-                (value.lower() if isinstance(value, str) else value) not in choices:
-            problems.append(f"{path}.{key}: {_show(value)} is not one of {', '.join('null' if c is None else str(c) for c in choices)}")
-        elif key == "loss_fn" and (msg := callable_problem(f"{path}.{key}", value, resolve_target)) is not None:
-            problems.append(msg)
-        elif (msg := range_problem(key, value, defaults.get(key), name)) is not None:
-            problems.append(f"{path}.{key}: {msg}")
-    problems += order_problems(path, entry, defaults)
-    if not problems and active and "_target_" not in entry:
-        problems += _trial_build(path, cls, entry)
-    return problems
-
-
-def _trial_build(path: str, cls: type, entry: Mapping[str, Any]) -> list[str]:
-    """Build a built-in component once with its options: what its constructor refuses is a problem."""
-    try:
-        cls(**{k: v for k, v in entry.items() if k != "_target_"})
-    except ConfigError as exc:
-        return list(exc.problems)
-    except Exception as exc:  # noqa: BLE001 - e.g. TrackdiagError for a missing optional package
-        return [f"{path}: {type(exc).__name__}: {exc}"]
-    return []
-
-
-def _family_base(family: str) -> type:
-    if family == "probes":
-        from trackdiag.probes.base import Probe
-
-        return Probe
-    if family == "rules":
-        from trackdiag.rules.base import Rule
-
-        return Rule
-    from trackdiag.sinks.base import Sink
-
-    return Sink
-
-
-def constructor_params(cls: type) -> dict[str, Any]:
-    """Keyword options of ``cls.__init__`` with their annotations, following ``**kw`` up the MRO."""
-    params: dict[str, Any] = {}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        try:
-            hints = typing.get_type_hints(init)
-        except Exception:  # noqa: BLE001 - unresolvable forward references: options stay untyped
-            hints = {}
-        more = False
-        for p in inspect.signature(init).parameters.values():
-            if p.kind is p.VAR_KEYWORD:
-                more = True
-            elif p.name != "self" and p.kind is not p.VAR_POSITIONAL:
-                params.setdefault(p.name, hints.get(p.name, Any))
-        if not more:
-            break
-    return params
-
-
-def constructor_defaults(cls: type) -> dict[str, Any]:
-    """Default values of the keyword options :func:`constructor_params` lists."""
-    out: dict[str, Any] = {}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        for p in inspect.signature(init).parameters.values():
-            if p.default is not p.empty:
-                out.setdefault(p.name, p.default)
-    return out

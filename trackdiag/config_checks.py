@@ -59,7 +59,7 @@ def type_problem(value: Any, annotation: Any) -> str | None:
         if _fits(value, opt):
             return _number_problem(value)
     names = " or ".join(_name(o) for o in options)
-    return f"expected {names}, got {_show(value)}"
+    return f"expected {names}, got {show_value(value)}"
 
 
 def _fits(value: Any, opt: Any) -> bool:
@@ -92,7 +92,7 @@ def _number_problem(value: Any) -> str | None:
     if isinstance(value, float) and not math.isfinite(value):
         return f"must be a finite number, got {value!r}"
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
-        return f"must be at most {INT_LIMIT} in size, got {_show(value)}"
+        return f"must be at most {INT_LIMIT} in size, got {show_value(value)}"
     return None
 
 
@@ -145,7 +145,7 @@ def target_problem(path: str, target: Any, base: type | None, resolve: Callable[
     are refused before anything is called.
     """
     if not isinstance(target, str) or not target.strip():
-        return None, f"{path}._target_: expected 'package.module:Class', got {_show(target)}"
+        return None, f"{path}._target_: expected 'package.module:Class', got {show_value(target)}"
     try:
         obj = resolve(target)
     except Exception as exc:  # noqa: BLE001 - ImportError, AttributeError, ValueError, whatever the import does
@@ -162,7 +162,7 @@ def callable_problem(path: str, value: Any, resolve: Callable[[str], Any]) -> st
     if value is None or callable(value):
         return None
     if not isinstance(value, str):
-        return f"{path}: expected a callable or 'package.module:function', got {_show(value)}"
+        return f"{path}: expected a callable or 'package.module:function', got {show_value(value)}"
     try:
         obj = resolve(value)
     except Exception as exc:  # noqa: BLE001
@@ -192,7 +192,7 @@ def _name(opt: Any) -> str:
     return f"{name}[{', '.join(_name(a) for a in args)}]" if args and base in (list, dict) else name
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     """A bounded repr for messages (a 30 MB string must not become a 30 MB error)."""
     text = repr(value)
     return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from trackdiag.compare.safe_read import MAX_DEPTH, UnreadableFile, clip, clip_value, parse_json
