@@ -105,8 +105,8 @@ def resolve(cfg: Any) -> dict[str, Any]:
         raise ConfigError(unresolved_problems(cfg) or [f"diag: expected a mapping, got {type(cfg).__name__}"])
     level = cfg.get("level", "advanced")
     if not isinstance(level, str) or isinstance(level, Unresolved) or level not in presets():
-        raise ConfigError(list(dict.fromkeys([
-            *unresolved_problems(cfg), f"diag.level: unknown preset {show_value(level)}; accepted: {', '.join(presets())}"])))
+        bad = f"diag.level: unknown preset {show_value(level)}; accepted: {', '.join(presets())}"
+        raise ConfigError(list(dict.fromkeys([*unresolved_problems(cfg), bad])))
     merged = merge(load_preset(level), cfg)
     validate(merged)
     return merged

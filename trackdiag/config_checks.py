@@ -27,10 +27,11 @@ _UNIT: Range = (0, True, 1, True)
 RANGES: dict[str, Range] = {
     **dict.fromkeys(("every", "window", "ring", "steps", "bins", "dims", "max_groups", "max_evals", "max_calls",
                      "max_samples", "max_features", "max_memory_batches", "max_backoff_streak", "accumulation_steps",
-                     "history", "max_layer_metrics", "max_alerts_per_rule", "overfit_steps", "min_points",
+                     "history", "max_layer_metrics", "max_alerts_per_rule", "min_points",
                      "min_batches", "min_samples", "max_bins"), _AT_LEAST_1),
     **dict.fromkeys(("patience", "patience_steps", "warmup", "cooldown", "min_steps", "max_replays",
                      "memory_snapshot_steps", "anomaly_window", "max_histogram_images", "seed", "min_delta",
+                     "overfit_steps",
                      "rel_delta", "margin", "alert_wait_s", "spike_min_norm", "min_growth_mb", "min_ms",
                      "lr_fraction"), _AT_LEAST_0),
     **dict.fromkeys(("factor", "spike_factor", "ratio", "min_ratio", "max_ratio", "threshold", "layer_threshold",
@@ -54,7 +55,8 @@ def type_problem(value: Any, annotation: Any) -> str | None:
         return f"cannot resolve {str(value)!r} ({value.error})"
     if annotation is Any:
         return None
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, _UnionType) else (annotation,)
+    union = typing.get_origin(annotation) in (typing.Union, _UnionType)
+    options = typing.get_args(annotation) if union else (annotation,)
     for opt in options:
         if _fits(value, opt):
             return _number_problem(value)
@@ -138,7 +140,8 @@ def _num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def target_problem(path: str, target: Any, base: type | None, resolve: Callable[[str], Any]) -> tuple[type | None, str | None]:
+def target_problem(path: str, target: Any, base: type | None,
+                   resolve: Callable[[str], Any]) -> tuple[type | None, str | None]:
     """(class, None) when ``target`` imports to a subclass of ``base``, else (None, why not).
 
     Only classes of the right family are accepted: ``builtins:print`` or ``subprocess:Popen``

@@ -43,7 +43,8 @@ def component_problems(path: str, family: str, registry: dict[str, type], name: 
     elif name in registry:
         cls = registry[name]
     else:
-        return [f"{path}: unknown {family[:-1] if family != 'sink' else 'sink'} {name!r}; accepted: {', '.join(registry)}"]
+        kind = family[:-1] if family != "sink" else "sink"
+        return [f"{path}: unknown {kind} {name!r}; accepted: {', '.join(registry)}"]
     try:
         params, defaults = constructor_params(cls), constructor_defaults(cls)
     except Exception as exc:  # noqa: BLE001 - a user class whose signature cannot be read
@@ -62,7 +63,8 @@ def component_problems(path: str, family: str, registry: dict[str, type], name: 
             problems.append(f"{path}.severity: {show_value(value)} is not one of {', '.join(SEVERITIES)}")
         elif (choices := ENUMS.get((family, name, key))) is not None and \
                 (value.lower() if isinstance(value, str) else value) not in choices:
-            problems.append(f"{path}.{key}: {show_value(value)} is not one of {', '.join('null' if c is None else str(c) for c in choices)}")
+            accepted = ", ".join("null" if c is None else str(c) for c in choices)
+            problems.append(f"{path}.{key}: {show_value(value)} is not one of {accepted}")
         elif key == "loss_fn" and (msg := callable_problem(f"{path}.{key}", value, resolve_target)) is not None:
             problems.append(msg)
         elif (msg := range_problem(key, value, defaults.get(key), name)) is not None:

@@ -67,7 +67,8 @@ class RunSummary:
 
     def __post_init__(self) -> None:
         # cut every text early (whatever the source): tables, plots and risk lines stay linear and small
-        self.name, self.source_id, self.status = clip(str(self.name)), clip(str(self.source_id)), clip(str(self.status), 40)
+        self.name, self.source_id = clip(str(self.name)), clip(str(self.source_id))
+        self.status = clip(str(self.status), 40)
         self.health, self.note = clip(str(self.health), 40), clip(str(self.note), 2000)
         self.group = clip(str(self.group)) if self.group is not None else None
         self.hparams = {clip(str(k)): clip_value(v) for k, v in list(self.hparams.items())[:MAX_HPARAMS]}
