@@ -206,3 +206,20 @@ def test_hydra_app_secrets_in_config_and_overrides(tmp_path: Path) -> None:
     written = [p for p in tmp_path.rglob("*") if p.is_file() and ".hydra" not in p.parts]
     assert (app / "mlflow.db") in written
     assert [str(p) for p in written if b"S3cr3t" in p.read_bytes()] == []
+
+
+def test_log_messages_are_masked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A tracking URI with credentials that cannot be reached: the sink's warning names it, masked."""
+    from _mlflow_util import free_port
+
+    uri = f"http://alice:S3cr3t-log@127.0.0.1:{free_port()}"
+    model, opt = tiny_model()
+    with caplog.at_level(logging.INFO, logger="trackdiag"):
+        with trackdiag.Diagnostics(model, opt, level="basic", every=2, sinks=["mlflow"], output_dir=str(tmp_path / "r"),
+                                   probes={"report": {"enabled": False}},
+                                   sink={"mlflow": {"tracking_uri": uri, "close_timeout": 1.0, "retry_backoff": 0.2,
+                                                    "delivery": "thread"}}) as diag:
+            train(diag, model, opt, range(4))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("unreachable" in m and f"alice:{MASK}@127.0.0.1" in m for m in messages), messages
+    assert not [m for m in messages if "S3cr3t-log" in m]

@@ -14,11 +14,14 @@ Keys are normalised before matching: camelCase split, lower case, other characte
 ``redact`` section: ``enabled`` (default true), ``keys`` (extra regexes searched in the normalised
 key and in its dotted path, e.g. ``db\\.host``), ``patterns`` (extra regexes for secret text; each
 match is masked). Applied once, where a run's hyperparameters, diag config and name enter the
-session (:class:`trackdiag.runinfo.RunInfo`), so every sink gets the same redacted data.
+session (:class:`trackdiag.runinfo.RunInfo`), so every sink gets the same redacted data; and to
+every message of the ``trackdiag`` logger (:class:`RedactingFilter`: a tracking URI with
+credentials in a warning reads ``http://user:***redacted***@host``).
 Cost: a few regex searches per key (cached) and per string value; linear in the text's length.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -178,3 +181,34 @@ def pattern_problems(path: str, patterns: Any) -> list[str]:
         if compiled.search("") is not None:
             problems.append(f"{path}[{i}]: {p!r} matches the empty string (it would mask everything)")
     return problems
+
+
+class RedactingFilter(logging.Filter):
+    """Masks secret shapes (:meth:`RedactPolicy.text`) in each record of the logger it is attached to.
+
+    Cost: only when a record is emitted: one formatting of its message and the value regexes.
+    """
+
+    def __init__(self, policy: RedactPolicy = DEFAULT_POLICY) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a broken format: let logging report it as usual
+            return True
+        clean = self.policy.text(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
+
+
+def install_log_filter(name: str = "trackdiag") -> None:
+    """Attach one :class:`RedactingFilter` to the logger ``name`` (idempotent)."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+        logger.addFilter(RedactingFilter())
+
+
+install_log_filter()
