@@ -2,28 +2,35 @@
 
 Validation collects every problem (key path, bad value, accepted values) and raises one
 :class:`ConfigError` before training starts. Probe, rule and sink options are checked against
-the constructor signatures of the classes they configure, so a new component needs no schema edit.
+the constructor signatures of the classes they configure, so a new component needs no schema edit;
+value ranges live in :mod:`trackdiag.config_checks`.
 """
 from __future__ import annotations
 
 import copy
-import inspect
-import typing
+from functools import lru_cache
 from importlib import resources
 from typing import Any, Mapping
 
 import yaml
 
-from trackdiag.alert import ACTIONS, SEVERITIES
+from trackdiag.config_checks import show_value, range_problem, type_problem, unresolved_problems
+from trackdiag.config_components import component_problems, constructor_defaults, constructor_params
 from trackdiag.errors import ConfigError
-from trackdiag.registry import PROBES, RULES, SINKS, lookup
+from trackdiag.redact import pattern_problems
+from trackdiag.registry import PROBES, RULES, SINKS
+from trackdiag.sanitize import Unresolved, to_plain_tolerant
+
+__all__ = ["presets", "load_preset", "merge", "to_plain", "resolve", "validate", "constructor_params",
+           "constructor_defaults"]
 
 _TOP: dict[str, Any] = {
     "level": str, "enabled": bool, "every": int, "max_layer_metrics": int, "history": int,
-    "anomaly_window": int, "max_alerts_per_rule": int, "output_dir": str | None, "run_name": str | None, "sinks": list,
-    "probes": dict, "rules": dict, "sink": dict,
+    "anomaly_window": int, "max_alerts_per_rule": int, "output_dir": str | None, "run_name": str | None,
+    "sinks": list[str], "probes": dict, "rules": dict, "sink": dict, "redact": dict | None,
 }
-_POSITIVE = ("every", "max_layer_metrics", "history", "max_alerts_per_rule")
+#: The ``redact`` section (see :mod:`trackdiag.redact`).
+_REDACT: dict[str, Any] = {"enabled": bool, "keys": list[str] | None, "patterns": list[str] | None}
 
 
 def presets() -> list[str]:
@@ -33,9 +40,15 @@ def presets() -> list[str]:
 
 
 def load_preset(level: str) -> dict[str, Any]:
-    """The packaged preset ``level`` as a plain dict."""
+    """The packaged preset ``level`` as a plain dict (a fresh copy: callers may change it)."""
     if level not in presets():
         raise ConfigError([f"diag.level: unknown preset {level!r}; accepted: {', '.join(presets())}"])
+    return copy.deepcopy(_preset(level))
+
+
+@lru_cache(maxsize=16)
+def _preset(level: str) -> dict[str, Any]:
+    """The parsed preset (cached: YAML parsing dominated validation's cost); never hand it out."""
     data = _read("diag", f"{level}.yaml")
     out: dict[str, Any] = {}
     for entry in data.pop("defaults", None) or ["_self_"]:  # emulate Hydra's defaults list
@@ -49,7 +62,9 @@ def load_preset(level: str) -> dict[str, Any]:
     return out
 
 
+@lru_cache(maxsize=64)
 def _text(*parts: str) -> str:
+    """A packaged YAML file's text (cached: validation may run many times in a process)."""
     return resources.files("trackdiag.conf").joinpath(*parts).read_text(encoding="utf-8")
 
 
@@ -69,124 +84,85 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def to_plain(cfg: Any) -> Any:
-    """An OmegaConf node (or anything) as plain Python containers, interpolations resolved."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
+    """An OmegaConf node (or anything) as plain Python containers, interpolations resolved.
 
-        if isinstance(cfg, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:
-        pass
-    return cfg
+    Never raises for a bad interpolation: a value that cannot be resolved is kept as its text in
+    an :class:`~trackdiag.sanitize.Unresolved` string (validation reports it for the diag config;
+    hyperparameters keep it as text with a note).
+    """
+    return to_plain_tolerant(cfg)
 
 
 def resolve(cfg: Any) -> dict[str, Any]:
     """A user's ``diag`` config (dict or DictConfig) merged onto the preset its ``level`` names, validated."""
     cfg = to_plain(cfg)
-    if isinstance(cfg, str):
+    if isinstance(cfg, str) and not isinstance(cfg, Unresolved):
         raise ConfigError([
             f"diag: got the string {cfg!r} instead of a config. Hydra did not find trackdiag's 'diag' config group, "
             f"so '+diag={cfg}' set a plain value. Is trackdiag installed (pip install trackdiag) in the Python "
             f"that runs this app? Accepted presets: {', '.join(presets())}"])
     if not isinstance(cfg, Mapping):
-        raise ConfigError([f"diag: expected a mapping, got {type(cfg).__name__}"])
+        raise ConfigError(unresolved_problems(cfg) or [f"diag: expected a mapping, got {type(cfg).__name__}"])
     level = cfg.get("level", "advanced")
-    if not isinstance(level, str) or level not in presets():
-        raise ConfigError([f"diag.level: unknown preset {level!r}; accepted: {', '.join(presets())}"])
+    if not isinstance(level, str) or isinstance(level, Unresolved) or level not in presets():
+        bad = f"diag.level: unknown preset {show_value(level)}; accepted: {', '.join(presets())}"
+        raise ConfigError(list(dict.fromkeys([*unresolved_problems(cfg), bad])))
     merged = merge(load_preset(level), cfg)
     validate(merged)
     return merged
 
 
 def validate(cfg: Mapping[str, Any]) -> None:
-    """Raise one :class:`ConfigError` listing every problem in ``cfg``."""
-    problems: list[str] = []
+    """Raise one :class:`ConfigError` listing every problem in ``cfg``: unknown keys and options,
+    types (list elements too), non-finite or out-of-range numbers, unimportable or wrong-family
+    ``_target_`` classes, failed interpolations, bad ``redact`` regexes, and whatever the enabled
+    built-in components' constructors refuse (they are built once, on trial, with their options)."""
+    problems: list[str] = unresolved_problems(cfg)
     for key, value in cfg.items():
+        if isinstance(value, Unresolved):
+            continue
         if key not in _TOP:
             problems.append(f"diag.{key}: unknown key; accepted: {', '.join(_TOP)}")
-        elif (msg := _type_problem(value, _TOP[key])) is not None:
+        elif (msg := type_problem(value, _TOP[key]) or range_problem(str(key), value)) is not None:
             problems.append(f"diag.{key}: {msg}")
-        elif key in _POSITIVE and value < 1:
-            problems.append(f"diag.{key}: must be >= 1, got {value!r}")
-    if cfg.get("level") not in presets():
-        problems.append(f"diag.level: unknown preset {cfg.get('level')!r}; accepted: {', '.join(presets())}")
-    for name in cfg.get("sinks") or [] if isinstance(cfg.get("sinks"), list) else []:
-        if name not in SINKS:
+    if not isinstance(cfg.get("level"), Unresolved) and cfg.get("level") not in presets():
+        problems.append(f"diag.level: unknown preset {show_value(cfg.get('level'))}; accepted: {', '.join(presets())}")
+    sinks = cfg.get("sinks") if isinstance(cfg.get("sinks"), list) else []
+    sink_cfg = cfg.get("sink") if isinstance(cfg.get("sink"), Mapping) else {}
+    active_sinks = ["local"]
+    for name in sinks:
+        if not isinstance(name, str) or isinstance(name, Unresolved):
+            continue  # reported by the type check
+        if name not in SINKS and not (isinstance(sink_cfg.get(name), Mapping) and sink_cfg[name].get("_target_")):
             problems.append(f"diag.sinks: unknown sink {name!r}; accepted: {', '.join(SINKS)}")
+        else:
+            active_sinks.append(name)
+    problems += _redact_problems(cfg.get("redact"))
     for family, registry in (("probes", PROBES), ("rules", RULES), ("sink", SINKS)):
         section = cfg.get(family) or {}
-        if isinstance(section, Mapping):
-            for name, entry in section.items():
-                problems += _component_problems(f"diag.{family}.{name}", family, registry, name, entry)
+        if not isinstance(section, Mapping):
+            continue
+        for name, entry in section.items():
+            active = name in active_sinks if family == "sink" else _enabled(entry)
+            problems += component_problems(f"diag.{family}.{name}", family, registry, str(name), entry, active)
+    for name in dict.fromkeys(active_sinks):
+        if name not in sink_cfg and name in SINKS:  # a sink with no options still gets its constructor's checks
+            problems += component_problems(f"diag.sink.{name}", "sink", SINKS, name, {}, True)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(list(dict.fromkeys(problems)))
 
 
-def _component_problems(path: str, family: str, registry: dict[str, str], name: str, entry: Any) -> list[str]:
-    if entry is None:
-        entry = {}
-    if not isinstance(entry, Mapping):
-        return [f"{path}: expected a mapping of options, got {entry!r}"]
-    if name not in registry and not entry.get("_target_"):
-        return [f"{path}: unknown {family[:-1] if family != 'sink' else 'sink'} {name!r}; accepted: {', '.join(registry)}"]
-    try:
-        cls = lookup(registry, name, dict(entry))
-    except (ImportError, AttributeError) as exc:
-        return [f"{path}._target_: cannot import {entry.get('_target_')!r}: {exc}"]
-    params = constructor_params(cls)
-    problems = []
-    for key, value in entry.items():
-        if key == "_target_":
-            continue
-        if key not in params:
-            problems.append(f"{path}.{key}: unknown option; accepted: {', '.join(params)}")
-        elif (msg := _type_problem(value, params[key])) is not None:
-            problems.append(f"{path}.{key}: {msg}")
-        elif key == "action" and value not in ACTIONS:
-            problems.append(f"{path}.action: {value!r} is not one of {', '.join(ACTIONS)}")
-        elif key == "severity" and value is not None and value not in SEVERITIES:
-            problems.append(f"{path}.severity: {value!r} is not one of {', '.join(SEVERITIES)}")
-        elif key in ("every", "cooldown", "warmup", "patience") and value is not None and value < (1 if key == "every" else 0):
-            problems.append(f"{path}.{key}: must be {'>= 1' if key == 'every' else '>= 0'}, got {value!r}")
+def _enabled(entry: Any) -> bool:
+    return not isinstance(entry, Mapping) or entry.get("enabled", True) is not False
+
+
+def _redact_problems(section: Any) -> list[str]:
+    if section is None or isinstance(section, Unresolved) or not isinstance(section, Mapping):
+        return []  # absent: defaults; wrong type: reported by the type check
+    problems = [f"diag.redact.{k}: unknown option; accepted: {', '.join(_REDACT)}" for k in section if k not in _REDACT]
+    problems += [f"diag.redact.{k}: {msg}" for k, t in _REDACT.items()
+                 if k in section and (msg := type_problem(section[k], t)) is not None]
+    for k in ("keys", "patterns"):
+        if isinstance(section.get(k), list):
+            problems += pattern_problems(f"diag.redact.{k}", section[k])
     return problems
-
-
-def constructor_params(cls: type) -> dict[str, Any]:
-    """Keyword options of ``cls.__init__`` with their annotations, following ``**kw`` up the MRO."""
-    params: dict[str, Any] = {}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        hints = typing.get_type_hints(init)
-        more = False
-        for p in inspect.signature(init).parameters.values():
-            if p.kind is p.VAR_KEYWORD:
-                more = True
-            elif p.name != "self" and p.kind is not p.VAR_POSITIONAL:
-                params.setdefault(p.name, hints.get(p.name, Any))
-        if not more:
-            break
-    return params
-
-
-def _type_problem(value: Any, annotation: Any) -> str | None:
-    """``None`` if ``value`` fits ``annotation``, else a message naming the expected type."""
-    if annotation is Any:
-        return None
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, _UnionType) else (annotation,)
-    for opt in options:
-        base = typing.get_origin(opt) or opt
-        if opt is type(None) and value is None:
-            return None
-        if base is bool and isinstance(value, bool):
-            return None
-        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return None
-        if base in (int, str, list, dict) and isinstance(value, base) and not isinstance(value, bool):
-            return None
-    names = " or ".join(getattr(typing.get_origin(o) or o, "__name__", str(o)) for o in options)
-    return f"expected {names}, got {value!r}"
-
-
-_UnionType = type(int | None)

@@ -215,13 +215,22 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         return value
 
     def log_eval(self, loss: Any = None, **metrics: Any) -> None:
-        """Record evaluation results (``diag/eval/loss``, ``diag/eval/<name>``) at the current step."""
+        """Record evaluation results (``diag/eval/loss``, ``diag/eval/<name>``) at the current step.
+
+        Values must be real numbers or one-element tensors (read back here: one host sync each);
+        any other value is skipped with one warning naming its key, never an exception.
+        """
+        from trackdiag.eval_values import eval_scalars
+
+        values = eval_scalars(loss, metrics)
+        if not values:
+            return
         if not self._opened:
             self._open()
         step = max(self._step - 1, 0)
         record = Record(step=step, time=time.time())
-        for k, v in ({"loss": loss} if loss is not None else {}).items() | metrics.items():
-            record.scalars[f"diag/eval/{k}"] = float(v)
+        for k, v in values.items():
+            record.scalars[f"diag/eval/{k}"] = v
         alerts = [(r, a) for r in self.rules for a in r.check_eval(record, self._history)]
         raised = self._emit(record, alerts)
         if raised is not None:

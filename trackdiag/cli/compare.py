@@ -27,7 +27,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load, print in the chosen format, optionally write the outputs. Exit 2 if the source can't be read."""
+    """Load, print in the chosen format, optionally write the outputs. Exit 2 if the source can't be
+    read, 3 on any other failure: one line on stderr, never a traceback (malformed run dirs are
+    skipped earlier, one warning line each)."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("trackdiag compare: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the last guard: one line instead of a traceback
+        print(f"trackdiag compare: failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+        return 3
+
+
+def _run(args: argparse.Namespace) -> int:
     from trackdiag.compare import CompareError, compare, write_outputs
 
     err = sys.stderr

@@ -4,6 +4,8 @@ The callback (:mod:`trackdiag.hydra_callback`) writes ``<sweep>/.trackdiag/jobs/
 job's Hydra status (``COMPLETED`` | ``FAILED``) and error; a failed job is reported ``FAILED``
 whatever its ``run.json`` says, and a Hydra job dir without a trackdiag record is a job that
 died before diagnostics started (or ran with diagnostics off, if its marker says ``COMPLETED``).
+Every file is read bounded and type-checked (:mod:`trackdiag.compare.safe_read`): a malformed
+marker is ignored with one warning line, malformed Hydra files read as absent.
 """
 from __future__ import annotations
 
@@ -11,9 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from trackdiag.compare.runs import RunSummary, flatten, read_json
+from trackdiag.compare.runs import RunSummary, flatten
+from trackdiag.compare.safe_read import UnreadableFile, as_int, clip, read_json, read_yaml
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +28,18 @@ def read_job_markers(sweep_dir: Path) -> dict[int, dict[str, Any]]:
     jobs = sweep_dir / JOBS_DIR
     if jobs.is_dir():
         for f in jobs.glob("*.json"):
-            marker = read_json(f)
-            if marker is not None and f.stem.isdigit():
+            if not f.stem.isdigit():
+                continue
+            try:
+                marker = read_json(f, limit=2**20)
+            except UnreadableFile as e:
+                log.warning("trackdiag compare: ignoring job marker %s: %s", f, e)
+                continue
+            if isinstance(marker, dict):
                 out[int(f.stem)] = marker
+            elif marker is not None:
+                log.warning("trackdiag compare: ignoring job marker %s: expected an object, got %s", f,
+                            type(marker).__name__)
     return out
 
 
@@ -38,7 +48,7 @@ def overlay(run: RunSummary, marker: dict[str, Any] | None) -> None:
     if not marker:
         return
     if marker.get("status") == "FAILED" and run.status != "FAILED":
-        run.note = (run.note + "; " if run.note else "") + f"Hydra job failed: {marker.get('error', '')}".rstrip(": ")
+        run.note = (run.note + "; " if run.note else "") + f"Hydra job failed: {_error(marker)}".rstrip(": ")
         run.status = "FAILED"
     elif marker.get("status") == "COMPLETED" and run.status == "RUNNING":
         run.note = "the job completed but trackdiag was never closed (no `with diag:` / diag.close())"
@@ -47,7 +57,7 @@ def overlay(run: RunSummary, marker: dict[str, Any] | None) -> None:
 def failed_job(job: Path, num: int | None, marker: dict[str, Any] | None) -> RunSummary:
     """A Hydra job dir without a trackdiag record."""
     completed = bool(marker) and marker.get("status") == "COMPLETED"
-    error = (marker or {}).get("error", "")
+    error = _error(marker or {})
     overrides = read_overrides(job)
     return RunSummary(
         name=",".join(overrides) or job.name, source_id=str(job), status="FINISHED" if completed else "FAILED",
@@ -57,38 +67,51 @@ def failed_job(job: Path, num: int | None, marker: dict[str, Any] | None) -> Run
     )
 
 
+def _error(marker: dict[str, Any]) -> str:
+    error = marker.get("error", "")
+    return clip(error if isinstance(error, str) else repr(error))
+
+
 def job_num(job: Path) -> int | None:
     """The Hydra job number: from ``.hydra/hydra.yaml``, else the dir name if it is a number."""
     try:
-        with open(job / ".hydra" / "hydra.yaml", encoding="utf-8") as f:
-            num = yaml.safe_load(f)["hydra"]["job"].get("num")
+        hydra = read_yaml(job / ".hydra" / "hydra.yaml")
+        node = hydra.get("hydra") if isinstance(hydra, dict) else None
+        node = node.get("job") if isinstance(node, dict) else None
+        num = as_int(node.get("num"), "hydra.job.num") if isinstance(node, dict) else None
         if num is not None:
-            return int(num)
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError) as e:
+            return num
+    except UnreadableFile as e:
         log.debug("no job num in %s: %s", job, e)
     return int(job.name) if job.name.isdigit() else None
 
 
 def read_overrides(job: Path) -> list[str]:
-    """The job's command-line overrides (``.hydra/overrides.yaml``), or []."""
+    """The job's command-line overrides (``.hydra/overrides.yaml``), or [] (missing or malformed)."""
     try:
-        with open(job / ".hydra" / "overrides.yaml", encoding="utf-8") as f:
-            return [str(o) for o in (yaml.safe_load(f) or [])]
-    except (OSError, yaml.YAMLError, TypeError):
+        data = read_yaml(job / ".hydra" / "overrides.yaml")
+    except UnreadableFile as e:
+        log.debug("no overrides in %s: %s", job, e)
         return []
+    return [clip(o) for o in data if isinstance(o, str)][:1000] if isinstance(data, list) else []
 
 
 def read_hydra_config(job: Path) -> dict[str, Any]:
-    """The job's composed config (``.hydra/config.yaml``) flattened; interpolations resolved if possible."""
+    """The job's composed config (``.hydra/config.yaml``) flattened; interpolations resolved where
+    possible (``${hydra:...}`` resolvers outside a Hydra app are kept as text)."""
+    try:
+        data = read_yaml(job / ".hydra" / "config.yaml")
+    except UnreadableFile as e:
+        log.debug("no config in %s: %s", job, e)
+        return {}
+    if not isinstance(data, dict):
+        return {}
     try:
         from omegaconf import OmegaConf
 
-        cfg = OmegaConf.load(job / ".hydra" / "config.yaml")
-        try:
-            data = OmegaConf.to_container(cfg, resolve=True)
-        except Exception:  # e.g. ${hydra:...} resolvers outside a Hydra app
-            data = OmegaConf.to_container(cfg, resolve=False)
-        return flatten(data) if isinstance(data, dict) else {}
-    except (OSError, yaml.YAMLError, ValueError, ImportError) as e:
-        log.debug("no config in %s: %s", job, e)
-        return {}
+        from trackdiag.sanitize import to_plain_tolerant
+
+        data = to_plain_tolerant(OmegaConf.create(data))
+    except Exception as e:  # noqa: BLE001 - omegaconf refuses the data: keep the raw values
+        log.debug("unresolved config in %s: %s", job, e)
+    return flatten(data) if isinstance(data, dict) else {}

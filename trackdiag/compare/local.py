@@ -5,18 +5,23 @@ A run dir is a directory with ``run.json`` (written by the local sink at open). 
 it is reported as ``FAILED`` with its overrides. Job statuses recorded by the Hydra callback
 (``<sweep>/.trackdiag/jobs/<num>.json``) override what ``run.json`` says when the job failed.
 Cost: one pass over the tree, two small JSON reads per run and one scan of ``records.jsonl``
-(only lines carrying the loss are parsed).
+(only lines carrying the loss are parsed). Reads are bounded and type-checked
+(:mod:`trackdiag.compare.safe_read`): a malformed run dir is skipped with one warning line naming
+it and the reason, never a traceback; long values are cut on reading, so time stays linear.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from trackdiag.compare.hydra_jobs import failed_job, job_num, overlay, read_job_markers, read_overrides
-from trackdiag.compare.runs import (CompareError, Progress, RunSummary, best_finite, first_anomaly, flatten,
-                                    health_from_severities, loads, loss_stats, read_json)
+from trackdiag.compare.runs import (HEALTH_RANK, CompareError, Progress, RunSummary, best_finite, first_anomaly,
+                                    flatten, health_from_severities, loss_stats)
+from trackdiag.compare.safe_read import (UnreadableFile, as_dict, as_int, as_str, iter_json_lines,
+                                         normalise_summary, read_json)
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +50,11 @@ def load_local(root: str | Path, progress: Progress | None = None) -> list[RunSu
     for rd in run_dirs:
         try:
             run = read_run_dir(rd)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a malformed record
+        except UnreadableFile as e:  # a malformed record: one line, never a traceback
             log.warning("trackdiag compare: skipping %s: %s", rd, e)
+            continue
+        except Exception as e:  # noqa: BLE001 - anything else unforeseen in a hostile dir: still one line
+            log.warning("trackdiag compare: skipping %s: %s: %s", rd, type(e).__name__, str(e)[:200])
             continue
         job = job_of.get(rd)
         if job is not None:
@@ -73,22 +81,32 @@ def load_local(root: str | Path, progress: Progress | None = None) -> list[RunSu
 
 
 def read_run_dir(path: Path) -> RunSummary:
-    """One trackdiag run dir as a :class:`RunSummary` (works on live and crashed runs too)."""
-    meta: dict[str, Any] = read_json(path / "run.json") or {}
-    summary = read_json(path / "summary.json")
+    """One trackdiag run dir as a :class:`RunSummary` (works on live and crashed runs too).
+
+    Raises :class:`UnreadableFile` (one line: file, field, why) for a malformed record.
+    """
+    meta = as_dict(read_json(path / "run.json"), "run.json")
+    raw_summary = read_json(path / "summary.json")
+    summary = normalise_summary(raw_summary) if raw_summary is not None else None
     counts: dict[str, int] = {}
     firsts: dict[str, int] = {}
     sevs: dict[str, str] = {}
     note = ""
     if summary is not None:
-        for kind, a in summary.get("alerts", {}).items():
-            counts[kind] = int(a.get("count", 0))
-            firsts[kind] = int(a.get("first_step", 0))
-            sevs[kind] = str(a.get("severity", "warning"))
-        health = str(summary.get("health", health_from_severities(sevs.values())))
+        for kind, a in summary["alerts"].items():
+            counts[kind] = a["count"]
+            firsts[kind] = a["first_step"] or 0
+            sevs[kind] = a["severity"]
+        health = summary["health"] if summary["health"] in HEALTH_RANK else health_from_severities(sevs.values())
     else:  # still running, or the process died before close(): alerts.jsonl is written live
-        for a in _read_jsonl(path / "alerts.jsonl"):
-            kind, step, sev = str(a.get("kind")), int(a.get("step", 0)), str(a.get("severity", "warning"))
+        for a in iter_json_lines(path / "alerts.jsonl"):
+            try:
+                kind, step = as_str(a.get("kind"), "kind", "?") or "?", as_int(a.get("step", 0), "step") or 0
+                sev = as_str(a.get("severity"), "severity", "warning") or "warning"
+            except UnreadableFile:
+                continue  # one odd alert line does not make the run unreadable
+            if kind not in counts and len(counts) >= 200:
+                continue
             counts[kind] = counts.get(kind, 0) + 1
             firsts[kind] = min(step, firsts.get(kind, step))
             if _SEVERITY_RANK.get(sev, 1) >= _SEVERITY_RANK.get(sevs.get(kind, "info"), 0):
@@ -97,13 +115,15 @@ def read_run_dir(path: Path) -> RunSummary:
         note = "no summary.json: still running, or the process died before trackdiag closed"
     train, evals, last_step = _scan_losses(path / "records.jsonl")
     final, best, curve = loss_stats(train)
-    steps = summary.get("steps") if summary else (last_step + 1 if last_step is not None else None)
+    steps = summary["steps"] if summary else (last_step + 1 if last_step is not None else None)
     return RunSummary(
-        name=str(meta.get("name") or path.name), source_id=str(path), status=str(meta.get("status", "RUNNING")),
-        health=health, hparams=flatten(meta.get("hparams") or {}), alert_counts=counts, first_steps=firsts,
-        severities=sevs, first_anomaly=first_anomaly(firsts, sevs), steps=steps, final_loss=final,
-        best_loss=best, best_eval_loss=best_finite(evals), loss_curve=curve, job_num=meta.get("job_num"),
-        group=meta.get("group"), note=note,
+        name=as_str(meta.get("name"), "run.json: name", None) or path.name, source_id=str(path),
+        status=as_str(meta.get("status"), "run.json: status", "RUNNING") or "RUNNING",
+        health=health, hparams=flatten(as_dict(meta.get("hparams"), "run.json: hparams")), alert_counts=counts,
+        first_steps=firsts, severities=sevs, first_anomaly=first_anomaly(firsts, sevs), steps=steps,
+        final_loss=final, best_loss=best, best_eval_loss=best_finite(evals), loss_curve=curve,
+        job_num=as_int(meta.get("job_num"), "run.json: job_num"), group=as_str(meta.get("group"), "run.json: group"),
+        note=note,
     )
 
 
@@ -134,30 +154,43 @@ def _natural(name: str) -> tuple[int, int | str]:
 
 
 def _scan_losses(path: Path) -> tuple[list[tuple[int, float]], list[float], int | None]:
-    """(train loss points, eval losses, last record step) from ``records.jsonl``; torn lines skipped."""
+    """(train loss points, eval losses, last record step) from ``records.jsonl``; torn, over-long
+    and malformed lines and points are skipped."""
     train: list[tuple[int, float]] = []
     evals: list[float] = []
     last: int | None = None
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError:
-        return train, evals, last
-    with f:
-        for line in f:
-            d = loads(line) if '"diag/loss"' in line or '"diag/eval/loss"' in line else None
-            if not isinstance(d, dict):
-                continue
-            last = d.get("step", last)
-            train.extend((int(s), float(v)) for s, v in d.get("series", {}).get("diag/loss", ()))
-            if "diag/eval/loss" in d.get("scalars", {}):
-                evals.append(float(d["scalars"]["diag/eval/loss"]))
+    for d in iter_json_lines(path, (b'"diag/loss"', b'"diag/eval/loss"')):
+        step = _step(d.get("step"))
+        if step is not None:
+            last = step
+        series = d.get("series")
+        points = series.get("diag/loss") if isinstance(series, dict) else None
+        for point in points if isinstance(points, list) else ():
+            if isinstance(point, list) and len(point) == 2 and _step(point[0]) is not None \
+                    and (value := _value(point[1])) is not None:
+                train.append((int(point[0]), value))
+        scalars = d.get("scalars")
+        value = _value(scalars.get("diag/eval/loss")) if isinstance(scalars, dict) else None
+        if value is not None:
+            evals.append(value)
     return train, evals, last
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Parsed JSON lines (torn ones skipped), or [] if missing."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-    return [d for d in map(loads, lines) if isinstance(d, dict)]
+def _value(v: Any) -> float | None:
+    """A loss value: a JSON number (not a bool), or the record's ``"nan"``/``"inf"``/``"-inf"``
+    text for non-finite values (a diverged loss is data); else None."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    return float(v) if isinstance(v, str) and v in _NONFINITE else None
+
+
+_NONFINITE = frozenset({"nan", "inf", "-inf"})
+
+
+def _step(v: Any) -> int | None:
+    """A step number: an int, or an integral finite float; else None."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        return int(v)
+    return None

@@ -14,7 +14,16 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from trackdiag.compare.risk import ParamRisk
-from trackdiag.compare.runs import RunSummary, format_value
+from trackdiag.compare.runs import RunSummary
+from trackdiag.compare.runs import format_value as _format_value
+from trackdiag.compare.safe_read import clip
+
+MAX_LABEL = 24  # tick labels and axis titles: long values end in a hash, so they stay distinct
+
+
+def format_value(v: Any) -> str:
+    """A value as a short tick label."""
+    return clip(_format_value(v), MAX_LABEL)
 
 if TYPE_CHECKING:
     from trackdiag.compare.comparison import Comparison
@@ -70,7 +79,7 @@ def _anomalies_by_param(risks: list[ParamRisk], kinds: list[str]) -> Any:
         for x, v, b in zip(xs, pr.values, bottom if len(xs) <= 10 else []):  # unreadable beyond ~10
             ax.annotate(f"{v.anomalous}/{v.runs}", (x, b), ha="center", va="bottom", fontsize=8)
         ax.set_xticks(xs, [format_value(v.value) for v in pr.values], rotation=30 if len(xs) > 4 else 0)
-        ax.set_xlabel(pr.param)
+        ax.set_xlabel(clip(pr.param, 60))
         ax.set_ylabel("runs (stacked by kind)")
         ax.set_ylim(0, max(bottom + [1.0]) * 1.2)
     handles = {lab: h for ax in axes for h, lab in zip(*ax.get_legend_handles_labels())}
@@ -114,7 +123,7 @@ def _first_anomaly(runs: list[RunSummary], params: list[str]) -> Any:
         ax.axhline(top, color="#cccccc", lw=0.8, ls="--", zorder=0)
         ax.annotate("none", (0.01, top), xycoords=("axes fraction", "data"), va="bottom", fontsize=7,
                     color="#888888")
-        ax.set_xlabel(p)
+        ax.set_xlabel(clip(p, 60))
         ax.set_ylabel("first anomaly step")
         ax.set_ylim(0, top * 1.1)
     _health_legend(fig, present={r.display_health for r in runs})

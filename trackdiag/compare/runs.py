@@ -5,12 +5,11 @@ downstream (table, risk, plots, HTML) reads only these.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from trackdiag.compare.safe_read import MAX_DEPTH, UnreadableFile, clip, clip_value, parse_json
 from trackdiag.errors import TrackdiagError
 
 #: Sort order of health values: most severe first.
@@ -19,6 +18,8 @@ HEALTH_RANK = {"critical": 0, "warning": 1, "failed": 2, "unknown": 3, "ok": 4}
 FAILED_STATUSES = frozenset({"FAILED", "KILLED", "CRASHED"})
 #: Most points kept per loss curve (curves are for plots, not analysis).
 MAX_CURVE_POINTS = 300
+#: Most hyperparameters kept per run.
+MAX_HPARAMS = 5000
 
 Progress = Callable[[int, int], None]
 """``progress(done, total)``: called by sources while they read runs."""
@@ -65,8 +66,16 @@ class RunSummary:
     note: str = ""
 
     def __post_init__(self) -> None:
+        # cut every text early (whatever the source): tables, plots and risk lines stay linear and small
+        self.name, self.source_id = clip(str(self.name)), clip(str(self.source_id))
+        self.status = clip(str(self.status), 40)
+        self.health, self.note = clip(str(self.health), 40), clip(str(self.note), 2000)
+        self.group = clip(str(self.group)) if self.group is not None else None
+        self.hparams = {clip(str(k)): clip_value(v) for k, v in list(self.hparams.items())[:MAX_HPARAMS]}
+        self.overrides = [clip(str(o)) for o in self.overrides[:1000]]
         if not self.label:
             self.label = f"#{self.job_num}" if self.job_num is not None else self.name
+        self.label = clip(str(self.label))
 
     @property
     def failed(self) -> bool:
@@ -111,15 +120,18 @@ def finite_or_none(v: float | None) -> float | None:
     return v if v is not None and isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
-def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested mappings to dotted keys: ``{"optimizer": {"lr": 1e-3}}`` -> ``{"optimizer.lr": 1e-3}``."""
+def flatten(d: Mapping[str, Any], prefix: str = "", depth: int = 0) -> dict[str, Any]:
+    """Nested mappings to dotted keys: ``{"optimizer": {"lr": 1e-3}}`` -> ``{"optimizer.lr": 1e-3}``.
+
+    Below :data:`~trackdiag.compare.safe_read.MAX_DEPTH` levels a mapping is kept as one (clipped) value.
+    """
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and v:
-            out.update(flatten(v, key + "."))
+        if isinstance(v, Mapping) and v and depth < MAX_DEPTH:
+            out.update(flatten(v, key + ".", depth + 1))
         else:
-            out[key] = v
+            out[key] = clip_value(v) if isinstance(v, Mapping) else v
     return out
 
 
@@ -128,8 +140,8 @@ def parse_value(text: str) -> Any:
     t = text.strip()
     if t[:1] in ("[", "{"):  # lists and mappings are logged as JSON
         try:
-            return json.loads(t)
-        except ValueError:
+            return parse_json(t, "param")
+        except UnreadableFile:
             return text
     if t in ("None", "null", "~"):
         return None
@@ -202,19 +214,3 @@ def format_value(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:g}"
     return "null" if v is None else str(v)
-
-
-def loads(text: str) -> Any:
-    """``json.loads`` that returns None for a torn or invalid document."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def read_json(path: Path) -> Any:
-    """The parsed JSON file, or None if it is missing or torn."""
-    try:
-        return loads(path.read_text(encoding="utf-8"))
-    except OSError:
-        return None

@@ -2,7 +2,10 @@
 
 Writes into the run's output dir: ``records.jsonl`` (one :class:`Record` per line),
 ``alerts.jsonl`` (as they happen), ``alerts.json`` and ``summary.json`` (at close), ``run.json``
-(name, level, config, hyperparameters, status).
+(name, level, config, hyperparameters, status, sanitising notes). Config and hyperparameters
+arrive sanitised and redacted (:class:`~trackdiag.runinfo.RunInfo`). If the output dir cannot be
+written at open, the record goes to a temporary dir instead (one warning saying where; the
+run's ``output_dir`` is updated, so sinks opened after this one and ``summary()`` follow it).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import IO, Any, Iterator
 
 from trackdiag.alert import Alert
 from trackdiag.record import Record
-from trackdiag.runinfo import RunInfo
+from trackdiag.runinfo import RunInfo, fallback_dir
 from trackdiag.sinks.base import Sink
 
 
@@ -28,16 +31,33 @@ class LocalSink(Sink):
         self._meta: dict[str, Any] = {}
 
     def open(self, run: RunInfo) -> None:
-        self.dir = run.output_dir
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._records = open(self.dir / "records.jsonl", "a", encoding="utf-8")
-        self._alerts = open(self.dir / "alerts.jsonl", "a", encoding="utf-8")
         self._meta = {
             "name": run.name, "level": run.level, "status": "RUNNING", "start_time": run.start_time,
             "group": run.group, "job_num": run.job_num, "components": run.components,
             "config": run.config, "hparams": run.hparams,
         }
+        if run.notes:
+            self._meta["notes"] = list(run.notes)
+        try:
+            self._start(run.output_dir)
+        except OSError as exc:  # unwritable after all (read-only mount, quota, a race): a temporary dir
+            self.close_files()
+            run.output_dir = fallback_dir(run.name, run.output_dir, f"{type(exc).__name__}: {exc}")
+            self._start(run.output_dir)
+
+    def _start(self, out: Path) -> None:
+        self.dir = out
+        out.mkdir(parents=True, exist_ok=True)
+        self._records = open(out / "records.jsonl", "a", encoding="utf-8")
+        self._alerts = open(out / "alerts.jsonl", "a", encoding="utf-8")
         self._write_json("run.json", self._meta)
+
+    def close_files(self) -> None:
+        """Close the open record files (if any); the sink writes nothing more to them."""
+        for f in (self._records, self._alerts):
+            if f is not None:
+                f.close()
+        self._records = self._alerts = None
 
     def write(self, record: Record) -> None:
         if self._records is not None:
@@ -55,9 +75,7 @@ class LocalSink(Sink):
 
     def close(self, status: str, summary: dict[str, Any]) -> None:
         self.flush()
-        for f in (self._records, self._alerts):
-            if f is not None:
-                f.close()
+        self.close_files()
         self._write_json("alerts.json", self._all_alerts)
         self._write_json("summary.json", summary)
         self._write_json("run.json", {**self._meta, "status": status, "end_time": time.time()})

@@ -1,18 +1,22 @@
-"""Helpers of the W&B sink that need no ``wandb`` import: secret redaction, summary policies,
-sweep group names, histogram fitting, credential checks and alert levels."""
+"""Helpers of the W&B sink that need no ``wandb`` import: secret redaction (the shared
+:mod:`trackdiag.redact` policy), summary policies, sweep group names, histogram fitting, credential
+checks and alert levels."""
 from __future__ import annotations
 
 import hashlib
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from trackdiag.errors import TrackdiagError
+from trackdiag.redact import DEFAULT_POLICY, MASK, RedactPolicy
 
-#: Substrings that mark a config key as secret (case-insensitive, at any depth).
-SECRET_WORDS: tuple[str, ...] = ("key", "token", "secret", "password")
-REDACTED = "***redacted***"
+#: Extra key words the W&B sink hides on top of the shared policy (its ``redact`` option); none by
+#: default: the run's hyperparameters reach the sink already redacted by :class:`~trackdiag.runinfo.RunInfo`.
+SECRET_WORDS: tuple[str, ...] = ()
+REDACTED = MASK
 #: trackdiag severity -> ``wandb.AlertLevel`` value.
 ALERT_LEVELS: dict[str, str] = {"info": "INFO", "warning": "WARN", "critical": "ERROR"}
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
@@ -21,13 +25,12 @@ MAX_BINS = 512  # wandb.Histogram.MAX_LENGTH
 MAX_GROUP = 128  # W&B rejects longer group names
 
 
-def redact(obj: Any, words: Sequence[str] = SECRET_WORDS) -> Any:
-    """A copy of ``obj`` (dicts, lists, scalars) whose values under secret-looking keys are replaced."""
-    if isinstance(obj, Mapping):
-        return {k: REDACTED if any(w in str(k).lower() for w in words) else redact(v, words) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [redact(v, words) for v in obj]
-    return obj
+def redact(obj: Any, words: Sequence[str] = SECRET_WORDS, policy: RedactPolicy = DEFAULT_POLICY) -> Any:
+    """A copy of ``obj`` (dicts, lists, scalars) with ``policy`` applied, plus every value under a
+    key containing one of ``words`` (case-insensitive substrings) replaced by :data:`REDACTED`."""
+    if words:
+        policy = policy.extended(re.escape(str(w)) for w in words)
+    return policy.redact(obj)
 
 
 def summary_policy(key: str) -> str | None:
