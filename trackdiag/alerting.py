@@ -35,6 +35,7 @@ class AlertBook:
     def __init__(self) -> None:
         self.alerts: list[Alert] = []
         self.kinds: dict[str, dict[str, Any]] = {}
+        self.consequences: dict[str, int] = {}  # alerts held back during a non-finite incident, per kind
         self._last: dict[tuple[str, str], int] = {}
 
     def admit(self, alert: Alert, cooldown: int) -> bool:
@@ -54,10 +55,8 @@ class AlertBook:
         return True
 
     def suppress(self, alert: Alert) -> None:
-        """Count ``alert`` as suppressed without emitting it (a consequence of an earlier fault)."""
-        entry = self.kinds.setdefault(alert.kind, {"count": 0, "first_step": alert.step, "first_where": alert.where,
-                                                   "suppressed": 0, "severity": alert.severity})
-        entry["suppressed"] += 1
+        """Count ``alert`` as a consequence of an earlier fault: not emitted, not a kind of its own."""
+        self.consequences[alert.kind] = self.consequences.get(alert.kind, 0) + 1
 
     def health(self) -> str:
         """``critical`` if any critical alert was emitted, ``warning`` if any other, else ``ok``."""

@@ -39,7 +39,7 @@ class Incidents:
 
     def __init__(self) -> None:
         self.since: int | None = None
-        self.chain = False  # a loss/grad/param alert of the open incident was emitted
+        self.chain: str | bool = False  # the loss/grad/param kind the open incident emitted
 
     def screen(self, alert: Alert) -> bool:
         """True to emit ``alert``; False when it is a consequence of the open incident."""
@@ -50,9 +50,9 @@ class Incidents:
                 return True
             if self.since is None or not self.chain:
                 self.since = alert.step if self.since is None else self.since
-                self.chain = True
+                self.chain = alert.kind
                 return True
-            return alert.step < self.since
+            return alert.step < self.since or alert.kind == self.chain  # a repeat: the cooldown's business
         return self.since is None or alert.step < self.since or alert.kind in INDEPENDENT
 
     def update(self, record: Record) -> None:

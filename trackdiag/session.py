@@ -310,6 +310,7 @@ class Diagnostics(OptimizerEvents, SetupChecks):
                          "sink_thread_cpu_seconds": self._hub.cpu_seconds},
             "should_stop": self.should_stop, "disabled_probes": dict(self._disabled),
             "notes": list(self._notes.values()),
+            "consequences_suppressed": dict(self._book.consequences),
             "output_dir": str(self.run.output_dir),
         }
 
