@@ -392,3 +392,35 @@ def test_no_diagnostic_forward_changes_the_users_model(tmp_path) -> None:
     assert torch.equal(hooked[1].running_mean, bare[1].running_mean)
     for a, b in zip(hooked.parameters(), bare.parameters()):
         assert torch.equal(a, b)
+
+
+def test_odd_module_names_keep_every_probe_on(tmp_path) -> None:
+    """Module names ending in ``[x]`` or holding ``\\x1f`` (the old key separator) work for every probe."""
+
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleDict({"conv[3]": nn.Linear(8, 16), "act\x1fone": nn.ReLU(), "out[x]": nn.Linear(16, 2)})
+
+        def forward(self, x):
+            for m in self.blocks.values():
+                x = m(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Odd()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with one_thread():
+        diag = session(model, opt, tmp_path, every=1, probes=quiet_probes(activations={"every": 1}))
+        with diag:
+            for _ in range(4):
+                x = torch.randn(16, 8)
+                loss = F.cross_entropy(model(x), torch.randint(2, (16,)))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                diag.step(loss, outputs=None, batch=(x,))
+    assert diag.summary()["disabled_probes"] == {}
+    keys = {k for r in read_records(tmp_path) for k in r.scalars}
+    assert "diag/act/dead_fraction/blocks.act\x1fone" in keys
+    assert "diag/grad/norm/blocks.conv[3]" in keys and "diag/grad/norm/blocks.out[x]" in keys
