@@ -37,7 +37,7 @@ class _LimitHits(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if _current and "recompile_limit" in record.getMessage():
-            _current[-1].limit_hits += 1
+            _current[-1].dyn[3] += 1
 
 
 def watch_recompile_limit() -> None:
@@ -59,7 +59,8 @@ class Arm:
         self.diag: Any = None
         self.cockpit: Any = None
         self.attributed = float("nan")  # own ms/step over the measured rounds (preset arms)
-        self.breaks = self.graphs = self.frames = self.limit_hits = 0
+        self.dyn = [0, 0, 0, 0]      # Dynamo: graph breaks, unique graphs, frames compiled, recompile-limit hits
+        self.alone: list[int] = []   # the same, for this arm run alone from a reset (compile accounting)
         self.global_step = 0
         self._spent0, self._steps, self._wall, self._cpu = 0.0, 0, 0.0, 0.0
         torch.manual_seed(seed)
@@ -143,14 +144,26 @@ class Arm:
         finally:
             _current.pop()
             if self.compiled:
-                d1 = dynamo_counts()
-                self.breaks += d1[0] - d0[0]
-                self.graphs += d1[1] - d0[1]
-                self.frames += d1[2] - d0[2]
+                for i, (a, b) in enumerate(zip(d0, dynamo_counts())):
+                    self.dyn[i] += b - a
         if timed:
             self._wall += wall
             self._cpu += cpu
             self._steps += steps
+
+    def account(self, steps: int) -> None:
+        """Compile accounting: ``steps`` untimed steps of this arm alone, from a fresh Dynamo state at
+        the default recompile limit (8), as in a user's process; the counts go to ``alone``."""
+        from torch._dynamo import config, reset
+
+        reset()
+        limit, config.recompile_limit = config.recompile_limit, 8
+        try:
+            self.dyn = [0, 0, 0, 0]
+            self.turn(steps, timed=False)
+            self.alone, self.dyn = self.dyn, [0, 0, 0, 0]
+        finally:
+            config.recompile_limit = limit
 
     def end_round(self, steps: int) -> None:
         if self.error:
@@ -170,6 +183,7 @@ class Arm:
         self.walls.clear()
         self.cpu.clear()
         self._spent0, self._steps, self._wall, self._cpu = self.spent(), 0, 0.0, 0.0
+        self.dyn = [0, 0, 0, 0]  # from here on: what compiles while timed
 
     def attributed_ms(self) -> float:
         """trackdiag's own milliseconds per measured step (nan for arms without a session)."""
