@@ -6,7 +6,7 @@ Batches are drawn from the arm's own generator on the arm's device (``make_batch
 
 Scaling rows: ``scale<T>`` (``scale_workload(T)``) is a residual ReLU MLP with exactly T parameter
 tensors (T / 2 ``Linear`` layers) whose width shrinks as it deepens so the multiply-adds per step stay
-~constant (~110 MFLOP forward at batch 64): the rows show how overhead grows with the tensor count
+~constant (~2^20 per sample: ~134 MFLOP forward at batch 64): the rows show how overhead grows with the tensor count
 alone. No LayerNorm, so BackPACK (and the Cockpit arm) supports them. The GPT workloads are in gpt.py.
 """
 from __future__ import annotations
@@ -107,13 +107,14 @@ def _cnn_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(32, 3, 32, 32, generator=g, device=g.device) + patches[y], y
 
 
-def scale_workload(tensors: int, batch: int = 64, inputs: int = 64, flop_width: int = 512) -> Workload:
+def scale_workload(tensors: int, batch: int = 64, inputs: int = 64, macs: int = 2**20) -> Workload:
     """A residual ReLU MLP with exactly ``tensors`` parameter tensors (``tensors // 2`` Linear layers,
-    weight and bias each), widths chosen so ``layers * width**2`` stays ~ ``5 * flop_width**2``."""
-    if tensors < 4 or tensors % 2:
-        raise ValueError(f"--tensors: an even count >= 4 (two per Linear layer), got {tensors}")
+    weight and bias each), its width chosen so the weights hold ~``macs`` multiply-adds per sample."""
+    if tensors < 6 or tensors % 2:
+        raise ValueError(f"--tensors: an even count >= 6 (two per Linear layer, three layers at least), got {tensors}")
     layers = tensors // 2
-    width = max(8, round(flop_width * math.sqrt(5 / layers)))
+    hidden = layers - 2  # (layers - 2) * w**2 + (inputs + 10) * w = macs
+    width = max(8, round((-(inputs + 10) + math.sqrt((inputs + 10) ** 2 + 4 * hidden * macs)) / (2 * hidden)))
 
     def make() -> nn.Module:
         return nn.Sequential(nn.Linear(inputs, width), *[_Res(width, layers) for _ in range(layers - 2)], nn.Linear(width, 10))
@@ -135,7 +136,7 @@ DEFAULT = ["mlp", "cnn", "transformer", "deep_narrow", "scale10", "scale100", "s
 
 
 def get(name: str) -> Workload:
-    """A workload by name: the table above, ``scale<T>`` for any even T >= 4, or gpt.py's."""
+    """A workload by name: the table above, ``scale<T>`` for any even T >= 6, or gpt.py's."""
     if name in WORKLOADS:
         return WORKLOADS[name]
     if name.startswith("scale") and name[5:].isdigit():
