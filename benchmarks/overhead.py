@@ -179,6 +179,18 @@ def environment(device: torch.device, compiled: bool, amp: str) -> str:
     return f"device: {dev} | torch {torch.__version__} | compile: {'on' if compiled else 'off'} | amp: {amp}"
 
 
+def _write_json(path: Path | None, device: torch.device, args: argparse.Namespace, rows: list[dict[str, Any]], skipped: list[str],
+                done: bool = False) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"environment": environment(device, args.compile, args.amp), "complete": done, "rows": rows, "skipped": skipped,
+            "settings": {k: getattr(args, k) for k in ("rounds", "steps", "warmup", "block", "compile", "amp")}}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body, indent=1, default=str))
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="*", help=f"default: {' '.join(workloads.DEFAULT)} (+ gpt on CUDA)")
@@ -201,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False (torch " + torch.__version__ + "): no CPU numbers reported instead")
-    block = args.block or (10 if device.type == "cuda" else 1)
+    block = args.block = args.block or (10 if device.type == "cuda" else 1)
     if args.steps % block:
         raise SystemExit(f"--block {block} must divide --steps {args.steps}")
     names = list(args.workloads) if args.workloads else [*workloads.DEFAULT, *(["gpt"] if device.type == "cuda" else [])]
@@ -243,14 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             if arm in res:
                 rows.append(row_of(label, res[arm], res["bare"], args.compile))
                 print(line_of(rows[-1]), flush=True)
+        _write_json(args.json, device, args, rows, skipped)  # after every workload: a run cut short keeps what it measured
     if args.markdown:
         print("\n" + markdown(rows, args.compile))
         if skipped:
             print("\nSkipped: " + "; ".join(skipped))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"environment": environment(device, args.compile, args.amp), "rows": rows, "skipped": skipped},
-                                        indent=1, default=str))
+    _write_json(args.json, device, args, rows, skipped, done=True)
     return 1 if any(r.get("error") and r["arm"] == "bare" for r in rows) else 0
 
 

@@ -146,10 +146,12 @@ def test_overhead_compiled_table_counts_dynamo(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- CUDA (scripts/gpu_check.sh)
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("extra", [["--compile"], ["--amp", "fp16"], ["--amp", "bf16", "--arms", "disabled", "basic", "advanced", "extreme"]])
+@pytest.mark.parametrize("extra", [["--workloads", "gpt_tiny", "--compile"], ["--workloads", "mlp", "gpt_tiny", "--amp", "fp16"],
+                                   ["--workloads", "gpt_tiny", "--amp", "bf16", "--arms", "disabled", "basic", "advanced", "extreme"]])
 def test_cuda_overhead_runs(tmp_path: Path, extra: list[str]) -> None:
-    res, _ = _overhead(tmp_path, "--device", "cuda", "--workloads", "gpt_tiny", "mlp", "--rounds", "2", "--steps", "10",
-                       "--warmup", "10", *extra, timeout=400)
+    """The GPU benchmark's three modes on small workloads: compiled, fp16 with a GradScaler, bf16 autocast."""
+    res, _ = _overhead(tmp_path, "--device", "cuda", "--rounds", "2", "--steps", "10", "--warmup", "10", *extra, timeout=300)
+    assert res["rows"] and res["complete"]
     assert torch.cuda.get_device_name() in res["environment"]
     for r in res["rows"]:
         assert _finite(r) or (r["arm"] != "bare" and r["error"]), r
