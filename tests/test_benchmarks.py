@@ -157,7 +157,7 @@ def test_cuda_overhead_runs(tmp_path: Path, extra: list[str]) -> None:
         assert _finite(r) or (r["arm"] != "bare" and r["error"]), r
 
 
-def _gpt_tiny_cuda():
+def _gpt_tiny_cuda(device: str = "cuda"):
     sys.path.insert(0, str(BENCH))
     try:
         from gpt import GPT_WORKLOADS
@@ -165,26 +165,30 @@ def _gpt_tiny_cuda():
         sys.path.remove(str(BENCH))
     wl = GPT_WORKLOADS["gpt_tiny"]
     torch.manual_seed(0)
-    return wl, wl.make_model().cuda(), torch.Generator(device="cuda").manual_seed(1)
+    return wl, wl.make_model().to(device), torch.Generator(device=device).manual_seed(1)
 
 
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_session_under_autocast(tmp_path: Path, dtype: torch.dtype) -> None:
+    session_under_autocast(tmp_path, dtype, "cuda")
+
+
+def session_under_autocast(tmp_path: Path, dtype: torch.dtype, device: str) -> None:
     """nanoGPT's loop under autocast (fp16: GradScaler, unscale_, clip): the session keeps every probe,
     logs finite unscaled gradient norms, and sees a planted overflow as exactly one skipped step."""
     import trackdiag
     from trackdiag.sinks.local import read_records
 
-    wl, model, g = _gpt_tiny_cuda()
+    wl, model, g = _gpt_tiny_cuda(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+    scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
     diag = trackdiag.Diagnostics(model, opt, scaler, level="advanced", every=5, sinks=["local"], output_dir=str(tmp_path),
                                  probes={"report": {"enabled": False}, "landscape": {"enabled": False}})
     for step in range(16):
         x, y = wl.make_batch(g)
-        with torch.autocast("cuda", dtype=dtype):
+        with torch.autocast(device, dtype=dtype):
             out = model(x)
             loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
         scaler.scale(loss * (float("inf") if step == 7 and scaler.is_enabled() else 1.0)).backward()
