@@ -81,14 +81,15 @@ def skip_reason(arm: str, wl: workloads.Workload, device: torch.device, compiled
 
 
 def bench(wl: workloads.Workload, arms: list[str], rounds: int, steps: int, warmup: int, block: int, device: torch.device,
-          compiled: bool, amp: torch.dtype | None) -> dict[str, Arm]:
+          compiled: bool, amp: torch.dtype | None, failed: list[str]) -> dict[str, Arm]:
+    """Every arm of one workload, interleaved; arms that cannot start go to ``failed`` ("name: why")."""
     tmp = Path(tempfile.mkdtemp(prefix="trackdiag-bench-"))
     contenders: dict[str, Arm] = {}
     for name in arms:
         try:
             contenders[name] = Arm(name, wl, tmp, device, compiled, amp)
         except Exception as exc:  # noqa: BLE001 - an arm that cannot even start is reported, not fatal
-            print(f"{wl.name:12s} {name:12s} could not start: {type(exc).__name__}: {exc}", flush=True)
+            failed.append(f"{name}: could not start: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
     if compiled:  # each arm alone first (its own compile story), then all from a fresh state for timing
         from torch._dynamo import config as dynamo_config, reset
 
@@ -164,8 +165,12 @@ def markdown(rows: list[dict[str, Any]], compiled: bool) -> str:
     out = ["| workload | arm | ms/step | wall ratio (95 %) | CPU ratio | own ms/step | attributed ratio |" + dyn,
            "|---|---|---:|---:|---:|---:|---:|" + ("---:|" if compiled else "")]
     for r in rows:
-        d = (f" {r['graph_breaks']} / {r['unique_graphs']} / {r['frames_compiled']}{' (limit hit)' if r['recompile_limit_hits'] else ''}"
-             f"{' (+' + str(r['frames_compiled_while_timed']) + ' timed)' if r['frames_compiled_while_timed'] else ''} |") if compiled else ""
+        d = ""
+        if compiled and "graph_breaks" in r:
+            d = (f" {r['graph_breaks']} / {r['unique_graphs']} / {r['frames_compiled']}{' (limit hit)' if r['recompile_limit_hits'] else ''}"
+                 f"{' (+' + str(r['frames_compiled_while_timed']) + ' timed)' if r['frames_compiled_while_timed'] else ''} |")
+        elif compiled:
+            d = " – |"
         if "ms" not in r:
             out.append(f"| {r['workload']} | {r['arm']} | failed: {(r['error'] or 'bare failed').replace('|', '/')} | | | | |{d}")
             continue
@@ -216,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     block = args.block = args.block or (10 if device.type == "cuda" else 1)
     if args.steps % block:
         raise SystemExit(f"--block {block} must divide --steps {args.steps}")
-    names = list(args.workloads) if args.workloads else [*workloads.DEFAULT, *(["gpt"] if device.type == "cuda" else [])]
+    if args.workloads:
+        names = list(args.workloads)
+    else:  # --tensors alone: only the scaling rows
+        names = [] if args.tensors else [*workloads.DEFAULT, *(["gpt"] if device.type == "cuda" else [])]
     names += [f"scale{t}" for t in args.tensors if f"scale{t}" not in names]
     if args.arms:
         arms = ["bare", *[a for a in args.arms if a != "bare"]]
@@ -244,12 +252,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{label:24s} {arm:12s} skipped: {why}", flush=True)
             else:
                 run.append(arm)
-        res = bench(wl, run, args.rounds, args.steps, args.warmup, block, device, args.compile, amp)
+        failed: list[str] = []
+        res = bench(wl, run, args.rounds, args.steps, args.warmup, block, device, args.compile, amp, failed)
+        for why in failed:
+            arm, _, err = why.partition(": ")
+            rows.append({"workload": label, "arm": arm, "error": err, "notes": []})
+            print(line_of(rows[-1]), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if "bare" not in res:
-            rows.append({"workload": label, "arm": "bare", "error": "could not start", "notes": []})
-            print(line_of(rows[-1]), flush=True)
             continue
         for arm in run:
             if arm in res:
