@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import markdown  # noqa: E402
+from table import markdown  # noqa: E402
 
 
 def _tests(xml: Path) -> tuple[list[tuple[str, str, float, str]], list[str]]:
