@@ -17,6 +17,8 @@ if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then SRC=(--no-index 
 TARGET=()
 [ -n "${PIP_TARGET_DIR:-}" ] && TARGET=(--target "$PIP_TARGET_DIR")
 torch_before=$($PY -c "import torch; print(torch.__version__)")
+has_vision() { PYTHONPATH=${PIP_TARGET_DIR:-}${PYTHONPATH:+:$PYTHONPATH} $PY -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('torchvision') else 1)" 2>/dev/null; }
+vision_before=no; has_vision && vision_before=yes
 $PY -m pip install -q "${SRC[@]}" "${TARGET[@]}" --no-deps "cockpit-for-pytorch==1.0.2" "backpack-for-pytorch==1.7.1" "unfoldNd==0.2.3"
 # the declared needs Cockpit and BackPACK really import (already-present ones are left alone)
 need=()
@@ -35,7 +37,8 @@ torch_after=$($PY -c "import torch; print(torch.__version__)")
 if [ "$torch_before" != "$torch_after" ]; then
   echo "bench_setup: torch changed ($torch_before -> $torch_after): this must not happen" >&2; exit 1
 fi
-if $PY -m pip list 2>/dev/null | grep -qi '^torchvision '; then
-  echo "bench_setup: note: torchvision is installed in this environment (not by this script)" >&2
+if has_vision; then
+  if [ $vision_before = no ]; then echo "bench_setup: torchvision appeared: this must not happen" >&2; exit 1; fi
+  echo "bench_setup: note: torchvision was already in this environment (not installed by this script)" >&2
 fi
 PYTHONWARNINGS=ignore $PY -c "import cockpit, backpack, torch; from importlib.metadata import version as v; print('bench_setup: cockpit-for-pytorch', v('cockpit-for-pytorch'), '+ backpack-for-pytorch', v('backpack-for-pytorch'), 'importable; torch', torch.__version__)"
