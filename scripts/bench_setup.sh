@@ -6,12 +6,12 @@
 #     (only an unused BackPACK examples module does);
 #   - their real needs are named by hand: einops, json-tricks, seaborn, and setuptools<81 (Cockpit's
 #     __init__ imports pkg_resources, removed from setuptools 81).
-# Offline (a GPU box with no registry): put the wheels in $WHEELS (default .whl/) and they are used
-# with --no-index (scripts/gpu_wheels.sh downloads them).
+# Offline (a GPU box with no registry): put the wheels in $WHEELS (default build/gpu-wheels/) and they
+# are used with --no-index (bash scripts/gpu_check.sh --prepare-wheels makes them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-WHEELS=${WHEELS:-.whl}
+WHEELS=${WHEELS:-build/gpu-wheels}
 SRC=()
 if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then SRC=(--no-index --find-links "$WHEELS"); fi
 TARGET=()

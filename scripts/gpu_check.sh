@@ -5,20 +5,21 @@
 #   GPT under bf16 autocast included) and --device cuda --compile; one markdown report.
 #
 #   bash scripts/gpu_check.sh [OUTDIR]      # report: OUTDIR/gpu_report.md (default: $OUT if set, else gpu_report/)
-#   bash scripts/gpu_check.sh --prepare-wheels    # HERE (online), before a run on an offline GPU box: .whl/
+#   bash scripts/gpu_check.sh --prepare-wheels    # HERE (online), before a run on an offline GPU box: build/gpu-wheels/
 #   bash scripts/gpu_check.sh --dry-run-cpu [OUTDIR]   # plumbing check without a GPU: tiny CPU runs, exits 3
 #
 # No CUDA -> it stops at once with exit 2 and a report that says so: it never reports CPU numbers as GPU ones.
 # Python: $PYTHON, else the first of python3 / .venv/bin/python whose torch sees CUDA (never bootstrap.sh's
 # CPU-only .venv torch). What that Python lacks (trackdiag's small deps, pytest bits, Cockpit via
-# scripts/bench_setup.sh) goes into /tmp/trackdiag-gpu-site with --no-deps: from .whl/ when present
-# (offline boxes: carry .whl), else from the package index. trackdiag itself runs from this tree.
+# scripts/bench_setup.sh) goes into /tmp/trackdiag-gpu-site with --no-deps: from build/gpu-wheels/ when
+# present (offline boxes: carry it), else from the package index. trackdiag itself runs from this tree.
 # Time: every stage has a budget and the whole run a deadline (GPU_CHECK_BUDGET, default 480 s), so it ends
 # well inside 10 minutes; a stage that runs out is reported as such with what it had measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 START=$(date +%s)
+WHEELS=${WHEELS:-build/gpu-wheels}   # offline wheelhouse (git-ignored), made by --prepare-wheels
 
 pins() {  # the versions this checkout's .venv uses, for the wheelhouse
   local py=${PY:-.venv/bin/python}
@@ -29,14 +30,12 @@ pins() {  # the versions this checkout's .venv uses, for the wheelhouse
 
 if [ "${1:-}" = "--prepare-wheels" ]; then
   PY=${PY:-.venv/bin/python}
-  exclude=$(git rev-parse --git-path info/exclude)
-  mkdir -p "$(dirname "$exclude")" .whl
-  grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+  mkdir -p "$WHEELS"   # under build/, which .gitignore already ignores
   # pure-Python wheels only (antlr4 4.9.3 is an sdist: pip wheel builds it): they install on any Python 3
-  $PY -m pip wheel -q --no-deps -w .whl "cockpit-for-pytorch==1.0.2" "backpack-for-pytorch==1.7.1" "unfoldNd==0.2.3" "setuptools<81" \
+  $PY -m pip wheel -q --no-deps -w "$WHEELS" "cockpit-for-pytorch==1.0.2" "backpack-for-pytorch==1.7.1" "unfoldNd==0.2.3" "setuptools<81" \
     $(pins json-tricks einops seaborn hydra-core omegaconf antlr4-python3-runtime pytest-timeout) || exit 1
-  ls -la .whl; du -sh .whl
-  echo "now run on the GPU box with .whl carried: bash scripts/gpu_check.sh"
+  ls -la "$WHEELS"; du -sh "$WHEELS"
+  echo "now run on the GPU box with $WHEELS carried (device tool: carry [\"$WHEELS\"]): bash scripts/gpu_check.sh"
   exit 0
 fi
 
@@ -89,7 +88,7 @@ SITE=/tmp/trackdiag-gpu-site
 mkdir -p "$SITE"
 export PYTHONPATH="$ROOT:$ROOT/benchmarks:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 SRC=()
-ls .whl/*.whl >/dev/null 2>&1 && SRC=(--no-index --find-links .whl)
+ls "$WHEELS"/*.whl >/dev/null 2>&1 && SRC=(--no-index --find-links "$WHEELS")
 need=()
 for pair in yaml:pyyaml numpy:numpy pytest:pytest pytest_timeout:pytest-timeout sklearn:scikit-learn matplotlib:matplotlib \
             omegaconf:omegaconf hydra:hydra-core antlr4:antlr4-python3-runtime; do
@@ -98,7 +97,7 @@ done
 {
   echo "== setup: python $PYBIN; installing into $SITE: ${need[*]:-(nothing missing)}"
   [ ${#need[@]} -gt 0 ] && "$PYBIN" -m pip install -q --no-deps --target "$SITE" "${SRC[@]}" "${need[@]}"
-  PY=$PYBIN PIP_TARGET_DIR=$SITE WHEELS=.whl bash scripts/bench_setup.sh || echo "== setup: Cockpit could not be installed: its arm will be skipped"
+  PY=$PYBIN PIP_TARGET_DIR=$SITE WHEELS=$WHEELS bash scripts/bench_setup.sh || echo "== setup: Cockpit could not be installed: its arm will be skipped"
 } >> "$LOG" 2>&1
 printf 'setup\t%s\t%s\t-\n' 0 $(( $(date +%s) - START )) >> "$OUTDIR/stages.tsv"
 
