@@ -29,6 +29,10 @@ arms are timed together with the limit raised to 8 x arms (the arms share code: 
 trackdiag's hooks, and would otherwise push each other over it); frames compiled during the timed
 rounds are reported too (they mean the timing includes compiles).
 
+Workloads (workloads.py, gpt.py): mlp, cnn, transformer (a 2-layer LM), deep_narrow (1,000 tensors with a
+LayerNorm), and the scaling rows scale10/100/1000/3000 (exactly that many parameter tensors at ~constant
+multiply-adds); on CUDA also gpt (~111M parameters, bf16 autocast). gpt_tiny is gpt's code at CPU size.
+
 Peers: ``wandb.watch(model, log="all", log_freq=10)`` (offline) and Cockpit (``economy``, tracking
 every 10 steps, through BackPACK; install with ``bash scripts/bench_setup.sh``), on the workloads
 BackPACK supports (the others are skipped with the reason printed). Landscapes are excluded from the
