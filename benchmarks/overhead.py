@@ -73,7 +73,8 @@ def available_peers() -> list[str]:
     return peers
 
 
-def skip_reason(arm: str, wl: workloads.Workload, device: torch.device, compiled: bool, amp: torch.dtype | None) -> str | None:
+def skip_reason(arm: str, wl: workloads.Workload, device: torch.device, compiled: bool, amp: torch.dtype | None,
+                explicit: bool = False) -> str | None:
     """Why ``arm`` does not run on this workload/setting (printed), or None."""
     if arm == "cockpit":
         if not cockpit_arm.importable():
@@ -81,6 +82,8 @@ def skip_reason(arm: str, wl: workloads.Workload, device: torch.device, compiled
         return cockpit_arm.unsupported(wl.make_model(), compiled=compiled, scaled=amp == torch.float16 and device.type == "cuda")
     if arm == "wandb.watch" and compiled:
         return "wandb.watch's tensor hooks under torch.compile are not a supported setting"
+    if arm == "wandb.watch" and not explicit and sum(1 for _ in wl.make_model().parameters()) > 500:
+        return "wandb.watch(log='all') on > 500 tensors takes minutes per round (name it in --arms to run it)"
     return None
 
 
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         label = name + (" (compiled)" if args.compile else "") + (f" [{str(amp).removeprefix('torch.')}]" if amp else "")
         run = []
         for arm in arms:
-            why = skip_reason(arm, wl, device, args.compile, amp)
+            why = skip_reason(arm, wl, device, args.compile, amp, explicit=bool(args.arms) and arm in args.arms)
             if why:
                 skipped.append(f"{label} / {arm}: {why}")
                 print(f"{label:24s} {arm:12s} skipped: {why}", flush=True)
