@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile every arm's model (default arms: bare basic advanced)")
     ap.add_argument("--amp", choices=["auto", "none", "bf16", "fp16"], default="auto",
                     help="CUDA autocast: auto = the workload's own (gpt: bf16); fp16 steps through a GradScaler")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; 1 on a busy shared box, where "
+                    "2 spinning OpenMP threads per process can slow a step 10x)")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--arms", nargs="*", help="only these arms (bare is always run)")
     ap.add_argument("--markdown", action="store_true", help="print a README table")
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False (torch " + torch.__version__ + "): no CPU numbers reported instead")
     block = args.block = args.block or (10 if device.type == "cuda" else 1)

@@ -6,7 +6,8 @@ Batches are drawn from the arm's own generator on the arm's device (``make_batch
 
 Scaling rows: ``scale<T>`` (``scale_workload(T)``) is a residual ReLU MLP with exactly T parameter
 tensors (T / 2 ``Linear`` layers) whose width shrinks as it deepens so the multiply-adds per step stay
-~constant (~2^20 per sample: ~134 MFLOP forward at batch 64): the rows show how overhead grows with the tensor count
+~constant (~2^22 per sample: ~0.54 GFLOP forward at batch 64, a ~25 ms step at 10 tensors on 2 cores,
+like the MLP row): the rows show how overhead grows with the tensor count
 alone. No LayerNorm, so BackPACK (and the Cockpit arm) supports them. The GPT workloads are in gpt.py.
 """
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _cnn_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(32, 3, 32, 32, generator=g, device=g.device) + patches[y], y
 
 
-def scale_workload(tensors: int, batch: int = 64, inputs: int = 64, macs: int = 2**20) -> Workload:
+def scale_workload(tensors: int, batch: int = 64, inputs: int = 64, macs: int = 2**22) -> Workload:
     """A residual ReLU MLP with exactly ``tensors`` parameter tensors (``tensors // 2`` Linear layers,
     weight and bias each), its width chosen so the weights hold ~``macs`` multiply-adds per sample."""
     if tensors < 6 or tensors % 2:
