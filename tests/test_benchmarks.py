@@ -112,17 +112,17 @@ def test_overhead_eager_table_with_cockpit_arm(tmp_path: Path) -> None:
     """Eager run: every arm has finite ratios; the Cockpit arm logs its economy quantities where
     BackPACK supports the model and is skipped with BackPACK's reason where it does not."""
     arms = ["disabled", "basic", "advanced", "extreme", *(["cockpit"] if HAS_COCKPIT else [])]
-    res, stdout = _overhead(tmp_path, "--workloads", "scale10", "gpt_tiny", "--arms", *arms,
+    res, stdout = _overhead(tmp_path, "--workloads", "cnn", "gpt_tiny", "--arms", *arms,
                             "--rounds", "2", "--steps", "10", "--warmup", "10", "--markdown")
     rows = {(r["workload"], r["arm"]): r for r in res["rows"]}
-    for wl in ("scale10", "gpt_tiny"):
+    for wl in ("cnn", "gpt_tiny"):
         for arm in ["bare", "disabled", "basic", "advanced", "extreme"]:
             assert _finite(rows[(wl, arm)]), rows[(wl, arm)]
         assert math.isfinite(rows[(wl, "basic")]["attributed"])
-    assert "| scale10 | extreme |" in stdout and "wall ratio (95 %)" in stdout
+    assert "| cnn | extreme |" in stdout and "wall ratio (95 %)" in stdout
     if not HAS_COCKPIT:
         pytest.skip("Cockpit/BackPACK not installed (bash scripts/bench_setup.sh): the Cockpit arm is unchecked")
-    cp = rows[("scale10", "cockpit")]
+    cp = rows[("cnn", "cockpit")]
     assert _finite(cp) and cp["ratio"] > 1.0
     assert {"Alpha", "GradNorm", "GradHist1d", "NormTest", "Loss"} <= set(cp["cockpit_quantities"])  # really Cockpit's economy
     assert ("gpt_tiny", "cockpit") not in rows and any("gpt_tiny / cockpit: BackPACK has no LayerNorm" in s for s in res["skipped"])
@@ -132,7 +132,7 @@ def test_overhead_eager_table_with_cockpit_arm(tmp_path: Path) -> None:
 def test_overhead_compiled_table_counts_dynamo(tmp_path: Path) -> None:
     """``--compile``: bare/basic/advanced on compiled models, finite ratios (or a reported failure,
     never a crash) and Dynamo's counts per arm."""
-    res, stdout = _overhead(tmp_path, "--workloads", "scale10", "--compile", "--rounds", "2", "--steps", "10", "--warmup", "10", "--markdown")
+    res, stdout = _overhead(tmp_path, "--workloads", "gpt_tiny", "--compile", "--rounds", "2", "--steps", "10", "--warmup", "10", "--markdown")
     rows = {r["arm"]: r for r in res["rows"]}
     assert set(rows) == {"bare", "basic", "advanced"} and "compile: on" in res["environment"]
     assert _finite(rows["bare"]) and rows["bare"]["graph_breaks"] == 0 and rows["bare"]["unique_graphs"] >= 1
@@ -140,7 +140,7 @@ def test_overhead_compiled_table_counts_dynamo(tmp_path: Path) -> None:
         r = rows[arm]
         assert _finite(r) or r["error"], r
         assert all(isinstance(r[k], int) for k in ("graph_breaks", "unique_graphs", "frames_compiled", "recompile_limit_hits"))
-    assert "graph breaks / graphs / frames" in stdout and "scale10 (compiled)" in stdout
+    assert "graph breaks / graphs / frames" in stdout and "gpt_tiny (compiled)" in stdout
 
 
 # ---------------------------------------------------------------- CUDA (scripts/gpu_check.sh)
