@@ -140,7 +140,7 @@ stage() {  # stage NAME BUDGET_S CMD...: runs with min(budget, time left before 
 }
 
 if [ $DRY = 1 ]; then
-  E_WL=${GPU_WORKLOADS:-gpt_tiny scale10}; C_WL=${GPU_COMPILE_WORKLOADS:-gpt_tiny}; R=2; S=10
+  E_WL=${GPU_WORKLOADS:-gpt_tiny cnn}; C_WL=${GPU_COMPILE_WORKLOADS:-gpt_tiny}; R=2; S=10
 else
   E_WL=${GPU_WORKLOADS:-mlp cnn transformer scale1000 gpt}; C_WL=${GPU_COMPILE_WORKLOADS:-mlp transformer gpt}; R=${GPU_ROUNDS:-4}; S=50
 fi
