@@ -1,7 +1,18 @@
 """Reference workloads for the overhead benchmark: a step takes roughly 5-50 ms on a 2-core CPU (the
-deep narrow one ~75 ms: it is the 1,000-tensor scale case), each a learnable task."""
+deep narrow one ~75 ms: it is the 1,000-tensor scale case), each a learnable task.
+
+Batches are drawn from the arm's own generator on the arm's device (``make_batch(g)`` draws on
+``g.device``), so a CUDA arm pays no host-to-device copy and every arm sees the same stream.
+
+Scaling rows: ``scale<T>`` (``scale_workload(T)``) is a residual ReLU MLP with exactly T parameter
+tensors (T / 2 ``Linear`` layers) whose width shrinks as it deepens so the multiply-adds per step stay
+~constant (~2^22 per sample: ~0.54 GFLOP forward at batch 64, a ~25 ms step at 10 tensors on 2 cores,
+like the MLP row): the rows show how overhead grows with the tensor count
+alone. No LayerNorm, so BackPACK (and the Cockpit arm) supports them. The GPT workloads are in gpt.py.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +27,9 @@ class Workload:
     make_model: Callable[[], nn.Module]
     make_batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    amp: torch.dtype | None = None   # autocast dtype on CUDA (None: full precision)
+    cuda_only: bool = False          # too big for a CPU benchmark
+    lr: float = 1e-4
 
 
 def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -45,12 +59,13 @@ def _cnn() -> nn.Module:
 
 
 class _Res(nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, depth: int = 500) -> None:
         super().__init__()
         self.lin = nn.Linear(width, width)
+        self.scale = 1.0 / depth
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.relu(self.lin(x)) / 500.0  # 1/depth: stays finite over 500 blocks
+        return x + F.relu(self.lin(x)) * self.scale  # 1/depth: stays finite however deep
 
 
 def _deep_narrow(depth: int = 500, width: int = 32) -> nn.Module:
@@ -63,17 +78,19 @@ def _teacher(in_features: int, classes: int = 10) -> Callable[[torch.Generator, 
     training is a healthy one (random labels kill ReLU units and trip ``dead_units``, and an alert's
     anomaly window would be timed instead of the steady state)."""
     w = torch.randn(in_features, classes, generator=torch.Generator().manual_seed(1234))
+    on: dict[torch.device, torch.Tensor] = {}
 
     def make(g: torch.Generator, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randn(*shape, generator=g)
-        return x, (x.reshape(shape[0], -1) @ w).argmax(dim=1)
+        x = torch.randn(*shape, generator=g, device=g.device)
+        wd = on.setdefault(g.device, w.to(g.device))
+        return x, (x.reshape(shape[0], -1) @ wd).argmax(dim=1)
 
     return make
 
 
 def _lm_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and a learnable target (a fixed permutation of the current token)."""
-    x = torch.randint(0, 512, (8, 64), generator=g)
+    x = torch.randint(0, 512, (8, 64), generator=g, device=g.device)
     return x, (x * 7 + 3) % 512
 
 
@@ -81,12 +98,31 @@ _mlp_data, _deep_data = _teacher(784), _teacher(64)
 _PATCHES = torch.zeros(10, 3, 32, 32)
 for _c in range(10):  # class c: a bright 8x8 patch at its own place of a 4x4 grid
     _PATCHES[_c, :, 8 * (_c // 4):8 * (_c // 4) + 8, 8 * (_c % 4):8 * (_c % 4) + 8] = 2.0
+_PATCHES_ON: dict[torch.device, torch.Tensor] = {}
 
 
 def _cnn_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Noise images with a class-coded bright patch: a task a small CNN learns in a few dozen steps."""
-    y = torch.randint(0, 10, (32,), generator=g)
-    return torch.randn(32, 3, 32, 32, generator=g) + _PATCHES[y], y
+    y = torch.randint(0, 10, (32,), generator=g, device=g.device)
+    patches = _PATCHES_ON.setdefault(g.device, _PATCHES.to(g.device))
+    return torch.randn(32, 3, 32, 32, generator=g, device=g.device) + patches[y], y
+
+
+def scale_workload(tensors: int, batch: int = 64, inputs: int = 64, macs: int = 2**22) -> Workload:
+    """A residual ReLU MLP with exactly ``tensors`` parameter tensors (``tensors // 2`` Linear layers,
+    weight and bias each), its width chosen so the weights hold ~``macs`` multiply-adds per sample."""
+    if tensors < 6 or tensors % 2:
+        raise ValueError(f"--tensors: an even count >= 6 (two per Linear layer, three layers at least), got {tensors}")
+    layers = tensors // 2
+    hidden = layers - 2  # (layers - 2) * w**2 + (inputs + 10) * w = macs
+    width = max(8, round((-(inputs + 10) + math.sqrt((inputs + 10) ** 2 + 4 * hidden * macs)) / (2 * hidden)))
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(inputs, width), *[_Res(width, layers) for _ in range(layers - 2)], nn.Linear(width, 10))
+
+    data = _teacher(inputs)
+    return Workload(f"scale{tensors}", make, lambda g: data(g, (batch, inputs)), F.cross_entropy)
+
 
 WORKLOADS = {
     "mlp": Workload("mlp", lambda: nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)),
@@ -94,4 +130,20 @@ WORKLOADS = {
     "cnn": Workload("cnn", _cnn, _cnn_batch, F.cross_entropy),
     "transformer": Workload("transformer", TinyLM, _lm_batch, _ce),
     "deep_narrow": Workload("deep_narrow", _deep_narrow, lambda g: _deep_data(g, (64, 64)), F.cross_entropy),
+    **{f"scale{t}": scale_workload(t) for t in (10, 100, 1000, 3000)},
 }
+#: run when --workloads is not given (gpt is added on CUDA; gpt_tiny is the CPU smoke test's)
+DEFAULT = ["mlp", "cnn", "transformer", "deep_narrow", "scale10", "scale100", "scale1000", "scale3000"]
+
+
+def get(name: str) -> Workload:
+    """A workload by name: the table above, ``scale<T>`` for any even T >= 6, or gpt.py's."""
+    if name in WORKLOADS:
+        return WORKLOADS[name]
+    if name.startswith("scale") and name[5:].isdigit():
+        return scale_workload(int(name[5:]))
+    from gpt import GPT_WORKLOADS
+
+    if name in GPT_WORKLOADS:
+        return GPT_WORKLOADS[name]
+    raise SystemExit(f"unknown workload {name!r}: one of {sorted([*WORKLOADS, *GPT_WORKLOADS])} or scale<T>")

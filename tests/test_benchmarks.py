@@ -1,0 +1,231 @@
+"""The overhead benchmark as an instrument: it runs (eager and ``--compile``), its table has the arms
+and finite ratios, the Cockpit arm really computes Cockpit's quantities, the scaling workloads have
+the tensor counts they claim, and ``--device cuda`` refuses to stand in CPU numbers.
+
+The ``cuda`` tests are the GPU story that scripts/gpu_check.sh runs on a machine with a GPU: the
+benchmark on CUDA (compiled, bf16 and fp16 + GradScaler), trackdiag sessions under autocast with a
+GradScaler (a planted overflow is seen as one skipped step), and the CUDA memory snapshot.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+HAS_COCKPIT = all(importlib.util.find_spec(m) is not None for m in ("cockpit", "backpack"))
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _overhead(tmp_path: Path, *args: str, timeout: int = 240) -> tuple[dict, str]:
+    """Run benchmarks/overhead.py in a fresh process (Dynamo state and sys.path stay out of this one)."""
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(BENCH / "overhead.py"), *args, "--json", str(out)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def _finite(row: dict) -> bool:
+    return all(isinstance(row.get(k), float) and math.isfinite(row[k]) and row[k] > 0 for k in ("ms", "ratio", "cpu_ratio"))
+
+
+@pytest.fixture(scope="module")
+def bench_modules():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import cockpit_arm
+        import gpt
+        import workloads
+
+        yield workloads, gpt, cockpit_arm
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_scaling_workloads_have_their_tensor_counts_at_constant_flops(bench_modules) -> None:
+    workloads, _, _ = bench_modules
+    flops = []
+    for t in (10, 100, 1000, 3000):
+        model = workloads.get(f"scale{t}").make_model()
+        params = list(model.parameters())
+        assert len(params) == t
+        flops.append(sum(p.numel() for p in params if p.dim() == 2))  # multiply-adds per sample
+    assert max(flops) / min(flops) < 1.05, flops
+    with pytest.raises(ValueError, match="even"):
+        workloads.scale_workload(7)
+
+
+def test_gpt_is_about_100m_parameters_and_tiny_twin_trains(bench_modules) -> None:
+    workloads, gpt, _ = bench_modules
+    with torch.device("meta"):
+        big = gpt.GPT_WORKLOADS["gpt"].make_model()
+    assert 90e6 < sum(p.numel() for p in big.parameters()) < 130e6  # tied head counted once
+    wl = gpt.GPT_WORKLOADS["gpt_tiny"]
+    assert wl.amp == torch.bfloat16 and gpt.GPT_WORKLOADS["gpt"].cuda_only
+    torch.manual_seed(0)
+    model, g = wl.make_model(), torch.Generator().manual_seed(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        x, y = wl.make_batch(g)
+        loss = wl.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.skipif(not HAS_COCKPIT, reason="Cockpit/BackPACK not installed (bash scripts/bench_setup.sh)")
+def test_cockpit_support_check_names_backpacks_gaps(bench_modules) -> None:
+    workloads, gpt, cockpit_arm = bench_modules
+    assert cockpit_arm.unsupported(workloads.get("mlp").make_model()) is None
+    assert cockpit_arm.unsupported(workloads.get("scale100").make_model()) is None
+    assert "no LayerNorm" in cockpit_arm.unsupported(gpt.GPT_WORKLOADS["gpt_tiny"].make_model())
+    why = cockpit_arm.unsupported(workloads.get("transformer").make_model())
+    assert "MultiheadAttention" in why and "TinyLM" in why  # the functionally used in_proj and pos
+    assert "torch.compile" in cockpit_arm.unsupported(workloads.get("mlp").make_model(), compiled=True)
+
+
+def test_device_cuda_without_a_gpu_fails_loudly(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only machine's refusal")
+    proc = subprocess.run([sys.executable, str(BENCH / "overhead.py"), "--device", "cuda", "--workloads", "gpt_tiny"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "cuda" in proc.stderr.lower() and "ms/step" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_overhead_eager_table_with_cockpit_arm(tmp_path: Path) -> None:
+    """Eager run: every arm has finite ratios; the Cockpit arm logs its economy quantities where
+    BackPACK supports the model and is skipped with BackPACK's reason where it does not."""
+    arms = ["disabled", "basic", "advanced", "extreme", *(["cockpit"] if HAS_COCKPIT else [])]
+    res, stdout = _overhead(tmp_path, "--workloads", "cnn", "gpt_tiny", "--arms", *arms,
+                            "--rounds", "2", "--steps", "10", "--warmup", "10", "--markdown")
+    rows = {(r["workload"], r["arm"]): r for r in res["rows"]}
+    for wl in ("cnn", "gpt_tiny"):
+        for arm in ["bare", "disabled", "basic", "advanced", "extreme"]:
+            assert _finite(rows[(wl, arm)]), rows[(wl, arm)]
+        assert math.isfinite(rows[(wl, "basic")]["attributed"])
+    assert "| cnn | extreme |" in stdout and "wall ratio (95 %)" in stdout
+    if not HAS_COCKPIT:
+        pytest.skip("Cockpit/BackPACK not installed (bash scripts/bench_setup.sh): the Cockpit arm is unchecked")
+    cp = rows[("cnn", "cockpit")]
+    assert _finite(cp) and cp["ratio"] > 1.0
+    assert {"Alpha", "GradNorm", "GradHist1d", "NormTest", "Loss"} <= set(cp["cockpit_quantities"])  # really Cockpit's economy
+    assert ("gpt_tiny", "cockpit") not in rows and any("gpt_tiny / cockpit: BackPACK has no LayerNorm" in s for s in res["skipped"])
+
+
+@pytest.mark.slow
+def test_overhead_compiled_table_counts_dynamo(tmp_path: Path) -> None:
+    """``--compile``: bare/basic/advanced on compiled models, finite ratios (or a reported failure,
+    never a crash) and Dynamo's counts per arm."""
+    res, stdout = _overhead(tmp_path, "--workloads", "gpt_tiny", "--compile", "--rounds", "2", "--steps", "10", "--warmup", "10", "--markdown")
+    rows = {r["arm"]: r for r in res["rows"]}
+    assert set(rows) == {"bare", "basic", "advanced"} and "compile: on" in res["environment"]
+    assert _finite(rows["bare"]) and rows["bare"]["graph_breaks"] == 0 and rows["bare"]["unique_graphs"] >= 1
+    for arm in ("basic", "advanced"):
+        r = rows[arm]
+        assert _finite(r) or r["error"], r
+        assert all(isinstance(r[k], int) for k in ("graph_breaks", "unique_graphs", "frames_compiled", "recompile_limit_hits"))
+    assert "graph breaks / graphs / frames" in stdout and "gpt_tiny (compiled)" in stdout
+
+
+# ---------------------------------------------------------------- CUDA (scripts/gpu_check.sh)
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("extra", [["--workloads", "gpt_tiny", "--compile"], ["--workloads", "mlp", "gpt_tiny", "--amp", "fp16"],
+                                   ["--workloads", "gpt_tiny", "--amp", "bf16", "--arms", "disabled", "basic", "advanced", "extreme"]])
+def test_cuda_overhead_runs(tmp_path: Path, extra: list[str]) -> None:
+    """The GPU benchmark's three modes on small workloads: compiled, fp16 with a GradScaler, bf16 autocast."""
+    res, _ = _overhead(tmp_path, "--device", "cuda", "--rounds", "2", "--steps", "10", "--warmup", "10", *extra, timeout=300)
+    assert res["rows"] and res["complete"]
+    assert torch.cuda.get_device_name() in res["environment"]
+    for r in res["rows"]:
+        assert _finite(r) or (r["arm"] != "bare" and r["error"]), r
+
+
+def _gpt_tiny_cuda(device: str = "cuda"):
+    sys.path.insert(0, str(BENCH))
+    try:
+        from gpt import GPT_WORKLOADS
+    finally:
+        sys.path.remove(str(BENCH))
+    wl = GPT_WORKLOADS["gpt_tiny"]
+    torch.manual_seed(0)
+    return wl, wl.make_model().to(device), torch.Generator(device=device).manual_seed(1)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_session_under_autocast(tmp_path: Path, dtype: torch.dtype) -> None:
+    session_under_autocast(tmp_path, dtype, "cuda")
+
+
+def session_under_autocast(tmp_path: Path, dtype: torch.dtype, device: str) -> None:
+    """nanoGPT's loop under autocast (fp16: GradScaler, unscale_, clip): the session keeps every probe,
+    logs finite unscaled gradient norms, and sees a planted overflow as exactly one skipped step."""
+    import trackdiag
+    from trackdiag.sinks.local import read_records
+
+    wl, model, g = _gpt_tiny_cuda(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
+    diag = trackdiag.Diagnostics(model, opt, scaler, level="advanced", every=5, sinks=["local"], output_dir=str(tmp_path),
+                                 probes={"report": {"enabled": False}, "landscape": {"enabled": False}})
+    for step in range(16):
+        x, y = wl.make_batch(g)
+        with torch.autocast(device, dtype=dtype):
+            out = model(x)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+        scaler.scale(loss * (float("inf") if step == 7 and scaler.is_enabled() else 1.0)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        diag.step(loss, outputs=out, batch=(x, y))
+    diag.close()
+    assert diag.summary()["disabled_probes"] == {}
+    recs = list(read_records(next(p.parent for p in tmp_path.rglob("records.jsonl"))))
+    norms = [r.scalars[k] for r in recs for k in r.scalars if k.endswith("grad/global_norm")]
+    assert norms and all(math.isfinite(v) for v in norms)  # the skipped step's Inf never reaches the optimizer-step hook
+    if scaler.is_enabled():
+        backoffs = sum(r.scalars.get(k, 0) for r in recs for k in r.scalars if k.endswith("amp/backoffs"))
+        assert backoffs == 1
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_memory_snapshot_is_written(tmp_path: Path) -> None:
+    import trackdiag
+
+    wl, model, g = _gpt_tiny_cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    diag = trackdiag.Diagnostics(model, opt, level="basic", sinks=["local"], output_dir=str(tmp_path),
+                                 probes={"report": {"memory_snapshot_steps": 3, "html": False}})
+    for _ in range(5):
+        x, y = wl.make_batch(g)
+        loss = wl.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        diag.step(loss)
+    diag.close()
+    (snap,) = tmp_path.rglob("memory_snapshot.pickle")
+    with open(snap, "rb") as f:
+        data = pickle.load(f)
+    assert data["segments"] and data["device_traces"]
