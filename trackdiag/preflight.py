@@ -177,8 +177,11 @@ def _static_checks(model: nn.Module, opt: torch.optim.Optimizer | None, batch: A
 
 
 def run_preflight(model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any, loss_fn: LossFn | None = None,
-                  forward: Forward | None = None, *, overfit_steps: int = 30, overfit_drop: float = 0.1) -> PreflightReport:
-    """Run every check (see module docstring) and return the report. Never modifies its arguments."""
+                  forward: Forward | None = None, *, overfit_steps: int = 30, overfit_drop: float = 0.1,
+                  lenient: bool = False) -> PreflightReport:
+    """Run every check (see module docstring) and return the report. Never modifies its arguments.
+    ``lenient`` (the automatic pre-flight): a forward or loss that cannot be run is inconclusive, not a
+    failed check (the calling convention was guessed)."""
     report = PreflightReport(_static_checks(model, optimizer, batch))
     call = forward or (lambda m, b: m(inputs_of(b)))
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
@@ -190,7 +193,10 @@ def run_preflight(model: nn.Module, optimizer: torch.optim.Optimizer | None, bat
             loss, real = _loss(call(clone, batch), batch, loss_fn)
             loss0 = float(loss.detach())
         except Exception as exc:  # noqa: BLE001 - the check reports it
-            report.checks.append(Check("forward", False, f"the forward or the loss raised {type(exc).__name__}: {exc}"))
+            report.checks.append(Check("forward", None if lenient else False,
+                                       f"the forward or the loss raised {type(exc).__name__}: {exc}"
+                                       + (" (automatic pre-flight: pass forward=/loss_fn= to diag.preflight to check it)"
+                                          if lenient else "")))
             return report
         what = "loss" if real else "surrogate loss (no loss_fn and no targets to guess one)"
         report.checks.append(Check("forward", math.isfinite(loss0), f"{what} = {loss0:.4g}."))

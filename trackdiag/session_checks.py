@@ -25,7 +25,19 @@ class SetupChecks:
         probe = next((p for p in self.probes if p.enabled and isinstance(p, DataWaitProbe)), None)
         return probe.wrap(loader) if probe is not None else loader
 
-    def preflight(self, batch: Any, loss_fn: Any = None, *, forward: Any = None, component: str | None = None) -> PreflightReport:
+    def _captured_forward(self) -> Any:
+        """``forward(model, batch)`` replaying the step's first captured forward call, or None."""
+        from trackdiag.probes.nan_replay import NanReplayProbe
+
+        probe = next((p for p in self.probes if p.enabled and isinstance(p, NanReplayProbe)), None)
+        calls = probe.calls_of(self._ctx.step) if probe is not None else []
+        if not calls:
+            return None
+        args, kwargs, _ = calls[0]
+        return lambda model, batch: model(*args, **kwargs)
+
+    def preflight(self, batch: Any, loss_fn: Any = None, *, forward: Any = None, component: str | None = None,
+                  auto: bool = False) -> PreflightReport:
         """Sanity checks of the set-up on one batch (see :mod:`trackdiag.preflight`), on copies of the
         model and optimizer; each failed check is emitted as a ``preflight`` alert. ``loss_fn(outputs,
         batch)``; ``forward(model, batch)`` (default ``model(batch[0])``). Returns the report."""
@@ -37,7 +49,7 @@ class SetupChecks:
         if comp is None:
             return PreflightReport()
         report = run_preflight(comp.model, comp.optimizer, batch, loss_fn or rule.loss_fn, forward,
-                               overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop)
+                               overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop, lenient=auto)
         record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(len(report.failed))})
         raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.level, rule.hint)])
         if raised is not None:
@@ -45,11 +57,15 @@ class SetupChecks:
         return report
 
     def _auto_preflight(self, inputs: StepInputs) -> None:
-        """``rules.preflight.auto``: the pre-flight on the first step's batch; a failure to run only logs."""
+        """``rules.preflight.auto``: the pre-flight on the first step's batch, calling the model the way
+        the step did (its captured forward arguments: hidden states, masks, keywords); a pre-flight
+        that cannot call the model or guess the loss is a note, not a fault (``diag.preflight`` with
+        ``forward=``/``loss_fn=`` runs it for real)."""
         self._preflighted = True
         if inputs.batch is not None and any(isinstance(r, Preflight) and r.enabled and r.auto for r in self.rules):
             try:
-                log.info("trackdiag: pre-flight\n%s", self.preflight(inputs.batch))
+                log.info("trackdiag: pre-flight\n%s", self.preflight(inputs.batch, forward=self._captured_forward(),
+                                                                     auto=True))
             except AlertRaised:
                 raise
             except Exception as exc:  # noqa: BLE001

@@ -3,9 +3,13 @@
 Emits, per loss name (``loss`` or ``<component>/loss``):
   series ``diag/[<c>/]loss``: the value at every step (full resolution, no per-step host sync);
   ``diag/[<c>/]loss/ema``: EMA of the finite values;
-  ``diag/[<c>/]loss/nonfinite_steps``: non-finite values in the window since the last log.
+  ``diag/[<c>/]loss/nonfinite_steps``: non-finite values in the window since the last log;
+  ``diag/data/num_classes`` at the first logging steps, when ``step(outputs=..., batch=...)`` shows a
+  classification-shaped output (class scores and integer targets that pair up): the chance-level
+  loss ln(C) the ``initial_loss`` rule compares the first losses with.
 Cost: one ``detach`` per step and loss (a reference is kept, nothing is copied); at the logging
-step the window is stacked and copied to the host with every other diagnostic.
+step the window is stacked and copied to the host with every other diagnostic. The class count is
+read from shapes (host only) during the first 3 steps.
 """
 from __future__ import annotations
 
@@ -20,6 +24,15 @@ from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.stats import Ema
+from trackdiag.tensors import class_dim, logits_of, targets_of
+
+
+def classes_of(outputs: Any, batch: Any) -> int:
+    """The number of classes of a classification-shaped output (shapes only, no device work), or -1."""
+    t = targets_of(batch)
+    logits = logits_of(outputs) if t is not None else None
+    dim = class_dim(logits, t) if logits is not None and t is not None else None
+    return int(logits.shape[dim]) if dim is not None and logits is not None else -1
 
 
 class _Ring:
@@ -53,8 +66,11 @@ class LossProbe(Probe):
         self.ema_beta = ema_beta
         self._rings: dict[str, _Ring] = {}
         self._emas: dict[str, Ema] = {}
+        self._classes = -1
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        if ctx.step < 3 and self._classes < 0 and inputs.outputs is not None and inputs.batch is not None:
+            self._classes = classes_of(inputs.outputs, inputs.batch)
         for name, value in inputs.losses.items():
             if value is None:
                 continue
@@ -82,6 +98,8 @@ class LossProbe(Probe):
                 ema.update(v)
             record.series[key] = points
             record.scalars[f"{key}/ema"] = ema.value
+        if self._classes >= 2 and ctx.step < 20:
+            record.scalars.setdefault("diag/data/num_classes", float(self._classes))
             record.scalars[f"{key}/nonfinite_steps"] = float(sum(not math.isfinite(v) for _, v in points))
 
     def state_dict(self) -> dict[str, Any]:

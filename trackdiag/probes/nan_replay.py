@@ -141,6 +141,14 @@ class NanReplayProbe(Probe):
         self._ctx.hook_seconds += time.perf_counter() - t0
         return None
 
+    def calls_of(self, step: int, component: str | None = None) -> list[Call]:
+        """The forward calls captured at ``step`` (for ``component``, default the first model's)."""
+        entry = self._ring.get(step) or {"calls": {}}
+        calls = entry["calls"]
+        if component is not None:
+            return list(calls.get(component, []))
+        return list(next(iter(calls.values()), []))
+
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         entry = self._ring.get(ctx.step)
         if entry is None and inputs.batch is not None:  # nothing captured (compiled before the session)
