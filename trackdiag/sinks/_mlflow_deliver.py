@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from trackdiag.sinks._mlflow_batch import GROUP_FILES, GROUP_POINTS, group_end, group_summary
+from trackdiag.sinks._mlflow_batch import GROUP_POINTS, group_end, group_summary
 from trackdiag.sinks._mlflow_close import CloseWait
 from trackdiag.sinks._mlflow_ops import is_permanent, op_size
 from trackdiag.sinks._mlflow_run import NoRun, Runner

@@ -37,6 +37,34 @@ def write_histograms(media: Path, step: int, hists: Mapping[str, Histogram]) -> 
     return path
 
 
+def histogram_ops(media: Path, step: int, ts: int, hists: Mapping[str, Histogram], images: int) -> list[dict[str, Any]]:
+    """The ops for one record's histograms: the step's JSON file (written now) and an ``image`` op
+    for each of the first ``images`` histograms (rendered later, by the delivery worker)."""
+    ops: list[dict[str, Any]] = [{"op": "artifact", "path": str(write_histograms(media, step, hists)), "dir": "histograms"}]
+    for k, h in list(hists.items())[:images]:
+        ops.append({"op": "image", "title": k, "edges": [float(e) for e in h.edges],
+                    "counts": [float(c) for c in h.counts], "step": step, "ts": ts})
+    return ops
+
+
+def file_op(path: Path, obj: Any, artifact_path: str | None) -> dict[str, Any]:
+    """Write ``obj`` (text as is, else JSON) to ``path``; the ``artifact`` op that uploads it."""
+    if isinstance(obj, str):
+        path.write_text(obj, encoding="utf-8")
+    else:
+        write_json(path, obj)
+    return {"op": "artifact", "path": str(path), "dir": artifact_path}
+
+
+def artifact_dir(path: Path, run_dir: Path) -> str:
+    """The artifact dir of a file the run made: its dir relative to the run dir, else ``files``."""
+    try:
+        rel = path.resolve().parent.relative_to(run_dir.resolve())
+    except ValueError:
+        return "files"
+    return rel.as_posix() if str(rel) != "." else "files"
+
+
 class HistogramRenderer:
     """Draws a histogram into an RGB array with matplotlib's Agg canvas (no pyplot, no global
     state), for ``MlflowClient.log_image``. Runs on the delivery thread (or ``trackdiag sync``).

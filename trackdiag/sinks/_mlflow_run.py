@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trackdiag.sinks._mlflow_ops import KeyMap
-from trackdiag.sinks._mlflow_store import (absolute_sqlite, default_artifact_location, default_tracking_uri,  # noqa: F401
-                                           health_url, healthy, pid_alive, sweep_lock)
+from trackdiag.sinks._mlflow_store import default_artifact_location, sweep_lock
 from trackdiag.sinks._mlflow_upload import Collected, send_batches, upload
 
 log = logging.getLogger("trackdiag")
@@ -85,7 +84,7 @@ class Runner:
         location = spec.get("artifact_location") or default_artifact_location(
             self.state["tracking_uri"], Path.cwd(), spec["experiment"])  # sync may target another store
         eid = self._experiment(spec["experiment"], location)
-        parent = self._parent(eid, spec["group"]) if spec.get("group") else None
+        parent = self._parent(eid, spec["group"], spec.get("source")) if spec.get("group") else None
         tags = run_tags(spec.get("source"))
         if parent:
             tags[PARENT_TAG] = parent
@@ -117,7 +116,7 @@ class Runner:
             self.client.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
         return str(exp.experiment_id)
 
-    def _parent(self, eid: str, group: str) -> str:
+    def _parent(self, eid: str, group: str, source: str | None) -> str:
         """The sweep's parent run: found by its tags, else created, under a file lock in the sweep
         dir so that jobs of one sweep never create two parents."""
         with sweep_lock(Path(group)):
@@ -132,7 +131,7 @@ class Runner:
                     return str(run.info.run_id)
             name = f"sweep {Path(group).parent.name}/{Path(group).name}".strip()
             self.calls += 1
-            run = self.client.create_run(eid, tags={ROLE_TAG: "sweep", SWEEP_TAG: group, **run_tags(None)},
+            run = self.client.create_run(eid, tags={ROLE_TAG: "sweep", SWEEP_TAG: group, **run_tags(source)},
                                          run_name=name)
             return str(run.info.run_id)
 

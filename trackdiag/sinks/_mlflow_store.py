@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
+import sys
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -106,3 +108,24 @@ def try_lock(path: Path) -> IO[str] | None:
         f.close()
         return None
     return f
+
+
+def ui_command(uri: str) -> str:
+    """How to open the MLflow UI on ``uri``: ``open <url>`` for servers, else a command that works
+    when pasted into a shell with no venv active (this interpreter's ``-m mlflow ui``)."""
+    if uri.startswith(("http:", "https:")):
+        return f"open {uri}"
+    if "://" not in uri:
+        return f"tracking URI {uri}"
+    return f"{shlex.quote(sys.executable)} -m mlflow ui --backend-store-uri {shlex.quote(uri)}"
+
+
+def option_problems(positive: dict[str, float], max_histogram_images: int, delivery: str) -> list[str]:
+    """The MLflow sink's option problems (``ConfigError`` lines): values that must be > 0, the image
+    cap (>= 0) and the delivery mode."""
+    problems = [f"diag.sink.mlflow.{k}: must be > 0, got {v!r}" for k, v in positive.items() if v <= 0]
+    if max_histogram_images < 0:
+        problems.append(f"diag.sink.mlflow.max_histogram_images: must be >= 0, got {max_histogram_images!r}")
+    if delivery not in ("process", "thread"):
+        problems.append(f"diag.sink.mlflow.delivery: {delivery!r} is not one of process, thread")
+    return problems

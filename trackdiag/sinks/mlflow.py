@@ -14,20 +14,18 @@ What lands in the run (keys pass through :func:`~trackdiag.sinks._mlflow_ops.san
   multirun, tagged ``trackdiag.role=sweep``). Experiments trackdiag creates carry
   ``mlflow.experimentKind=custom_model_development`` (the UI's model-training view).
 - artifacts: ``config.yaml`` (hyperparameters), ``trackdiag/diag_config.yaml``,
-  ``histograms/step_<n>.json`` + per-step images (``log_image``, key = histogram key, rendered by
-  the deliverer), every file in ``Record.artifacts`` (path relative to the run dir), and at close
+  ``histograms/step_<n>.json`` + per-step images (stored as ``log_image(key=histogram key, step)``
+  does), every file in ``Record.artifacts`` (path relative to the run dir), and at close
   ``alerts.json``, ``summary.json`` (as the local record's), ``tables/tables.jsonl`` and
   ``trackdiag/key_map.json`` (keys that were renamed).
 
 Cost: on the sink thread, a shallow copy of each record's scalar dict and a deque append per
-batch. MLflow itself runs on a delivery thread (``_mlflow_deliver``) that by default pickles each
-group of queued ops to a child process (``delivery: process``; ~0.05 ms per 1000 points) where
-keys are mapped, ops merged into the fewest ``log_batch`` calls and one upload (``_mlflow_batch``),
-and SQLAlchemy/HTTP work runs without holding the training process's GIL. During outages batches
-are spooled to ``<output_dir>/mlflow_spool`` and retried. ``close`` waits while delivery moves
-(``close_timeout`` at most; see ``_mlflow_close``); what is left stays spooled, the run's end
-included, for ``trackdiag sync <output_dir>`` or the next session on the same store, which
-delivers the spools earlier runs left under its output root in the background (``_mlflow_leftovers``).
+batch. A delivery thread (``_mlflow_deliver``) hands groups of queued ops to a child process
+(``delivery: process``) that maps keys and merges them into the fewest ``log_batch`` calls and one
+upload (``_mlflow_batch``), off the training process's GIL. Outages spool to
+``<output_dir>/mlflow_spool``. ``close`` waits while delivery moves (``_mlflow_close``); what is
+left stays spooled with the run's end for ``trackdiag sync`` or the next session on the same
+store, which delivers earlier spools under its output root in the background (``_mlflow_leftovers``).
 """
 from __future__ import annotations
 
@@ -43,12 +41,13 @@ from trackdiag.errors import ConfigError, TrackdiagError
 from trackdiag.record import Record
 from trackdiag.runinfo import RunInfo, hydra_runtime
 from trackdiag.sinks._mlflow_deliver import Deliverer
-from trackdiag.sinks._mlflow_media import to_yaml, write_histograms, write_json
+from trackdiag.sinks._mlflow_media import artifact_dir, file_op, histogram_ops, to_yaml
 from trackdiag.sinks._mlflow_leftovers import launch, output_root, stop
 from trackdiag.sinks._mlflow_ops import MAX_METRICS, flatten, pair_ops
 from trackdiag.sinks._mlflow_run import SWEEP_TAG, Runner
 from trackdiag.sinks._mlflow_spool import Spool
-from trackdiag.sinks._mlflow_store import absolute_sqlite, default_artifact_location, default_tracking_uri
+from trackdiag.sinks._mlflow_store import (absolute_sqlite, default_artifact_location, default_tracking_uri,
+                                           option_problems, ui_command)
 from trackdiag.sinks._mlflow_worker import ProcessRunner
 from trackdiag.sinks.base import Sink
 from trackdiag.sinks.console import DeliveryProgress, display_health
@@ -57,19 +56,10 @@ log = logging.getLogger("trackdiag")
 
 
 def ui_hint(diag: Any) -> str | None:
-    """How to open the MLflow UI on the store a session's MLflow sink wrote to, or None: a command
-    that works when pasted into a shell where no venv is active (this interpreter, ``-m mlflow``)."""
-    import shlex
-
-    for sink in getattr(getattr(diag, "_hub", None), "sinks", []):
-        if isinstance(sink, MlflowSink):
-            uri = sink.tracking_uri
-            if uri.startswith(("http:", "https:")):
-                return f"open {uri}"
-            if "://" not in uri:
-                return f"tracking URI {uri}"
-            return f"{shlex.quote(sys.executable)} -m mlflow ui --backend-store-uri {shlex.quote(uri)}"
-    return None
+    """How to open the MLflow UI on the store a session's MLflow sink wrote to (a command that works
+    when pasted into a shell where no venv is active), or None."""
+    sink = next((s for s in getattr(getattr(diag, "_hub", None), "sinks", []) if isinstance(s, MlflowSink)), None)
+    return ui_command(sink.tracking_uri) if sink is not None else None
 
 
 class MlflowSink(Sink):
@@ -94,14 +84,9 @@ class MlflowSink(Sink):
         if importlib.util.find_spec("mlflow") is None:
             raise TrackdiagError("the MLflow sink needs mlflow: pip install mlflow "
                                  "(or drop 'mlflow' from diag.sinks)")
-        problems = [f"diag.sink.mlflow.{k}: must be > 0, got {v!r}" for k, v in (
-            ("retry_backoff", retry_backoff), ("retry_max_backoff", retry_max_backoff),
-            ("close_timeout", close_timeout), ("close_stall_timeout", close_stall_timeout),
-            ("max_memory_batches", max_memory_batches)) if v <= 0]
-        problems += [f"diag.sink.mlflow.max_histogram_images: must be >= 0, got {max_histogram_images!r}"] \
-            if max_histogram_images < 0 else []
-        if delivery not in ("process", "thread"):
-            problems.append(f"diag.sink.mlflow.delivery: {delivery!r} is not one of process, thread")
+        problems = option_problems({"retry_backoff": retry_backoff, "retry_max_backoff": retry_max_backoff,
+                                    "close_timeout": close_timeout, "close_stall_timeout": close_stall_timeout,
+                                    "max_memory_batches": max_memory_batches}, max_histogram_images, delivery)
         if problems:
             raise ConfigError(problems)
         hydra = hydra_runtime()  # read here: the training thread, where Hydra and mlflow's active run live
@@ -187,14 +172,8 @@ class MlflowSink(Sink):
         ts = int((record.time or time.time()) * 1000)
         self._pending.append([record.step, ts, dict(record.scalars), {k: list(v) for k, v in record.series.items()}])
         self._npoints += len(record.scalars) + sum(map(len, record.series.values()))
-        ops: list[dict[str, Any]] = []
-        if record.histograms:
-            ops.append({"op": "artifact", "path": str(write_histograms(self._media, record.step, record.histograms)),
-                        "dir": "histograms"})
-            if self._images:
-                for k, h in list(record.histograms.items())[: self.max_histogram_images]:
-                    ops.append({"op": "image", "title": k, "edges": [float(e) for e in h.edges],
-                                "counts": [float(c) for c in h.counts], "step": record.step, "ts": ts})
+        ops = histogram_ops(self._media, record.step, ts, record.histograms,
+                            self.max_histogram_images if self._images else 0) if record.histograms else []
         if record.tables:
             with open(self._media_path("tables.jsonl"), "a", encoding="utf-8") as f:
                 f.write(Record(step=record.step, tables=record.tables).to_json() + "\n")
@@ -271,17 +250,8 @@ class MlflowSink(Sink):
         return self._media / name
 
     def _file(self, obj: Any, name: str, artifact_dir: str | None) -> dict[str, Any]:
-        path = self._media_path(Path(name).name)
-        if isinstance(obj, str):
-            path.write_text(obj, encoding="utf-8")
-        else:
-            write_json(path, obj)
-        return {"op": "artifact", "path": str(path), "dir": artifact_dir}
+        return file_op(self._media_path(Path(name).name), obj, artifact_dir)
 
     def _artifact_dir(self, path: Path) -> str:
-        try:
-            rel = path.resolve().parent.relative_to(self._run.output_dir.resolve())
-        except ValueError:
-            return "files"
-        return rel.as_posix() if str(rel) != "." else "files"
+        return artifact_dir(path, self._run.output_dir)
 
