@@ -1,11 +1,11 @@
 """Spools earlier runs left behind, delivered in the background by a later session on the same store.
 
-When a session's MLflow run exists, the sink starts ``python -m trackdiag.sinks._mlflow_leftovers``
-once (a child process at low priority, in its own process group). It looks for ``mlflow_spool*``
-dirs under the session's output root (:func:`output_root`: e.g. ``<cwd>/outputs`` for Hydra runs,
-``<cwd>/trackdiag_runs`` without Hydra; at most 6 levels deep, 20,000 dirs), keeps those that
-name *this session's* tracking store, takes each one's lock (skipping spools a live process is
-delivering) and delivers it exactly as ``trackdiag sync`` does (``_mlflow_spool.drain``: every op
+When a session's MLflow run exists, the sink looks (once, on its delivery thread) for
+``mlflow_spool*`` dirs under the session's output root (:func:`output_root`: e.g. ``<cwd>/outputs``
+for Hydra runs, ``<cwd>/trackdiag_runs`` without Hydra; at most 6 levels deep, 20,000 dirs:
+~10 ms for a thousand runs) that name *this session's* tracking store. If there are any, it starts
+this module as a child process (low priority, its own process group), which takes each spool's
+lock (skipping spools a live process is delivering) and delivers it exactly as ``trackdiag sync`` does (``_mlflow_spool.drain``: every op
 checked, only files inside the spool's run dir, never another store or artifact location). It
 prints one line when it finds something and one when done. The session ends it at close with
 SIGTERM: it stops between two groups and keeps the rest spooled for the next session or sync.
@@ -13,6 +13,7 @@ SIGTERM: it stops between two groups and keeps the rest spooled for the next ses
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -63,14 +64,7 @@ def deliver(root: Path, tracking_uri: str, exclude: set[Path], stop: Any = lambd
     """Deliver every leftover spool under ``root`` that names ``tracking_uri``; one line per spool."""
     from trackdiag.sinks._mlflow_spool import Spool, drain
 
-    spools = []
-    for path in find(root, exclude):
-        try:
-            state = Spool(path).read_meta().get("state") or {}
-        except (OSError, ValueError):
-            continue
-        if state.get("tracking_uri") == tracking_uri:
-            spools.append(path)
+    spools = [p for p in find(root, exclude) if _names(p, tracking_uri)]
     if not spools:
         return []
     log.warning("trackdiag: delivering %d MLflow spool(s) that earlier runs left under %s to %s, in the background",
@@ -119,24 +113,34 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch(root: Path, tracking_uri: str, exclude: Path) -> Any:
-    """Start the background delivery (this module as a child process in its own process group,
-    the same trackdiag on its path); returns the ``Popen``, or None if it could not start."""
+    """If spools for ``tracking_uri`` lie under ``root`` (a bounded scan, here), start their
+    delivery: this module as a child process in its own process group, at low priority. Returns
+    the ``Popen``, or None when there is nothing to do (or it could not start)."""
     import subprocess
 
-    import trackdiag
+    from trackdiag.sinks._mlflow_worker import child_command
 
+    if not [p for p in find(root, {exclude}) if _names(p, tracking_uri)]:
+        return None
     env = dict(os.environ)
-    src = str(Path(trackdiag.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     env.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+    cmd = child_command("trackdiag.sinks._mlflow_leftovers", "--root", str(root), "--tracking-uri", tracking_uri,
+                        "--exclude", str(exclude))
     try:
-        return subprocess.Popen([sys.executable, "-m", "trackdiag.sinks._mlflow_leftovers", "--root", str(root),
-                                 "--tracking-uri", tracking_uri, "--exclude", str(exclude)],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
     except OSError as exc:
         log.debug("trackdiag: background delivery of earlier spools not started: %s", exc)
         return None
+
+
+def _names(spool: Path, tracking_uri: str) -> bool:
+    """Whether the spool's ``meta.json`` names ``tracking_uri``."""
+    try:
+        state = json.loads((spool / "meta.json").read_text(encoding="utf-8")).get("state") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(state, dict) and state.get("tracking_uri") == tracking_uri
 
 
 def stop(proc: Any, grace: float = 10.0) -> None:

@@ -6,7 +6,8 @@ much per logged step. :class:`ProcessRunner` has the :class:`~trackdiag.sinks._m
 interface but forwards each group of ops as a length-prefixed pickle to ``python -m
 trackdiag.sinks._mlflow_worker`` and reads the reply the same way: the parent pays a
 ``pickle.dumps`` (~0.05 ms per 1000 points) and a pipe write per group. Only this package's two
-ends speak the protocol. The child exits when its stdin closes or its parent dies; its own logs
+ends speak the protocol. The child starts through :func:`child_command` (trackdiag's modules
+without its package ``__init__``, so no torch import). The child exits when its stdin closes or its parent dies; its own logs
 (and MLflow's prints) go to stderr. It imports MLflow and (for a new store) creates its tables at
 normal priority, then lowers its priority (``nice`` +5) once the run exists: on a busy machine a
 worker niced from the start got ~10 % of a core and had not made its first call when training
@@ -53,7 +54,7 @@ class ProcessRunner:
         env.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
         env.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
         self.calls = 0  # MLflow calls the worker made so far
-        self._proc = subprocess.Popen([sys.executable, "-m", "trackdiag.sinks._mlflow_worker"], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen(child_command("trackdiag.sinks._mlflow_worker"), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env=env)
         self._call({"init": state})
 
@@ -95,6 +96,19 @@ class ProcessRunner:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(5)
+
+
+_BOOT = ("import importlib, sys, types; pkg = types.ModuleType('trackdiag'); pkg.__path__ = [sys.argv[1]]; "
+         "sys.modules['trackdiag'] = pkg; sys.argv = sys.argv[2:]; importlib.import_module(sys.argv[0]).main()")
+
+
+def child_command(module: str, *args: str) -> list[str]:
+    """The command line that runs ``module.main()`` of this trackdiag in a child Python without
+    executing ``trackdiag/__init__.py``: that imports torch (~2 s of CPU), which a delivery child
+    never needs (it was a third of the worker's start-up on a busy machine)."""
+    import trackdiag
+
+    return [sys.executable, "-c", _BOOT, str(Path(trackdiag.__file__).resolve().parent), module, *args]
 
 
 def _send(stream: IO[bytes], msg: Any) -> None:

@@ -70,9 +70,9 @@ class SinkHub:
 
     def close(self, status: str, summary: dict[str, Any], timeout: float | None = None) -> None:
         """Deliver everything queued, close every sink, and wait for the thread: ``timeout`` s, or
-        (None) the largest ``close_budget`` of the sinks plus 30 s. A KeyboardInterrupt while waiting
-        asks the sinks that can (``interrupt()``) to stop at once and keep what is left (the MLflow
-        spool), then propagates."""
+        (None) the largest ``close_budget`` of the sinks plus 30 s. A KeyboardInterrupt (or the
+        SystemExit of a SIGTERM) while waiting asks the sinks that can (``interrupt()``) to stop at
+        once and keep what is left (the MLflow spool), then propagates."""
         self._q.put(("close", (status, summary)))
         self._q.put(_STOP)
         if timeout is None:
@@ -80,7 +80,7 @@ class SinkHub:
         if self._thread.is_alive():
             try:
                 self._thread.join(timeout)
-            except KeyboardInterrupt:
+            except BaseException:
                 for sink in self.sinks:
                     getattr(sink, "interrupt", lambda: None)()
                 self._thread.join(5.0)
