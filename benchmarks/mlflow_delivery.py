@@ -8,15 +8,18 @@ reports, from outside the job:
   artifact repositories' uploads; ``writes`` are the calls that send data (log_batch,
   log_artifact(s), log_image, set_terminated, ...). For the server case also the HTTP requests the
   proxy saw.
-- ``close s``: seconds from the local record's end (``run.json`` ``end_time``, written when the
-  sinks start closing) to the job's exit: what the user waits for at the end.
+- ``mlflow_close_s``: seconds the MLflow sink's ``close`` took (waiting for delivery at the end);
+  ``close_s``: seconds from the local record's end (``run.json`` ``end_time``, written when the
+  sinks start closing) to the job's exit (the interpreter's own exit is ~1.3 s of it here).
 - ``job s``: the job's wall time. ``status``: the run's status in MLflow after the job, and
   ``points``: (key, step) points in MLflow / in the local record.
 - ``sync``: if the job left a spool, ``trackdiag sync`` is run and its seconds and calls reported.
 
 Cases: ``sqlite`` (the default store, created by the run: no ``MLFLOW_TRACKING_URI``),
 ``busy`` (the same with two busy processes beside the job), ``server`` (a real ``mlflow server``
-on 127.0.0.1 behind a proxy adding ``--delay`` s to every request). Usage::
+on 127.0.0.1 behind a proxy adding ``--delay`` s to every request), ``sync`` (the job's store does
+not answer, so all of it is spooled; then ``trackdiag sync --tracking-uri`` to the server behind
+the proxy). Usage::
 
     python benchmarks/mlflow_delivery.py [--cases sqlite,busy,server] [--delay 0.15] [--src DIR]
 
@@ -67,8 +70,22 @@ def _wrap(owner, name, label):
     wrapper._bench = True
     setattr(owner, name, wrapper)
 
+def _timed(owner, name):
+    fn = getattr(owner, name)
+    def wrapper(*a, **k):
+        import time
+        t0 = time.time()
+        try:
+            return fn(*a, **k)
+        finally:
+            if _LOG:
+                with open(_LOG, "a") as f:
+                    f.write(f"{os.getpid()} close_seconds {time.time() - t0:.3f}\n")
+    setattr(owner, name, wrapper)
+
 _TARGETS = {
     "mlflow.tracking.client": ("MlflowClient", None),
+    "trackdiag.sinks.mlflow": ("MlflowSink", "close"),
     "mlflow.store.artifact.local_artifact_repo": ("LocalArtifactRepository", ("log_artifact", "log_artifacts")),
     "mlflow.store.artifact.http_artifact_repo": ("HttpArtifactRepository", ("log_artifact", "log_artifacts")),
 }
@@ -90,6 +107,9 @@ class _Finder(importlib.abc.MetaPathFinder):
             orig(module)
             cls_name, methods = _TARGETS[name]
             cls = getattr(module, cls_name)
+            if methods == "close":
+                _timed(cls, "close")
+                return
             names = methods or [m for m in vars(cls) if not m.startswith("_") and callable(vars(cls)[m])]
             for m in names:
                 _wrap(cls, m, ("repo." if methods else "") + m)
@@ -151,13 +171,13 @@ def run_case(case: str, delay: float, src: Path | None, steps: int) -> dict[str,
     busy: list[subprocess.Popen[bytes]] = []
     out: dict[str, Any] = {"case": case}
     try:
-        if case == "server":
+        if case in ("server", "sync"):
             server = MlflowServer(tmp)
             server.start()
             server.wait(120)
             proxy = DelayProxy(server.uri, free_port(), delay, log=tmp / "proxy.log")
             proxy.start()
-            env["MLFLOW_TRACKING_URI"] = proxy.uri
+            env["MLFLOW_TRACKING_URI"] = proxy.uri if case == "server" else f"http://127.0.0.1:{free_port()}"
             uri = server.uri
         else:
             uri = f"sqlite:///{app / 'mlflow.db'}"
@@ -165,8 +185,9 @@ def run_case(case: str, delay: float, src: Path | None, steps: int) -> dict[str,
             busy = _busy(2)
         run_dir = tmp / "out"
         t0 = time.time()
+        extra = ["diag.sink.mlflow.close_timeout=1"] if case == "sync" else []  # nothing answers: spool it all
         proc = subprocess.run([sys.executable, "train.py", "+diag=advanced", f"steps={steps}",
-                               f"hydra.run.dir={run_dir}"], cwd=app, env=env, capture_output=True, text=True,
+                               f"hydra.run.dir={run_dir}", *extra], cwd=app, env=env, capture_output=True, text=True,
                               timeout=1200)
         t1 = time.time()
         _kill(busy)
@@ -176,7 +197,9 @@ def run_case(case: str, delay: float, src: Path | None, steps: int) -> dict[str,
         out["job_s"] = round(t1 - t0, 1)
         out["close_s"] = round(t1 - float(meta.get("end_time") or t1), 1)
         out["rc"] = proc.returncode
-        calls = Counter(line.split(" ")[1] for line in calls_file.read_text().splitlines()) if calls_file.exists() else Counter()
+        lines = calls_file.read_text().splitlines() if calls_file.exists() else []
+        out["mlflow_close_s"] = sum(float(x.split()[2]) for x in lines if " close_seconds " in x)
+        calls = Counter(line.split(" ")[1] for line in lines if " close_seconds " not in line)
         out["calls"] = sum(calls.values())
         out["writes"] = sum(v for k, v in calls.items() if k.split(".")[-1] in (
             "log_batch", "log_metric", "log_param", "set_tag", "log_artifact", "log_artifacts", "log_image",
@@ -194,10 +217,13 @@ def run_case(case: str, delay: float, src: Path | None, steps: int) -> dict[str,
         if spools and any((s / "meta.json").exists() for s in spools):
             calls_file.unlink(missing_ok=True)
             t2 = time.time()
-            sync = subprocess.run([sys.executable, "-m", "trackdiag", "sync", str(diag)], cwd=app, env=env,
+            target = ["--tracking-uri", proxy.uri] if case == "sync" and proxy is not None else []
+            sync = subprocess.run([sys.executable, "-m", "trackdiag", "sync", str(diag), *target], cwd=app, env=env,
                                   capture_output=True, text=True, timeout=1200)
             out["sync_s"] = round(time.time() - t2, 1)
             out["sync_calls"] = len(calls_file.read_text().splitlines()) if calls_file.exists() else 0
+            if proxy is not None:
+                out["sync_http_requests"] = len(proxy.requests()) - out.get("http_requests", 0)
             out["sync_rc"] = sync.returncode
             status, found, local, _ = _points_in_mlflow(uri, diag)
             out.update(status_after_sync=status, points_after_sync=f"{found}/{local}")

@@ -149,6 +149,9 @@ class Deliverer(CloseWait):
                 if self._stop:
                     return
                 segs = self.spool.segments()
+                if len(segs) > 1:
+                    self.spool.compact(self.state)  # one segment per failed try: merge them into few calls
+                    segs = self.spool.segments()
                 if segs:
                     seg, ops = segs[0], Spool.load(segs[0])
                 elif self._mem:

@@ -85,6 +85,24 @@ class Spool:
         with open(segment, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
 
+    def compact(self, state: dict[str, Any], max_ops: int = 5000) -> None:
+        """Merge runs of small segments (an outage writes one per failed try) into segments of up to
+        ``max_ops`` ops, so that delivery can merge their ops into few calls. Each merged segment
+        replaces its first file, then the others are deleted (a crash in between only repeats ops,
+        which MLflow stores once). Costs one read and one write of the spool."""
+        segs = self.segments()
+        i = 0
+        while i < len(segs):
+            ops, j = self.load(segs[i]), i + 1
+            while j < len(segs) and len(ops) < max_ops:
+                ops += self.load(segs[j])
+                j += 1
+            if j > i + 1:
+                self.write(self.seq_of(segs[i]), ops, state)
+                for seg in segs[i + 1:j]:
+                    seg.unlink(missing_ok=True)
+            i = j
+
     def reject(self, op: Any, exc: BaseException | str) -> None:
         """Keep an op MLflow refused for good (or that failed a check), with the reason."""
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -154,6 +172,7 @@ def drain(spool: Spool, tracking_uri: str | None = None,
     if retarget:  # a new run in the given store; nothing of the recorded one applies there
         spec = dict(state.get("spec") or {}, artifact_location=None, attach_run_id=None)
         state = {"tracking_uri": tracking_uri, "run_id": None, "spec": spec}
+    spool.compact(state)
     runner: Runner | None = None
     done, refusals, run_dir = 0, [], spool.dir.parent
     first = True
