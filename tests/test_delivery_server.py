@@ -153,7 +153,7 @@ def test_cap_sets_the_status_and_sync_delivers_the_rest(server: MlflowServer, tm
     port = free_port()
     proxy = _proxy(server, tmp_path, 1.0, port=port)
     try:
-        diag, model, opt = _session(tmp_path, proxy.uri, "capped", close_timeout=1.0, deliver_leftovers=False)
+        diag, model, opt = _session(tmp_path, proxy.uri, "capped", close_timeout=1.0)
         sink = next(s for s in diag._hub.sinks if isinstance(s, MlflowSink))
         with diag:
             train(diag, model, opt, range(6))

@@ -19,8 +19,6 @@ pytest.importorskip("mlflow")
 
 from mlflow import MlflowClient  # noqa: E402
 
-from trackdiag import exit_status  # noqa: E402
-
 from wandb_reader import read_run, settled_runs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +114,7 @@ def test_sigterm_and_ctrl_c_are_killed(tmp_path: Path, how: str) -> None:
 def test_status_of_exceptions_and_close_inside_except(tmp_path: Path) -> None:
     """Without an explicit status, close() called while an exception is handled is FAILED."""
     import trackdiag
+    from trackdiag import exit_status
     from _mlflow_util import tiny_model, train
 
     assert exit_status.status_of(None) == "FINISHED" and exit_status.status_of(ValueError()) == "FAILED"

@@ -31,8 +31,7 @@ KIND = "mlflow.experimentKind"
 def _run(tmp_path: Path, store: str, experiment: str, name: str) -> str:
     model, opt = tiny_model()
     diag = trackdiag.Diagnostics(model, opt, level="basic", sinks=["mlflow"], output_dir=str(tmp_path / name),
-                                 sink={"mlflow": {"tracking_uri": store, "experiment": experiment, "delivery": "thread",
-                                                  "deliver_leftovers": False}})
+                                 sink={"mlflow": {"tracking_uri": store, "experiment": experiment, "delivery": "thread"}})
     with diag:
         train(diag, model, opt, range(3))
     return str(next(s for s in diag._hub.sinks if isinstance(s, MlflowSink)).run_id)

@@ -15,8 +15,6 @@ pytest.importorskip("mlflow")
 from mlflow import MlflowClient  # noqa: E402
 
 from trackdiag.cli import main as cli_main  # noqa: E402
-from trackdiag.sinks._mlflow_check import check_op  # noqa: E402
-from trackdiag.sinks._mlflow_leftovers import deliver, output_root  # noqa: E402
 
 
 def _all_files(client: MlflowClient, run_id: str, path: str | None = None) -> set[str]:
@@ -101,6 +99,8 @@ def test_sync_without_tracking_uri_uses_the_named_store_and_still_checks(tmp_pat
 
 def test_background_delivery_applies_the_same_checks_and_only_to_its_own_store(tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from trackdiag.sinks._mlflow_leftovers import deliver, output_root
+
     monkeypatch.chdir(tmp_path)
     mine, other = f"sqlite:///{tmp_path / 'mine.db'}", f"sqlite:///{tmp_path / 'other.db'}"
     _crafted_spool(tmp_path, mine)
@@ -117,6 +117,8 @@ def test_background_delivery_applies_the_same_checks_and_only_to_its_own_store(t
 
 
 def test_op_checks(tmp_path: Path) -> None:
+    from trackdiag.sinks._mlflow_check import check_op
+
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "a.png").write_bytes(b"x")

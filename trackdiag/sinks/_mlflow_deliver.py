@@ -195,20 +195,21 @@ class Deliverer(CloseWait):
 
     def _deliver(self, ops: list[dict[str, Any]]) -> int:
         """Send one group; returns how many ops (from the front) are done: delivered, or rejected
-        for good. A group MLflow rejects is retried op by op to keep the bad op alone."""
+        for good. A group MLflow refuses is split in halves until the bad op is alone (a few more
+        calls, not one per op); ops whose file is gone are skipped by the runner and rejected."""
         try:
-            self._runner.run_many(ops)  # type: ignore[union-attr]
+            refused = self._runner.run_many(ops) or {}  # type: ignore[union-attr]
         except Exception as exc:
-            verdict = self._classify(ops, exc)
-            if verdict != "reject":
+            if self._classify(ops, exc) != "reject":
                 return 0
             if len(ops) == 1:
                 self._reject(ops[0], exc)
                 return 1
-            for k, op in enumerate(ops):
-                if self._stop or self._deliver([op]) == 0:
-                    return k
-            return len(ops)
+            mid = len(ops) // 2
+            done = self._deliver(ops[:mid])
+            return done if done < mid or self._stop else mid + self._deliver(ops[mid:])
+        for i, why in refused.items():
+            self._reject(ops[i], why)
         self._delivered(ops)
         return len(ops)
 
@@ -232,13 +233,14 @@ class Deliverer(CloseWait):
             except Exception as exc:  # e.g. leftover spools could not be looked at: not our run's problem
                 log.debug("trackdiag: after-open callback failed: %s", exc)
 
-    def _reject(self, op: dict[str, Any], exc: BaseException) -> None:
+    def _reject(self, op: dict[str, Any], exc: BaseException | str) -> None:
         self._rejected += 1
         with self._cv:
             self.spool.reject(op, exc)
         if self._rejected <= 3:
-            log.warning("trackdiag: MLflow rejected a %r op (%s: %s); kept in %s/rejected.jsonl",
-                        op.get("op"), type(exc).__name__, str(exc)[:300], self.spool.dir)
+            why = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+            log.warning("trackdiag: MLflow rejected a %r op (%s); kept in %s/rejected.jsonl",
+                        op.get("op"), why[:300], self.spool.dir)
 
     def _classify(self, ops: list[dict[str, Any]], exc: BaseException) -> str:
         """``reject`` (MLflow refuses it for good), ``broken`` (no run: stop) or ``retry`` (outage: back off)."""

@@ -44,32 +44,37 @@ class Runner:
         self.calls = 0
 
     def run(self, op: dict[str, Any]) -> None:
-        """Execute one op (a group of one)."""
-        self.run_many([op])
+        """Execute one op (a group of one); FileNotFoundError if its file is gone."""
+        refused = self.run_many([op])
+        if refused:
+            raise FileNotFoundError(refused[0])
 
-    def run_many(self, ops: list[dict[str, Any]]) -> None:
+    def run_many(self, ops: list[dict[str, Any]]) -> dict[int, str]:
         """Execute a group of ops with the fewest calls: params, tags and points merged into
-        ``log_batch`` calls, files and images into one upload, the ``end`` op last. Raises whatever
-        MLflow raises (the caller classifies it); nothing of a failed group counts as delivered."""
+        ``log_batch`` calls, files and images into one upload, the ``end`` op last. Returns the ops
+        skipped (index -> why: a file that no longer exists). Raises whatever MLflow raises (the
+        caller classifies it); nothing of a failed group counts as delivered."""
         if ops and ops[0]["op"] == "open":
             for op in ops:
                 self._open(op)
-            return
+            return {}
         if not self.state.get("run_id"):
             raise NoRun("the MLflow run was never created")
         got = Collected()
         end = None
-        for op in ops:
+        refused: dict[int, str] = {}
+        for i, op in enumerate(ops):
             if op["op"] == "end":
                 end = op
-            else:
-                got.add(op, self.keys)
+            elif (why := got.add(op, self.keys)) is not None:
+                refused[i] = why
         if got.params and self.known_params is None:
             self.known_params = set(self._get_run(self.state["run_id"]).data.params)
         self.calls += send_batches(self.client, self.state["run_id"], got, self.known_params or set())
         self.calls += upload(self, got)
         if end is not None:
             self._end(end)
+        return refused
 
     # ------------------------------------------------------------------ run set-up
     def _open(self, op: dict[str, Any]) -> None:

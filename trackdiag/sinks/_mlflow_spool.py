@@ -161,8 +161,7 @@ def drain(spool: Spool, tracking_uri: str | None = None,
     """
     from trackdiag.sinks._mlflow_batch import group_end
     from trackdiag.sinks._mlflow_check import check_op, check_state
-    from trackdiag.sinks._mlflow_ops import is_permanent
-    from trackdiag.sinks._mlflow_run import NoRun, Runner
+    from trackdiag.sinks._mlflow_run import Runner
 
     state = spool.read_meta().get("state")
     problem = check_state(state, spool.dir.parent)
@@ -198,14 +197,13 @@ def drain(spool: Spool, tracking_uri: str | None = None,
             j = group_end(ops, i)
             try:
                 runner = runner or Runner(state)
-                runner.run_many(ops[i:j])
             except Exception as exc:
-                permanent = runner is not None and is_permanent(exc) and not isinstance(exc, NoRun) \
-                    and ops[i]["op"] != "open"
-                n = _one_by_one(runner, ops[i:j], spool) if permanent else 0  # isolate the op MLflow refuses
-                if n < j - i:
-                    spool.write(spool.seq_of(seg), ops[i + n:], state)
-                    return done + n, spool.counts()[0], f"{type(exc).__name__}: {exc}", refusals
+                spool.write(spool.seq_of(seg), ops[i:], state)
+                return done, spool.counts()[0], f"{type(exc).__name__}: {exc}", refusals
+            n, error = _send(runner, ops[i:j], spool)
+            if error is not None:
+                spool.write(spool.seq_of(seg), ops[i + n:], state)
+                return done + n, spool.counts()[0], error, refusals
             done += j - i
             if ops[i]["op"] == "open":
                 spool.write_meta(state)
@@ -215,15 +213,26 @@ def drain(spool: Spool, tracking_uri: str | None = None,
     return done, 0, None, refusals
 
 
-def _one_by_one(runner: Any, ops: list[dict[str, Any]], spool: Spool) -> int:
-    """Send ``ops`` singly, rejecting those MLflow refuses for good; returns how many are done."""
+def _send(runner: Any, ops: list[dict[str, Any]], spool: Spool) -> tuple[int, str | None]:
+    """Send a group; a group MLflow refuses for good is split in halves until the bad op is alone
+    (rejected). Returns (ops done from the front, the outage-like error that stopped it or None)."""
     from trackdiag.sinks._mlflow_ops import is_permanent
+    from trackdiag.sinks._mlflow_run import NoRun
 
-    for k, op in enumerate(ops):
-        try:
-            runner.run(op)
-        except Exception as exc:
-            if not is_permanent(exc):
-                return k
-            spool.reject(op, exc)
-    return len(ops)
+    try:
+        refused = runner.run_many(ops) or {}
+    except Exception as exc:
+        if isinstance(exc, NoRun) or ops[0]["op"] == "open" or not is_permanent(exc):
+            return 0, f"{type(exc).__name__}: {exc}"
+        if len(ops) == 1:
+            spool.reject(ops[0], exc)
+            return 1, None
+        mid = len(ops) // 2
+        done, error = _send(runner, ops[:mid], spool)
+        if error is not None:
+            return done, error
+        more, error = _send(runner, ops[mid:], spool)
+        return mid + more, error
+    for k, why in refused.items():
+        spool.reject(ops[k], why)
+    return len(ops), None

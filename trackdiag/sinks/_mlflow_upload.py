@@ -38,7 +38,8 @@ class Collected:
         self.images: list[dict[str, Any]] = []
         self.key_map = False
 
-    def add(self, op: dict[str, Any], keys: KeyMap) -> None:
+    def add(self, op: dict[str, Any], keys: KeyMap) -> str | None:
+        """Take one op; returns why it is skipped (its file is gone), else None."""
         kind = op["op"]
         if kind == "points":
             from mlflow.entities import Metric
@@ -52,6 +53,8 @@ class Collected:
         elif kind == "tags":
             self.tags.update((str(k), str(v)) for k, v in op["items"])
         elif kind == "artifact":
+            if not Path(op["path"]).exists():
+                return f"artifact {op['path']} no longer exists"
             self.files.append((Path(op["path"]), op.get("dir")))
         elif kind == "image":
             self.images.append(op)
@@ -59,6 +62,7 @@ class Collected:
             self.key_map = True
         else:
             raise ValueError(f"unknown MLflow op {kind!r}")
+        return None
 
 
 def _size(entity: Any) -> int:

@@ -63,13 +63,14 @@ class ProcessRunner:
         return self._proc.poll() is not None
 
     def run(self, op: dict[str, Any]) -> None:
-        self._call({"ops": [op]})
+        if self._call({"ops": [op]}):
+            raise FileNotFoundError(f"artifact {op.get('path')} no longer exists")
 
-    def run_many(self, ops: list[dict[str, Any]]) -> None:
-        """One round trip for a whole group (see ``Runner.run_many``)."""
-        self._call({"ops": ops})
+    def run_many(self, ops: list[dict[str, Any]]) -> dict[int, str]:
+        """One round trip for a whole group (see ``Runner.run_many``); the ops skipped."""
+        return self._call({"ops": ops})
 
-    def _call(self, msg: dict[str, Any]) -> None:
+    def _call(self, msg: dict[str, Any]) -> dict[int, str]:
         try:
             _send(self._proc.stdin, msg)  # type: ignore[arg-type]
             reply = _receive(self._proc.stdout)  # type: ignore[arg-type]
@@ -82,6 +83,7 @@ class ProcessRunner:
             if reply.get("no_run"):
                 raise NoRun(reply["error"])
             raise WorkerError(reply["error"], bool(reply.get("permanent")), reply.get("error_code"))
+        return dict(reply.get("refused") or {})
 
     def close(self, wait: float = 0.0) -> None:
         """End the child: close its stdin (it exits on EOF: MLflow's own shutdown takes ~1 s, nobody
@@ -157,9 +159,9 @@ def main() -> None:
                 runner = Runner(msg["init"])
             elif runner is None:
                 raise NoRun("worker not initialised")
-            else:
-                runner.run_many(msg["ops"])
-            reply: dict[str, Any] = {"state": runner.state if runner else {}, "calls": runner.calls if runner else 0}
+            refused = runner.run_many(msg["ops"]) if "ops" in msg else {}
+            reply: dict[str, Any] = {"state": runner.state if runner else {}, "calls": runner.calls if runner else 0,
+                                     "refused": refused}
             if not niced and runner is not None and runner.state.get("run_id") and hasattr(os, "nice"):
                 niced = True
                 os.nice(5)  # set up: from now on training gets the CPU first (never undone: needs privileges)
