@@ -70,11 +70,11 @@ def pack(metrics: Sequence[Any], params: Sequence[Any], tags: Sequence[Any],
 
 
 def group_summary(ops: Sequence[dict[str, Any]]) -> tuple[int, int]:
-    """(metric points and params/tags, files and images) an op list carries: what "is left"."""
-    entities = files = 0
+    """(metric points, files and images) an op list carries: what "is left" at close."""
+    points = files = 0
     for op in ops:
         if op.get("op") in ("artifact", "image"):
             files += 1
-        elif op.get("op") in ("points", "params", "tags"):
-            entities += op_size(op)
-    return entities, files
+        elif op.get("op") == "points":
+            points += op_size(op)
+    return points, files

@@ -10,7 +10,7 @@ delivers it. Then it waits as long as ops keep being delivered, and gives up onl
   anyway by a separate short-lived worker, and the rest stays spooled with the ``end`` op), or
 - :meth:`interrupt` is called (Ctrl-C while the session waits).
 
-``progress(done, total)`` is called about 4 times a second with (entities, files) pairs.
+``progress(done, total)`` is called about 4 times a second with (metric points, files) pairs.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class CloseWait:
             self._cv.notify_all()
 
     def pending(self) -> tuple[int, int]:
-        """(entities, files) not delivered yet, counted from the spool (call after ``_persist``)."""
+        """(metric points, files) not delivered yet, counted from the spool (call after ``_persist``)."""
         entities = files = 0
         for seg in self.spool.segments():
             e, f = group_summary(Spool.load(seg))

@@ -56,7 +56,7 @@ class Deliverer(CloseWait):
         self._rejected = 0
         self._broken: str | None = None
         self._stop = self._closing = False
-        self.done = [0, 0]             # entities and files delivered (for progress at close)
+        self.done = [0, 0]             # metric points and files delivered (for progress at close)
         self._thread = threading.Thread(target=self._loop, name="trackdiag-mlflow", daemon=True)
 
     # ------------------------------------------------------------------ sink-thread API
