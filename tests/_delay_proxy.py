@@ -7,7 +7,7 @@ group and kill the group)::
 
 Every request waits ``delay`` seconds, is forwarded to ``upstream`` (same method, path, headers,
 body) and its answer is returned as is. With ``--log``, one line per request (``METHOD path``) is
-appended to FILE, so callers can count round trips. Only 127.0.0.1 is ever bound or reached.
+appended to FILE with its arrival time, so callers can count round trips. Only 127.0.0.1 is ever bound or reached.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def make_handler(upstream: str, delay: float, log: str | None) -> type[http.serv
             body = self.rfile.read(length) if length else None
             if log:
                 with lock, open(log, "a", encoding="utf-8") as f:
-                    f.write(f"{self.command} {self.path}\n")
+                    f.write(f"{time.time():.3f} {self.command} {self.path}\n")
             time.sleep(delay)
             conn = http.client.HTTPConnection(target.hostname, target.port, timeout=120)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP and k.lower() != "host"}
@@ -97,9 +97,14 @@ class DelayProxy:
 
     def requests(self) -> list[str]:
         """Every request seen so far (``METHOD path``), if logging."""
+        return [r for _, r in self.timed_requests()]
+
+    def timed_requests(self) -> list[tuple[float, str]]:
+        """Every request seen so far as (time.time() when it arrived, ``METHOD path``)."""
         if self.log is None or not self.log.exists():
             return []
-        return [x for x in self.log.read_text().splitlines() if "__proxy_alive__" not in x]
+        lines = [x.split(" ", 1) for x in self.log.read_text().splitlines() if "__proxy_alive__" not in x]
+        return [(float(t), r) for t, r in lines]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -19,7 +19,7 @@ from trackdiag.sinks._mlflow_ops import MAX_BYTES  # noqa: E402
 from trackdiag.sinks.base import SinkHub  # noqa: E402
 from trackdiag.sinks.mlflow import MlflowSink  # noqa: E402
 
-from _mlflow_util import history  # noqa: E402
+from _mlflow_util import history, ready_store  # noqa: E402
 
 
 class _Key:
@@ -77,8 +77,8 @@ def test_a_run_is_delivered_in_a_handful_of_calls(tmp_path: Path, monkeypatch: p
     log_batch calls and one upload, not one call per record and per file. A file gone before
     delivery costs only its own op (MLflow's refusal of the merged group is retried op by op)."""
     monkeypatch.chdir(tmp_path)
+    store = ready_store(tmp_path)
     calls = _count_calls(monkeypatch)
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = tmp_path / "run"
     (out / "plots").mkdir(parents=True)
     for i in range(6):

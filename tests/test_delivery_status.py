@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,7 @@ pytest.importorskip("mlflow")
 
 from mlflow import MlflowClient  # noqa: E402
 
+from _mlflow_util import ready_store  # noqa: E402
 from wandb_reader import read_run, settled_runs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,8 +53,10 @@ diag.close()
 """
 
 
-def _run_script(tmp_path: Path, end: str, sinks: list[str], wait_signal: bool = False) -> tuple[subprocess.CompletedProcess, Path, str]:
-    out, store = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+def _start(tmp_path: Path, end: str, sinks: list[str]) -> tuple[subprocess.Popen[str], Path, str]:
+    """Start the script (own process group) with its own ready store; returns (process, run dir, store)."""
+    out = tmp_path / "run"
+    store = ready_store(tmp_path)
     code = SCRIPT.replace("SINKS", repr(sinks)).replace("OUT", repr(str(out))).replace("STORE", repr(store)) \
         .replace("WANDB", repr(str(tmp_path))).replace("END", end)
     (tmp_path / "script.py").write_text(textwrap.dedent(code))
@@ -60,21 +64,26 @@ def _run_script(tmp_path: Path, end: str, sinks: list[str], wait_signal: bool = 
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")
     proc = subprocess.Popen([sys.executable, "script.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return proc, out, store
+
+
+def _finish(proc: subprocess.Popen[str], out: Path, sigterm: bool = False) -> tuple[int, str]:
+    """(exit code, stderr); with ``sigterm``, SIGTERM once the script reached step 5."""
     try:
-        if wait_signal:
+        if sigterm:
             t0 = time.monotonic()
             while not Path(str(out) + ".ready").exists() and time.monotonic() - t0 < 120:
                 time.sleep(0.1)
             proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=300)
+        _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), out, store
+    return proc.returncode, stderr
 
 
-def _mlflow_run(store: str, out: Path) -> object:
+def _mlflow_run(store: str, out: Path) -> Any:
     client = MlflowClient(store)
     [run] = client.search_runs([client.get_experiment_by_name("status").experiment_id],
                                f"tags.`trackdiag.run_dir` = '{out}'")
@@ -82,33 +91,40 @@ def _mlflow_run(store: str, out: Path) -> object:
 
 
 @pytest.mark.slow
-def test_crash_after_diagnostics_without_with_is_failed_everywhere(tmp_path: Path) -> None:
-    proc, out, store = _run_script(tmp_path, 'raise RuntimeError("GAN blew up at step 5")',
-                                   ["local", "console", "mlflow", "wandb"])
-    assert proc.returncode == 1 and "GAN blew up at step 5" in proc.stderr  # the traceback still prints
+def test_crash_sigterm_and_ctrl_c_without_with(tmp_path: Path) -> None:
+    """Three scripts at once: an exception (FAILED everywhere: run.json, console, MLflow, W&B),
+    SIGTERM and KeyboardInterrupt (KILLED; SIGTERM exits 143)."""
+    started = {
+        "crash": _start(tmp_path / "crash", 'raise RuntimeError("GAN blew up at step 5")',
+                        ["local", "console", "mlflow", "wandb"]),
+        "sigterm": _start(tmp_path / "sigterm", "time.sleep(60)", ["local", "console", "mlflow"]),
+        "ctrl_c": _start(tmp_path / "ctrl_c", "raise KeyboardInterrupt", ["local", "console", "mlflow"]),
+    }
+    done = {name: _finish(proc, out, sigterm=name == "sigterm") for name, (proc, out, _) in started.items()}
+
+    rc, err = done["crash"]
+    _, out, store = started["crash"]
+    assert rc == 1 and "GAN blew up at step 5" in err  # the traceback still prints
     assert json.loads((out / "run.json").read_text())["status"] == "FAILED"
     assert json.loads((out / "summary.json").read_text())["status"] == "FAILED"
-    assert "run FAILED" in proc.stderr and "health OK" not in proc.stderr, proc.stderr[-2000:]
+    assert "run FAILED" in err and "health OK" not in err, err[-2000:]
     run = _mlflow_run(store, out)
-    assert run.info.status == "FAILED"  # type: ignore[attr-defined]
-    assert run.data.tags["trackdiag.status"] == "FAILED" and run.data.tags["trackdiag.health"] == "failed"  # type: ignore[attr-defined]
-    [wandb_file] = settled_runs(tmp_path)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["trackdiag.status"] == "FAILED" and run.data.tags["trackdiag.health"] == "failed"
+    [wandb_file] = settled_runs(tmp_path / "crash")
     wb = read_run(wandb_file)
     assert wb.exit_code == 1 and wb.summary["trackdiag/status"] == "FAILED"
     assert wb.summary["trackdiag/health"] == "failed"
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("how", ["sigterm", "keyboard_interrupt"])
-def test_sigterm_and_ctrl_c_are_killed(tmp_path: Path, how: str) -> None:
-    end = "time.sleep(60)" if how == "sigterm" else "raise KeyboardInterrupt"
-    proc, out, store = _run_script(tmp_path, end, ["local", "console", "mlflow"], wait_signal=how == "sigterm")
-    if how == "sigterm":
-        assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
-    assert json.loads((out / "run.json").read_text())["status"] == "KILLED"
-    assert "run KILLED" in proc.stderr
-    run = _mlflow_run(store, out)
-    assert run.info.status == "KILLED" and run.data.tags["trackdiag.health"] == "killed"  # type: ignore[attr-defined]
+    for name in ("sigterm", "ctrl_c"):
+        rc, err = done[name]
+        _, out, store = started[name]
+        if name == "sigterm":
+            assert rc == 128 + signal.SIGTERM, err[-2000:]
+        assert json.loads((out / "run.json").read_text())["status"] == "KILLED", name
+        assert "run KILLED" in err, (name, err[-2000:])
+        run = _mlflow_run(store, out)
+        assert run.info.status == "KILLED" and run.data.tags["trackdiag.health"] == "killed", name
 
 
 def test_status_of_exceptions_and_close_inside_except(tmp_path: Path) -> None:
@@ -161,19 +177,30 @@ def test_crashed_hydra_jobs_are_failed_not_healthy(tmp_path: Path) -> None:
     """The example with fault=crash (``with diag``) and a user's app without ``with``: both jobs are
     FAILED in run.json and MLflow (health tag ``failed``) and the console says so."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
-    (tmp_path / "user_app.py").write_text(USER_APP)
     runs = {
         "example": [str(REPO / "examples" / "train.py"), "+diag=basic", "fault=crash", "fault_step=30", "steps=60"],
         "user": ["user_app.py", "+diag=basic"],
     }
-    for name, cmd in runs.items():
-        out = tmp_path / name
-        proc = subprocess.run([sys.executable, *cmd, f"hydra.run.dir={out}", "hydra.job.name=crash"], cwd=tmp_path,
-                              env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 1 and "planted crash" in proc.stderr, proc.stderr[-3000:]
+    procs = {}
+    for name, cmd in runs.items():  # both at once, each launched from its own dir (its own default store)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "user_app.py").write_text(USER_APP)
+        ready_store(tmp_path / name)  # mlflow.db in the launch dir: the default store, tables made already
+        procs[name] = subprocess.Popen([sys.executable, *cmd, f"hydra.run.dir={tmp_path / name / 'out'}",
+                                        "hydra.job.name=crash"], cwd=tmp_path / name, env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    for name, proc in procs.items():
+        try:
+            _, stderr = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        out = tmp_path / name / "out"
+        assert proc.returncode == 1 and "planted crash" in stderr, stderr[-3000:]
         assert json.loads((out / "diag" / "run.json").read_text())["status"] == "FAILED", name
-        assert "run FAILED" in proc.stderr and "health OK" not in proc.stderr, (name, proc.stderr[-2000:])
-        client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # the default store, in the launch dir
+        assert "run FAILED" in stderr and "health OK" not in stderr, (name, stderr[-2000:])
+        client = MlflowClient(f"sqlite:///{tmp_path / name / 'mlflow.db'}")  # the default store
         [run] = client.search_runs([client.get_experiment_by_name("crash").experiment_id],
                                    f"tags.`trackdiag.run_dir` = '{out / 'diag'}'")
         assert run.info.status == "FAILED" and run.data.tags["trackdiag.health"] == "failed", name

@@ -22,7 +22,7 @@ from mlflow import MlflowClient  # noqa: E402
 import trackdiag  # noqa: E402
 from trackdiag.sinks.mlflow import MlflowSink  # noqa: E402
 
-from _mlflow_util import free_port, tiny_model, train  # noqa: E402
+from _mlflow_util import free_port, ready_store, tiny_model, train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KIND = "mlflow.experimentKind"
@@ -39,7 +39,7 @@ def _run(tmp_path: Path, store: str, experiment: str, name: str) -> str:
 
 def test_experiment_kind_set_but_never_overwritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = ready_store(tmp_path)
     client = MlflowClient(store)
     client.create_experiment("users-genai", tags={KIND: "genai_development"})
     client.create_experiment("users-untagged")
@@ -68,7 +68,7 @@ def test_source_is_the_users_script_and_its_commit(tmp_path: Path) -> None:
     the user's repository (run from another dir, by relative path)."""
     repo = tmp_path / "project"
     repo.mkdir()
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = ready_store(tmp_path)
     (repo / "train_gan.py").write_text(SCRIPT.replace("STORE", repr(store)))
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     for cmd in (["init", "-q"], ["add", "train_gan.py"], ["commit", "-qm", "init"]):
@@ -113,6 +113,7 @@ def test_sweep_with_default_store_and_commands_that_work_when_pasted(tmp_path: P
     """A two-job multirun of the example with the embedded default store: the comparison is in the
     sweep's parent run; the commands each job prints run in a shell whose PATH has no venv."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
+    ready_store(tmp_path)  # the default store's file, in the launch dir (its tables made already)
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "train.py"), "-m", "+diag=basic", "steps=40",
                            "eval_every=20", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=600)

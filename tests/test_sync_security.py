@@ -16,6 +16,8 @@ from mlflow import MlflowClient  # noqa: E402
 
 from trackdiag.cli import main as cli_main  # noqa: E402
 
+from _mlflow_util import ready_store  # noqa: E402
+
 
 def _all_files(client: MlflowClient, run_id: str, path: str | None = None) -> set[str]:
     out: set[str] = set()
@@ -66,6 +68,7 @@ def test_sync_uploads_only_run_dir_files_and_only_to_the_given_store(tmp_path: P
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
     named, mine = tmp_path / "named.db", tmp_path / "mine.db"
+    ready_store(tmp_path, "mine.db")
     run_dir, secret, elsewhere = _crafted_spool(tmp_path, f"sqlite:///{named}")
     rc = cli_main(["sync", str(run_dir), "--tracking-uri", f"sqlite:///{mine}"])
     out = capsys.readouterr().out
@@ -89,6 +92,7 @@ def test_sync_without_tracking_uri_uses_the_named_store_and_still_checks(tmp_pat
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
     named = tmp_path / "named.db"
+    ready_store(tmp_path, "named.db")
     run_dir, _, _ = _crafted_spool(tmp_path, f"sqlite:///{named}")
     cli_main(["sync", str(run_dir)])
     assert f"delivering to sqlite:///{named}" in capsys.readouterr().out
@@ -102,7 +106,7 @@ def test_background_delivery_applies_the_same_checks_and_only_to_its_own_store(t
     from trackdiag.sinks._mlflow_leftovers import deliver, output_root
 
     monkeypatch.chdir(tmp_path)
-    mine, other = f"sqlite:///{tmp_path / 'mine.db'}", f"sqlite:///{tmp_path / 'other.db'}"
+    mine, other = ready_store(tmp_path, "mine.db"), f"sqlite:///{tmp_path / 'other.db'}"
     _crafted_spool(tmp_path, mine)
     other_dir, _, _ = _crafted_spool(tmp_path, other, "other")  # a spool for another store, same root
     root = output_root(tmp_path / "runs" / "me", tmp_path)

@@ -28,7 +28,7 @@ from trackdiag.sinks._mlflow_store import health_url, healthy
 
 log = logging.getLogger("trackdiag")
 
-LINGER = 1.0  # seconds the thread lets ops accumulate before a call while training runs
+LINGER = 2.0  # seconds the thread lets ops accumulate before a call while training runs
 
 
 class Deliverer(CloseWait):
