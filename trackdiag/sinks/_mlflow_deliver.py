@@ -21,8 +21,9 @@ from typing import Any, Callable
 
 from trackdiag.sinks._mlflow_batch import GROUP_POINTS, group_end, group_summary
 from trackdiag.sinks._mlflow_close import CloseWait
-from trackdiag.sinks._mlflow_ops import is_permanent, op_size
-from trackdiag.sinks._mlflow_run import NoRun, Runner
+from trackdiag.sinks._mlflow_ops import op_size
+from trackdiag.sinks._mlflow_outage import Outages
+from trackdiag.sinks._mlflow_run import Runner
 from trackdiag.sinks._mlflow_spool import Spool
 from trackdiag.sinks._mlflow_store import health_url, healthy
 
@@ -31,7 +32,7 @@ log = logging.getLogger("trackdiag")
 LINGER = 2.0  # seconds the thread lets ops accumulate before a call while training runs
 
 
-class Deliverer(CloseWait):
+class Deliverer(CloseWait, Outages):
     """One daemon thread applying ops to MLflow. ``state`` is the run state (see ``Runner``);
     ``on_open`` runs (on this thread) once the run exists in the store."""
 
@@ -232,39 +233,3 @@ class Deliverer(CloseWait):
                 callback()
             except Exception as exc:  # e.g. leftover spools could not be looked at: not our run's problem
                 log.debug("trackdiag: after-open callback failed: %s", exc)
-
-    def _reject(self, op: dict[str, Any], exc: BaseException | str) -> None:
-        self._rejected += 1
-        with self._cv:
-            self.spool.reject(op, exc)
-        if self._rejected <= 3:
-            why = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-            log.warning("trackdiag: MLflow rejected a %r op (%s); kept in %s/rejected.jsonl",
-                        op.get("op"), why[:300], self.spool.dir)
-
-    def _classify(self, ops: list[dict[str, Any]], exc: BaseException) -> str:
-        """``reject`` (MLflow refuses it for good), ``broken`` (no run: stop) or ``retry`` (outage: back off)."""
-        if self._stop:  # closed meanwhile: close() spooled the ops; nothing more to say
-            return "retry"
-        name = ops[0].get("op")
-        if isinstance(exc, NoRun) or (name in ("open", "connect") and is_permanent(exc)):
-            with self._cv:
-                self._broken = f"{type(exc).__name__}: {exc}"
-            log.warning("trackdiag: MLflow run set-up failed (%s); records stay spooled in %s, fix it and run "
-                        "`trackdiag sync %s`", self._broken, self.spool.dir, self.spool.dir.parent)
-            return "broken"
-        if name not in ("health", "connect", "?"):
-            self._attempts += 1
-            if is_permanent(exc) or (self._attempts >= self.max_attempts and healthy(self._health)):
-                self._attempts = 0
-                return "reject"
-        with self._cv:
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-                log.warning("trackdiag: MLflow at %s unreachable (%s: %s). Training continues; diagnostics are "
-                            "spooled in %s and retried with backoff (one warning per outage)",
-                            self.state["tracking_uri"], type(exc).__name__, str(exc)[:200], self.spool.dir)
-            self._delay = min(max(self._delay * 2, self.backoff), self.max_backoff)
-            self._retry_at = time.monotonic() + self._delay
-            self._cv.notify_all()
-        return "retry"
