@@ -32,7 +32,7 @@ def test_busy_machine_fresh_default_store(tmp_path: Path) -> None:
     busy = subprocess.Popen([sys.executable, "-c", "import os\nos.fork()\nwhile True: pass"], start_new_session=True)
     try:
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "train.py", "+diag=advanced", "steps=150",
+        proc = subprocess.run([sys.executable, "train.py", "+diag=advanced", "steps=100",
                                f"hydra.run.dir={tmp_path / 'out'}"], cwd=app, env=env, capture_output=True, text=True,
                               timeout=900)
         wall = time.monotonic() - t0

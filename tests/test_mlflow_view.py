@@ -114,8 +114,8 @@ def test_sweep_with_default_store_and_commands_that_work_when_pasted(tmp_path: P
     sweep's parent run; the commands each job prints run in a shell whose PATH has no venv."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
     ready_store(tmp_path)  # the default store's file, in the launch dir (its tables made already)
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / "train.py"), "-m", "+diag=basic", "steps=40",
-                           "eval_every=20", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "train.py"), "-m", "+diag=basic", "steps=20",
+                           "eval_every=10", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -128,6 +128,6 @@ def test_sweep_with_default_store_and_commands_that_work_when_pasted(tmp_path: P
     assert len(summary) == 2 and len(ui) == 2, proc.stdout
     clean = {"PATH": "/usr/bin:/bin", "HOME": env.get("HOME", str(tmp_path)), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     done = subprocess.run(summary[0], shell=True, env=clean, capture_output=True, text=True, timeout=120, cwd="/")
-    assert done.returncode == 0 and "trackdiag: 40 steps, health" in done.stdout, done.stderr
+    assert done.returncode == 0 and "trackdiag: 20 steps, health" in done.stdout, done.stderr
     assert shlex.split(ui[0])[1:4] == ["-m", "mlflow", "ui"]
     assert _mlflow_ui_healthy(ui[0], clean)
