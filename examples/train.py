@@ -7,6 +7,8 @@ can be seen firing. ``python examples/train.py +diag=advanced``.
 from __future__ import annotations
 
 import logging
+import shlex
+import sys
 
 import hydra
 import torch
@@ -93,8 +95,9 @@ def main(cfg: DictConfig) -> float:
                 log.info("step %d  train %.4f  val %.4f  acc %.3f", step, loss.item(), val_loss, acc)
     if diag.enabled:
         s = diag.summary()
+        py = shlex.quote(sys.executable)  # commands that work when pasted, with or without the venv active
         print(f"\ntrackdiag: health {s['health']}, {len(diag.alerts)} alert(s). Local record: {s['output_dir']}")
-        print(f"  trackdiag summary {s['output_dir']}")
+        print(f"  {py} -m trackdiag summary {shlex.quote(s['output_dir'])}")
         if "mlflow" in diag.config["sinks"]:
             from trackdiag.sinks.mlflow import ui_hint
             print(f"  MLflow UI: {ui_hint(diag)}")

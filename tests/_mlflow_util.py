@@ -110,3 +110,24 @@ class MlflowServer:
         self.proc = None
         if getattr(self, "log", None) is not None:
             self.log.close()
+
+
+_TEMPLATE: list[Path] = []
+
+
+def ready_store(dest_dir: Path, name: str = "mlflow.db") -> str:
+    """A real, empty SQLite MLflow store at ``dest_dir/name`` (its URI), copied from one made once
+    per test process: MLflow's table creation costs ~6 s per new store on this disk, and only the
+    tests about a store created by the run need to pay it."""
+    import shutil
+    import tempfile
+
+    if not _TEMPLATE:
+        from mlflow import MlflowClient
+
+        path = Path(tempfile.mkdtemp(prefix="trackdiag-store-template-")) / "mlflow.db"
+        MlflowClient(f"sqlite:///{path}").search_experiments()  # creates every table
+        _TEMPLATE.append(path)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_TEMPLATE[0], dest_dir / name)
+    return f"sqlite:///{dest_dir / name}"

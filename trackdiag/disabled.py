@@ -43,7 +43,7 @@ class DisabledDiagnostics:
     def flush(self) -> None:
         return None
 
-    def close(self, status: str = "FINISHED", timeout: float = 60.0) -> None:
+    def close(self, status: str | None = None, timeout: float | None = None) -> None:
         return None
 
     def state_dict(self) -> dict[str, Any]:

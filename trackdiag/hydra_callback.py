@@ -19,6 +19,11 @@ the comparison from what is on disk, so the last job to end leaves a complete on
 without failures is compared once, in ``on_multirun_end``. Cost: one read of every run's
 local record per write (~5 ms per run) plus ~1-2 s of plotting. Nothing here ever raises:
 problems are logged (a callback exception would only become a Hydra warning anyway).
+
+Every job end (single runs too) also closes the trackdiag sessions the job opened and left open
+(no ``with``, no ``close()``), with the job's status: Hydra catches a job's exception itself and
+exits with ``sys.exit(1)``, so without this a crashed job's session would close at exit as
+FINISHED.
 """
 from __future__ import annotations
 
@@ -48,6 +53,12 @@ class CompareCallback(Callback):
         self.plots = bool(plots)
         self.mlflow = bool(mlflow)
 
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Sessions opened from now on belong to this job (see ``on_job_end``)."""
+        from trackdiag import exit_status
+
+        exit_status.job_started()
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Forget the job markers of an earlier multirun into the same sweep dir."""
         try:
@@ -58,7 +69,8 @@ class CompareCallback(Callback):
             log.warning("trackdiag compare callback: %s", e)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        """Record this job's status; once any job failed, rewrite the comparison."""
+        """Close the job's open sessions; record this job's status; once any job failed, rewrite the comparison."""
+        _close_sessions(job_return)
         if not _is_multirun(config):
             return
         try:
@@ -102,7 +114,10 @@ class CompareCallback(Callback):
         for line in comparison.risk_lines:
             log.info("trackdiag:   %s", line)
         if self.mlflow:
-            log_to_mlflow_parent(config, sweep, [written["html"], written["csv"]])
+            try:
+                log_to_mlflow_parent(config, sweep, [written["html"], written["csv"]])
+            except Exception as e:  # a store that does not answer: one line, not a traceback
+                log.warning("trackdiag: sweep comparison not logged to MLflow (%s: %s)", type(e).__name__, e)
 
 
 def sweep_dir(config: DictConfig) -> Path:
@@ -114,19 +129,46 @@ def sweep_dir(config: DictConfig) -> Path:
     return path.resolve()
 
 
+def _close_sessions(job_return: Any) -> None:
+    """Close the sessions this job opened and left open, FAILED if the job failed."""
+    try:
+        from trackdiag import exit_status
+
+        failed = getattr(getattr(job_return, "status", None), "name", "") == "FAILED"
+        err = getattr(job_return, "_return_value", None) if failed else None
+        status = exit_status.status_of(err) if isinstance(err, BaseException) else "FAILED" if failed else None
+        n = exit_status.close_job_sessions(status or exit_status.current())
+        if n:
+            log.info("trackdiag: closed %d session(s) the job left open (%s)", n, status or "job ended")
+    except Exception as e:
+        log.warning("trackdiag compare callback: closing the job's sessions failed: %s", e)
+
+
+def mlflow_store(config: DictConfig) -> str:
+    """The tracking URI the MLflow sink of this app's jobs used: ``diag.sink.mlflow.tracking_uri``,
+    else ``$MLFLOW_TRACKING_URI``, else the default ``sqlite:///<original cwd>/mlflow.db``."""
+    from trackdiag.sinks._mlflow_store import absolute_sqlite, default_tracking_uri
+
+    cwd = Path(str(OmegaConf.select(config, "hydra.runtime.cwd", default=None) or os.getcwd()))
+    uri = OmegaConf.select(config, "diag.sink.mlflow.tracking_uri", default=None)
+    return absolute_sqlite(str(uri), cwd) if uri else default_tracking_uri(cwd)
+
+
 def log_to_mlflow_parent(config: DictConfig, sweep: Path, files: list[Path]) -> bool:
     """Log ``files`` to the sweep's MLflow parent run (tags ``trackdiag.role=sweep``,
-    ``trackdiag.sweep=<sweep dir>``) under ``trackdiag/``. False if MLflow is not in use or no
-    parent run exists. Tracking URI: ``diag.sink.mlflow.tracking_uri``, else ``$MLFLOW_TRACKING_URI``.
+    ``trackdiag.sweep=<sweep dir>``) under ``trackdiag/``, in the store the jobs used
+    (:func:`mlflow_store`, the default store included). False if MLflow is not in use; when it is
+    but the comparison cannot be logged, one warning says why.
     """
     sinks = OmegaConf.select(config, "diag.sinks", default=None) or []
     uses = "mlflow" in list(sinks) or OmegaConf.select(config, "diag.sink.mlflow", default=None) is not None
-    uri = OmegaConf.select(config, "diag.sink.mlflow.tracking_uri", default=None) or os.environ.get("MLFLOW_TRACKING_URI")
-    if not uses or not uri:
+    if not uses:
         return False
+    uri = mlflow_store(config)
     try:
         from mlflow.tracking import MlflowClient
     except ImportError:
+        log.warning("trackdiag: sweep comparison not logged to MLflow: mlflow is not installed")
         return False
     client = MlflowClient(tracking_uri=str(uri))
     ids = [e.experiment_id for e in client.search_experiments()]
@@ -134,7 +176,8 @@ def log_to_mlflow_parent(config: DictConfig, sweep: Path, files: list[Path]) -> 
     flt = f"tags.`trackdiag.role` = 'sweep' and tags.`trackdiag.sweep` = '{group}'"
     parents = client.search_runs(ids, filter_string=flt, max_results=10) if ids else []
     if not parents:
-        log.info("trackdiag: no MLflow parent run for sweep %s; comparison not logged to MLflow", sweep)
+        log.warning("trackdiag: sweep comparison not logged to MLflow: no parent run for sweep %s in %s (the jobs' "
+                    "MLflow data may still be spooled: `trackdiag sync <job dir>` delivers it)", sweep, uri)
         return False
     for f in files:
         client.log_artifact(parents[0].info.run_id, str(f), artifact_path="trackdiag")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from trackdiag import exit_status
 from trackdiag.alert import Alert
 from trackdiag.alerting import AlertBook, merge_places
 from trackdiag.components import batch_size_of, build_components
@@ -152,12 +153,13 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        status = "FINISHED" if exc_type is None else "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
-        self.close(status)
+        self.close(exit_status.status_of(exc))  # KeyboardInterrupt: KILLED, other exceptions: FAILED
 
     def _open(self) -> None:
         if not self._opened:
             self._opened = True
+            exit_status.install()  # uncaught exceptions and SIGTERM decide the status of a close at exit
+            exit_status.track(self)
             self._hub.open(self.run)
             atexit.register(self.close)
 
@@ -318,10 +320,19 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         """Block until the sinks have handled everything sent so far."""
         self._hub.drain()
 
-    def close(self, status: str = "FINISHED", timeout: float = 60.0) -> None:
-        """Flush the last partial window, remove every hook and close the sinks. Idempotent."""
+    def close(self, status: str | None = None, timeout: float | None = None) -> None:
+        """Flush the last partial window, remove every hook and close the sinks. Idempotent.
+
+        ``status``: ``FINISHED`` | ``FAILED`` | ``KILLED``; None (and at exit): how the run is ending
+        (an exception being handled or left uncaught: FAILED, KeyboardInterrupt/SIGTERM: KILLED, see
+        :mod:`trackdiag.exit_status`). ``timeout``: seconds to wait for the sinks; None: as long as
+        their own limits allow (MLflow: ``close_timeout``). Raises ValueError for another status.
+        """
         if self._closed:
             return
+        status = exit_status.current(self) if status is None else status
+        if status not in (exit_status.FINISHED, exit_status.FAILED, exit_status.KILLED):
+            raise ValueError(f"status: {status!r} is not one of FINISHED, FAILED, KILLED")
         self._closed = True
         atexit.unregister(self.close)
         self._stop_events()
@@ -334,7 +345,7 @@ class Diagnostics(OptimizerEvents, SetupChecks):
             self._guard(p, "detach")
         if self._opened:
             self._finish()
-            self._hub.close(status, self.summary(), timeout)
+            self._hub.close(status, {**self.summary(), "status": status}, timeout)
 
     def _finish(self) -> None:
         """End-of-run artifacts: probes read the complete local record and add files."""

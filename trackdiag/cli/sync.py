@@ -3,7 +3,11 @@
 The MLflow sink keeps undelivered batches in ``RUN_DIR/mlflow_spool`` (and ``mlflow_spool-<n>``
 for spools an earlier run in the same dir left). This replays them, oldest first, into the run
 recorded in the spool (creating it if the tracker was never reached), then ends that run with
-the status training ended with. Exit status: 0 all delivered, 1 some left, 2 nothing done.
+the status training ended with. A spool may have been written by someone else, so nothing in it
+is trusted: every op is checked, only files inside the run dir the spool belongs to are uploaded
+(symlinks followed), the target store is printed before anything is sent, and with
+``--tracking-uri`` the data goes to that store only (a new run there; the recorded store and
+artifact location are not used). Exit status: 0 all delivered, 1 some left, 2 nothing done.
 """
 from __future__ import annotations
 
@@ -15,16 +19,18 @@ from pathlib import Path
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sync", help="deliver MLflow data a run spooled while the tracker was unreachable")
     p.add_argument("run_dir", type=Path, help="a run's local record dir (holds mlflow_spool/), or a spool dir")
-    p.add_argument("--tracking-uri", default=None, help="deliver to this MLflow store instead of the recorded one")
+    p.add_argument("--tracking-uri", default=None,
+                   help="deliver to this MLflow store (only) instead of the one recorded in the spool")
     p.add_argument("--force", action="store_true", help="sync even if the process that wrote the spool still runs")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from trackdiag.sinks._mlflow_run import pid_alive
+    from trackdiag.sinks._mlflow_check import check_state
+    from trackdiag.sinks._mlflow_store import pid_alive
     from trackdiag.sinks._mlflow_spool import Spool, drain, spools_in
 
-    root: Path = args.run_dir
+    root: Path = args.run_dir.resolve()
     found = [root] if (root / "meta.json").is_file() else spools_in(root)
     if not found:
         print(f"trackdiag: nothing to sync in {root} (no mlflow_spool/: everything was delivered)")
@@ -32,21 +38,47 @@ def run(args: argparse.Namespace) -> int:
     rc = 0
     for path in found:
         spool = Spool(path)
-        meta = spool.read_meta()
-        pid = int(meta.get("pid") or 0)
-        if pid and pid != os.getpid() and pid_alive(pid) and not args.force:
-            print(f"trackdiag: {path} belongs to running process {pid} (still delivering it); "
-                  f"wait for it to end, or pass --force if that pid is another program")
+        try:
+            meta = spool.read_meta()
+        except (OSError, ValueError) as exc:
+            print(f"trackdiag: {path}: unreadable meta.json ({exc}); nothing sent")
             rc = max(rc, 2)
             continue
-        done, left, error = drain(spool, args.tracking_uri)
-        state = spool.read_meta()["state"]
-        target = f"{args.tracking_uri or state.get('tracking_uri')} run {state.get('run_id')}"
+        state = meta.get("state") if isinstance(meta, dict) else None
+        problem = check_state(state, path.parent)
+        if problem:
+            print(f"trackdiag: {path}: refused ({problem}); nothing sent")
+            rc = max(rc, 2)
+            continue
+        pid = meta.get("pid") if isinstance(meta.get("pid"), int) else 0
+        had_lock = (path / ".lock").exists()  # spools of older versions have none: trust the pid then
+        locked_by_other = not spool.claim()
+        alive = not had_lock and pid and pid != os.getpid() and pid_alive(pid)
+        if (locked_by_other or alive) and not args.force:
+            print(f"trackdiag: {path} is being delivered by a running process (pid {pid}); "
+                  f"wait for it to end, or pass --force if that pid is another program")
+            rc = max(rc, 2)
+            spool.release()
+            continue
+        target = args.tracking_uri or state["tracking_uri"]
+        where = "a new run" if args.tracking_uri and args.tracking_uri != state["tracking_uri"] \
+            else f"run {state.get('run_id') or '(new)'}"
+        print(f"trackdiag: {path}: delivering to {target}, {where} (files only from {path.parent})")
+        try:
+            done, left, error, refused = drain(spool, args.tracking_uri)
+        finally:
+            state = spool.read_meta().get("state") or {}
+        for why in refused[:5]:
+            print(f"  refused: {why}")
+        if len(refused) > 5:
+            print(f"  ... {len(refused) - 5} more refused (see {path / 'rejected.jsonl'})")
         if left:
-            print(f"trackdiag: {path}: delivered {done} batch(es) to {target}; {left} left ({error}). Run again later.")
+            print(f"trackdiag: {path}: delivered {done} op(s) to {target} run {state.get('run_id')}; "
+                  f"{left} left ({error}). Run again later.")
             rc = max(rc, 1)
         else:
-            print(f"trackdiag: {path}: delivered {done} batch(es) to {target}")
+            print(f"trackdiag: {path}: delivered {done} op(s) to {target} run {state.get('run_id')}")
             if spool.remove_if_done() is False:
-                print(f"  some batches were rejected by MLflow for good: see {path / 'rejected.jsonl'}")
+                print(f"  some ops were refused or rejected by MLflow for good: see {path / 'rejected.jsonl'}")
+        spool.release()
     return rc

@@ -3,11 +3,15 @@
 With a local SQLite store, ``log_batch`` of 1000 metrics is ~0.15-0.3 s of SQLAlchemy work;
 run on a thread of the training process it slows a Python-bound training loop by about that
 much per logged step. :class:`ProcessRunner` has the :class:`~trackdiag.sinks._mlflow_run.Runner`
-interface but forwards each op as a length-prefixed pickle to ``python -m
+interface but forwards each group of ops as a length-prefixed pickle to ``python -m
 trackdiag.sinks._mlflow_worker`` and reads the reply the same way: the parent pays a
-``pickle.dumps`` (~0.05 ms per 1000 points) and a pipe write per batch. Only this package's two
-ends speak the protocol. The child exits when its stdin closes or its parent dies; its own logs
-(and MLflow's prints) go to stderr.
+``pickle.dumps`` (~0.05 ms per 1000 points) and a pipe write per group. Only this package's two
+ends speak the protocol. The child starts through :func:`child_command` (trackdiag's modules
+without its package ``__init__``, so no torch import). The child exits when its stdin closes or its parent dies; its own logs
+(and MLflow's prints) go to stderr. It imports MLflow and (for a new store) creates its tables at
+normal priority, then lowers its priority (``nice`` +5) once the run exists: on a busy machine a
+worker niced from the start got ~10 % of a core and had not made its first call when training
+ended.
 """
 from __future__ import annotations
 
@@ -49,7 +53,8 @@ class ProcessRunner:
         env.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         env.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
         env.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
-        self._proc = subprocess.Popen([sys.executable, "-m", "trackdiag.sinks._mlflow_worker"], stdin=subprocess.PIPE,
+        self.calls = 0  # MLflow calls the worker made so far
+        self._proc = subprocess.Popen(child_command("trackdiag.sinks._mlflow_worker"), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env=env)
         self._call({"init": state})
 
@@ -58,9 +63,14 @@ class ProcessRunner:
         return self._proc.poll() is not None
 
     def run(self, op: dict[str, Any]) -> None:
-        self._call({"op": op})
+        if self._call({"ops": [op]}):
+            raise FileNotFoundError(f"artifact {op.get('path')} no longer exists")
 
-    def _call(self, msg: dict[str, Any]) -> None:
+    def run_many(self, ops: list[dict[str, Any]]) -> dict[int, str]:
+        """One round trip for a whole group (see ``Runner.run_many``); the ops skipped."""
+        return self._call({"ops": ops})
+
+    def _call(self, msg: dict[str, Any]) -> dict[int, str]:
         try:
             _send(self._proc.stdin, msg)  # type: ignore[arg-type]
             reply = _receive(self._proc.stdout)  # type: ignore[arg-type]
@@ -68,22 +78,39 @@ class ProcessRunner:
             raise ConnectionError(f"MLflow worker process gone ({type(exc).__name__}: {exc}; "
                                   f"exit code {self._proc.poll()})") from None
         self.state.update(reply.get("state") or {})
+        self.calls = int(reply.get("calls") or 0)
         if "error" in reply:
             if reply.get("no_run"):
                 raise NoRun(reply["error"])
             raise WorkerError(reply["error"], bool(reply.get("permanent")), reply.get("error_code"))
+        return dict(reply.get("refused") or {})
 
-    def close(self) -> None:
-        """End the child: close its stdin, then kill it if it does not exit within 2 s."""
+    def close(self, wait: float = 0.0) -> None:
+        """End the child: close its stdin (it exits on EOF: MLflow's own shutdown takes ~1 s, nobody
+        waits for that); with ``wait``, kill it if it has not exited after that many seconds."""
         try:
             self._proc.stdin.close()  # type: ignore[union-attr]
         except OSError:
             pass
-        try:
-            self._proc.wait(2)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(5)
+        if wait:
+            try:
+                self._proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5)
+
+
+_BOOT = ("import importlib, sys, types; pkg = types.ModuleType('trackdiag'); pkg.__path__ = [sys.argv[1]]; "
+         "sys.modules['trackdiag'] = pkg; sys.argv = sys.argv[2:]; importlib.import_module(sys.argv[0]).main()")
+
+
+def child_command(module: str, *args: str) -> list[str]:
+    """The command line that runs ``module.main()`` of this trackdiag in a child Python without
+    executing ``trackdiag/__init__.py``: that imports torch (~2 s of CPU), which a delivery child
+    never needs (it was a third of the worker's start-up on a busy machine)."""
+    import trackdiag
+
+    return [sys.executable, "-c", _BOOT, str(Path(trackdiag.__file__).resolve().parent), module, *args]
 
 
 def _send(stream: IO[bytes], msg: Any) -> None:
@@ -118,11 +145,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("urllib3").setLevel(logging.ERROR)  # outages: the parent warns once, not per retry
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    if hasattr(os, "nice"):
-        os.nice(10)  # on a busy machine, training gets the CPU first; tracking catches up later
     from trackdiag.sinks._mlflow_run import Runner
 
     runner: Runner | None = None
+    niced = False
     while True:
         try:
             msg = _receive(sys.stdin.buffer)
@@ -133,14 +159,17 @@ def main() -> None:
                 runner = Runner(msg["init"])
             elif runner is None:
                 raise NoRun("worker not initialised")
-            else:
-                runner.run(msg["op"])
-            reply: dict[str, Any] = {"state": runner.state if runner else {}}
+            refused = runner.run_many(msg["ops"]) if "ops" in msg else {}
+            reply: dict[str, Any] = {"state": runner.state if runner else {}, "calls": runner.calls if runner else 0,
+                                     "refused": refused}
+            if not niced and runner is not None and runner.state.get("run_id") and hasattr(os, "nice"):
+                niced = True
+                os.nice(5)  # set up: from now on training gets the CPU first (never undone: needs privileges)
         except Exception as exc:
             code = getattr(exc, "error_code", None)
             reply = {"error": f"{type(exc).__name__}: {exc}"[:4000], "permanent": is_permanent(exc),
                      "no_run": isinstance(exc, NoRun), "error_code": code if isinstance(code, str) else None,
-                     "state": runner.state if runner else {}}
+                     "state": runner.state if runner else {}, "calls": runner.calls if runner else 0}
         _send(proto, reply)
 
 

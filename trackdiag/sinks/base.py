@@ -19,10 +19,13 @@ class Sink:
     ``alert`` per emitted alert, ``flush`` whenever the queue runs dry (batch here), ``close`` once.
 
     A sink that raises is disabled with one warning; training never sees the error.
-    ``status`` at close is ``FINISHED`` | ``FAILED`` | ``KILLED``.
+    ``status`` at close is ``FINISHED`` | ``FAILED`` | ``KILLED``; the summary carries it too
+    (``summary["status"]``). ``close_budget``: the most seconds ``close`` may take (the hub waits
+    that long, plus a margin, before it gives up on the sink thread).
     """
 
     name: ClassVar[str] = ""
+    close_budget: float = 60.0
 
     def open(self, run: RunInfo) -> None:
         """Start the run. Default: nothing."""
@@ -66,11 +69,22 @@ class SinkHub:
         self._q.put(("alert", (alert,)))
 
     def close(self, status: str, summary: dict[str, Any], timeout: float | None = None) -> None:
-        """Deliver everything queued, close every sink, and wait for the thread (``timeout`` s)."""
+        """Deliver everything queued, close every sink, and wait for the thread: ``timeout`` s, or
+        (None) the largest ``close_budget`` of the sinks plus 30 s. A KeyboardInterrupt (or the
+        SystemExit of a SIGTERM) while waiting asks the sinks that can (``interrupt()``) to stop at
+        once and keep what is left (the MLflow spool), then propagates."""
         self._q.put(("close", (status, summary)))
         self._q.put(_STOP)
+        if timeout is None:
+            timeout = max([s.close_budget for s in self.sinks] or [0.0]) + 30.0
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            try:
+                self._thread.join(timeout)
+            except BaseException:
+                for sink in self.sinks:
+                    getattr(sink, "interrupt", lambda: None)()
+                self._thread.join(5.0)
+                raise
             if self._thread.is_alive():
                 log.warning("trackdiag: sinks still busy after %.0fs; the local record is complete, trackers may lag", timeout)
 

@@ -7,19 +7,25 @@ What lands in the run (keys pass through :func:`~trackdiag.sinks._mlflow_ops.san
 - params: the user's hyperparameters, flattened to dotted keys (``optimizer.lr``), values cut to
   6000 chars; params already on the run are left alone.
 - tags: ``trackdiag.level|version|run_dir|run_name|components``, ``trackdiag.alert.<kind>`` = first
-  step, ``trackdiag.health`` = ok|warning|critical at close; sweeps: ``trackdiag.sweep``/``job_num``
-  and ``mlflow.parentRunId`` (one parent run per Hydra multirun, tagged ``trackdiag.role=sweep``).
+  step; at close ``trackdiag.status`` = FINISHED|FAILED|KILLED and ``trackdiag.health`` =
+  ok|warning|critical, or failed|killed for a run that did not finish without worse alerts;
+  ``mlflow.source.name``/``type``/``git.*`` name the user's entry script (not the worker);
+  sweeps: ``trackdiag.sweep``/``job_num`` and ``mlflow.parentRunId`` (one parent run per Hydra
+  multirun, tagged ``trackdiag.role=sweep``). Experiments trackdiag creates carry
+  ``mlflow.experimentKind=custom_model_development`` (the UI's model-training view).
 - artifacts: ``config.yaml`` (hyperparameters), ``trackdiag/diag_config.yaml``,
-  ``histograms/step_<n>.json`` + per-step images (``log_image``, key = histogram key, rendered by
-  the deliverer), every file in ``Record.artifacts`` (path relative to the run dir), and at close
+  ``histograms/step_<n>.json`` + per-step images (stored as ``log_image(key=histogram key, step)``
+  does), every file in ``Record.artifacts`` (path relative to the run dir), and at close
   ``alerts.json``, ``summary.json`` (as the local record's), ``tables/tables.jsonl`` and
   ``trackdiag/key_map.json`` (keys that were renamed).
 
 Cost: on the sink thread, a shallow copy of each record's scalar dict and a deque append per
-batch. MLflow itself runs on a delivery thread (``_mlflow_deliver``) that by default pickles each
-batch to a child process (``delivery: process``; ~0.05 ms per 1000 points) where keys are mapped
-and SQLAlchemy/HTTP work runs without holding the training process's GIL. During outages batches are spooled to
-``<output_dir>/mlflow_spool`` and retried; ``trackdiag sync <output_dir>`` delivers leftovers.
+batch. A delivery thread (``_mlflow_deliver``) hands groups of queued ops to a child process
+(``delivery: process``) that maps keys and merges them into the fewest ``log_batch`` calls and one
+upload (``_mlflow_batch``), off the training process's GIL. Outages spool to
+``<output_dir>/mlflow_spool``. ``close`` waits while delivery moves (``_mlflow_close``); what is
+left stays spooled with the run's end for ``trackdiag sync`` or the next session on the same
+store, which delivers earlier spools under its output root in the background (``_mlflow_leftovers``).
 """
 from __future__ import annotations
 
@@ -35,26 +41,27 @@ from trackdiag.errors import ConfigError, TrackdiagError
 from trackdiag.record import Record
 from trackdiag.runinfo import RunInfo, hydra_runtime
 from trackdiag.sinks._mlflow_deliver import Deliverer
-from trackdiag.sinks._mlflow_media import to_yaml, write_histograms, write_json
+from trackdiag.sinks._mlflow_media import artifact_dir, file_op, histogram_ops, to_yaml
+from trackdiag.sinks._mlflow_leftovers import launch, output_root, stop
 from trackdiag.sinks._mlflow_ops import MAX_METRICS, flatten, pair_ops
-from trackdiag.sinks._mlflow_run import (SWEEP_TAG, Runner, absolute_sqlite, default_artifact_location,
-                                         default_tracking_uri)
+from trackdiag.sinks._mlflow_run import SWEEP_TAG, Runner
 from trackdiag.sinks._mlflow_spool import Spool
+from trackdiag.sinks._mlflow_store import (absolute_sqlite, default_artifact_location, default_tracking_uri,
+                                           option_problems, ui_command)
 from trackdiag.sinks._mlflow_worker import ProcessRunner
 from trackdiag.sinks.base import Sink
+from trackdiag.sinks.console import DeliveryProgress, display_health
 
 log = logging.getLogger("trackdiag")
 
 
 def ui_hint(diag: Any) -> str | None:
-    """How to open the MLflow UI on the store a session's MLflow sink wrote to, or None."""
-    for sink in getattr(getattr(diag, "_hub", None), "sinks", []):
-        if isinstance(sink, MlflowSink):
-            uri = sink.tracking_uri
-            if uri.startswith(("http:", "https:")):
-                return f"open {uri}"
-            return f"mlflow ui --backend-store-uri {uri}" if "://" in uri else f"tracking URI {uri}"
-    return None
+    """How to open the MLflow UI on the store a session's MLflow sink wrote to (a command that works
+    when pasted into a shell where no venv is active), or None."""
+    from trackdiag.redact import DEFAULT_POLICY
+
+    sink = next((s for s in getattr(getattr(diag, "_hub", None), "sinks", []) if isinstance(s, MlflowSink)), None)
+    return DEFAULT_POLICY.text(ui_command(sink.tracking_uri)) if sink is not None else None  # no password printed
 
 
 class MlflowSink(Sink):
@@ -62,7 +69,11 @@ class MlflowSink(Sink):
     ``diag.sink.mlflow.*``; ``tracking_uri`` default: ``MLFLOW_TRACKING_URI`` or
     ``sqlite:///<original cwd>/mlflow.db``; ``experiment`` default: the Hydra job name or
     ``trackdiag``. With ``attach_active_run``, a run the user started (``mlflow.start_run``) gets
-    the diagnostics and is left running. Raises ``TrackdiagError`` if mlflow is not installed."""
+    the diagnostics and is left running. ``close_timeout``: the longest close waits for delivery
+    (it gives up earlier only when nothing moved for ``close_stall_timeout`` s and the store does
+    not answer). ``deliver_leftovers``: deliver, in the background, the spools earlier runs left
+    under this run's output root for the same store. Raises ``TrackdiagError`` if mlflow is not
+    installed, ``ConfigError`` for bad options."""
 
     name = "mlflow"
 
@@ -70,18 +81,14 @@ class MlflowSink(Sink):
                  tags: dict[str, str] | None = None, artifact_location: str | None = None, log_params: bool = True,
                  log_config: bool = True, attach_active_run: bool = True, histogram_images: bool = True,
                  max_histogram_images: int = 16, retry_backoff: float = 1.0, retry_max_backoff: float = 30.0,
-                 close_timeout: float = 20.0, max_memory_batches: int = 64, spool_dir: str | None = None,
-                 delivery: str = "process") -> None:
+                 close_timeout: float = 600.0, close_stall_timeout: float = 30.0, max_memory_batches: int = 64,
+                 spool_dir: str | None = None, delivery: str = "process", deliver_leftovers: bool = True) -> None:
         if importlib.util.find_spec("mlflow") is None:
             raise TrackdiagError("the MLflow sink needs mlflow: pip install mlflow "
                                  "(or drop 'mlflow' from diag.sinks)")
-        problems = [f"diag.sink.mlflow.{k}: must be > 0, got {v!r}" for k, v in (
-            ("retry_backoff", retry_backoff), ("retry_max_backoff", retry_max_backoff),
-            ("close_timeout", close_timeout), ("max_memory_batches", max_memory_batches)) if v <= 0]
-        problems += [f"diag.sink.mlflow.max_histogram_images: must be >= 0, got {max_histogram_images!r}"] \
-            if max_histogram_images < 0 else []
-        if delivery not in ("process", "thread"):
-            problems.append(f"diag.sink.mlflow.delivery: {delivery!r} is not one of process, thread")
+        problems = option_problems({"retry_backoff": retry_backoff, "retry_max_backoff": retry_max_backoff,
+                                    "close_timeout": close_timeout, "close_stall_timeout": close_stall_timeout,
+                                    "max_memory_batches": max_memory_batches}, max_histogram_images, delivery)
         if problems:
             raise ConfigError(problems)
         hydra = hydra_runtime()  # read here: the training thread, where Hydra and mlflow's active run live
@@ -92,7 +99,10 @@ class MlflowSink(Sink):
         self.histogram_images, self.max_histogram_images = histogram_images, max_histogram_images
         self.retry_backoff, self.retry_max_backoff = retry_backoff, retry_max_backoff
         self.close_timeout, self.max_memory_batches, self.spool_dir = close_timeout, max_memory_batches, spool_dir
+        self.close_stall_timeout, self.deliver_leftovers = close_stall_timeout, deliver_leftovers
+        self.close_budget = close_timeout + 60.0  # the sink hub waits this long for close()
         self.delivery = delivery
+        self._leftovers: Any = None
         self.attach_run_id: str | None = None
         fluent = sys.modules.get("mlflow")  # a user with an active run has imported mlflow already
         active = fluent.active_run() if attach_active_run and fluent is not None else None
@@ -127,21 +137,24 @@ class MlflowSink(Sink):
                 else default_tracking_uri(self._cwd)
         self._run = run
         self._media = run.output_dir / "mlflow"
-        spool = Spool(Path(self.spool_dir) if self.spool_dir else run.output_dir / "mlflow_spool")
+        spool = Spool(Path(self.spool_dir) if self.spool_dir else run.output_dir / "mlflow_spool", owner=True)
         if spool.exists():
             moved = spool.set_aside()
             log.warning("trackdiag: an earlier run left undelivered MLflow data; moved to %s (trackdiag sync %s)",
                         moved, run.output_dir)
-        self._state = {"tracking_uri": self.tracking_uri, "run_id": None}
-        self._deliver = Deliverer(spool, self._state, backoff=self.retry_backoff, max_backoff=self.retry_max_backoff,
-                                  max_memory_ops=self.max_memory_batches,
-                                  runner_factory=ProcessRunner if self.delivery == "process" else Runner)
         from trackdiag import __version__
 
+        argv0 = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-") else None
         spec = {"experiment": self.experiment, "run_name": self.run_name or run.name,
                 "artifact_location": self.artifact_location or default_artifact_location(
                     self.tracking_uri, self._cwd, self.experiment),
-                "attach_run_id": self.attach_run_id, "group": run.group, "start_ms": int(run.start_time * 1000)}
+                "attach_run_id": self.attach_run_id, "group": run.group, "start_ms": int(run.start_time * 1000),
+                "source": str((self._cwd / argv0).resolve()) if argv0 else None}  # the user's script
+        self._state = {"tracking_uri": self.tracking_uri, "run_id": None, "spec": spec}
+        leftovers = (lambda: self._start_leftovers(spool)) if self.deliver_leftovers else None
+        self._deliver = Deliverer(spool, self._state, backoff=self.retry_backoff, max_backoff=self.retry_max_backoff,
+                                  max_memory_ops=self.max_memory_batches, on_open=leftovers,
+                                  runner_factory=ProcessRunner if self.delivery == "process" else Runner)
         tags = {"trackdiag.level": run.level, "trackdiag.version": __version__, "trackdiag.run_dir": str(run.output_dir),
                 "trackdiag.run_name": run.name, "trackdiag.components": ",".join(run.components)}
         if run.group:
@@ -161,14 +174,8 @@ class MlflowSink(Sink):
         ts = int((record.time or time.time()) * 1000)
         self._pending.append([record.step, ts, dict(record.scalars), {k: list(v) for k, v in record.series.items()}])
         self._npoints += len(record.scalars) + sum(map(len, record.series.values()))
-        ops: list[dict[str, Any]] = []
-        if record.histograms:
-            ops.append({"op": "artifact", "path": str(write_histograms(self._media, record.step, record.histograms)),
-                        "dir": "histograms"})
-            if self._images:
-                for k, h in list(record.histograms.items())[: self.max_histogram_images]:
-                    ops.append({"op": "image", "title": k, "edges": [float(e) for e in h.edges],
-                                "counts": [float(c) for c in h.counts], "step": record.step, "ts": ts})
+        ops = histogram_ops(self._media, record.step, ts, record.histograms,
+                            self.max_histogram_images if self._images else 0) if record.histograms else []
         if record.tables:
             with open(self._media_path("tables.jsonl"), "a", encoding="utf-8") as f:
                 f.write(Record(step=record.step, tables=record.tables).to_json() + "\n")
@@ -194,11 +201,14 @@ class MlflowSink(Sink):
         self._cut()
 
     def close(self, status: str, summary: dict[str, Any]) -> None:
-        """Final files and tags, end the run with ``status`` (only a run we started), then wait at
-        most ``close_timeout`` s for delivery; what is left stays spooled for ``trackdiag sync``."""
+        """Final files and tags, end the run with ``status`` (only a run we started), then wait while
+        delivery moves (at most ``close_timeout`` s, one console line and a progress bar when it
+        takes a while); what is left stays spooled, the end of the run included, for ``trackdiag
+        sync`` or the next session."""
         if self._deliver is None:
             return
-        self._tags.append(("trackdiag.health", str(summary.get("health", "unknown"))))
+        self._tags += [("trackdiag.status", status),
+                       ("trackdiag.health", display_health({**summary, "status": status}))]
         self._cut()
         ops = [self._file(self._alerts, "alerts.json", None), self._file(summary, "summary.json", None)]
         if (self._media / "tables.jsonl").exists():
@@ -206,15 +216,30 @@ class MlflowSink(Sink):
         ops.append({"op": "key_map"})
         ops.append({"op": "end", "status": status, "ts": int(time.time() * 1000)})
         self._deliver.submit(ops)
-        left, entities = self._deliver.close(self.close_timeout)
+        progress = DeliveryProgress(f"MLflow at {self.tracking_uri}")
+        (left, entities), why = self._deliver.close(self.close_timeout, self.close_stall_timeout, progress)
+        stop(self._leftovers)
+        progress.finish("MLflow delivery stopped" if left else "delivered to MLflow")
+        spool = self._deliver.spool
         if left:
-            log.warning("trackdiag: %d MLflow batch(es) (%d entries) not delivered to %s; they are kept in %s. "
-                        "Deliver them later with: trackdiag sync %s", left, entities, self.tracking_uri,
-                        self._deliver.spool.dir, self._run.output_dir)
+            log.warning("trackdiag: %d MLflow op(s) (%d entries, the run's end among them) not delivered to %s (%s); "
+                        "they are kept in %s. The next session under %s delivers them, or now: %s -m trackdiag sync %s",
+                        left, entities, self.tracking_uri, why or self._deliver.broken, spool.dir,
+                        output_root(self._run.output_dir, self._cwd), sys.executable, self._run.output_dir)
         elif self._deliver.broken is None:
-            self._deliver.spool.remove_if_done()
+            spool.remove_if_done()
+        spool.release()
+
+    def interrupt(self) -> None:
+        """Stop waiting for delivery at once (Ctrl-C at close); the rest stays spooled."""
+        if self._deliver is not None:
+            self._deliver.interrupt()
 
     # ------------------------------------------------------------------ helpers
+    def _start_leftovers(self, own: Spool) -> None:
+        """Once the run exists: deliver spools earlier runs left for this store, in the background."""
+        self._leftovers = launch(output_root(self._run.output_dir, self._cwd), self.tracking_uri, own.dir)
+
     def _cut(self) -> None:
         ops = [{"op": "points", "records": self._pending}] if self._pending else []
         ops += pair_ops("tags", self._tags)
@@ -227,17 +252,8 @@ class MlflowSink(Sink):
         return self._media / name
 
     def _file(self, obj: Any, name: str, artifact_dir: str | None) -> dict[str, Any]:
-        path = self._media_path(Path(name).name)
-        if isinstance(obj, str):
-            path.write_text(obj, encoding="utf-8")
-        else:
-            write_json(path, obj)
-        return {"op": "artifact", "path": str(path), "dir": artifact_dir}
+        return file_op(self._media_path(Path(name).name), obj, artifact_dir)
 
     def _artifact_dir(self, path: Path) -> str:
-        try:
-            rel = path.resolve().parent.relative_to(self._run.output_dir.resolve())
-        except ValueError:
-            return "files"
-        return rel.as_posix() if str(rel) != "." else "files"
+        return artifact_dir(path, self._run.output_dir)
 

@@ -8,7 +8,8 @@ Emits, on the sink thread:
     (under ``diag/images/<file stem>``; other files go to the run's files with ``run.save``);
   per alert: ``run.alert`` (INFO/WARN/ERROR, at or above ``notify``), the metric ``diag/alerts/<kind>``
     (running count) and summary keys ``trackdiag/alerts/<kind>/count``, ``.../first_step``,
-    ``trackdiag/health`` (ok|warning|critical), rewritten from the session summary at close;
+    ``trackdiag/health`` (ok|warning|critical; failed|killed for a run that did not finish without worse
+    alerts) and ``trackdiag/status``, rewritten from the session summary at close;
   summaries: ``min`` of losses, ``max`` of gradient norms, beside the last value.
 Config: the run's hyperparameters with secrets redacted, plus a ``trackdiag`` section.
 Cost: ``wandb.init`` (~0.5-0.8 s and a ``wandb-core`` child, the first time in a process) on the
@@ -132,13 +133,18 @@ class WandbSink(Sink):
         self._started.add(self.run.id)
 
     def close(self, status: str, summary: dict[str, Any]) -> None:
-        """Deliver buffered rows, write the alert summary, finish the run if trackdiag started it
-        (``exit_code`` 0 for FINISHED, 1 for FAILED/KILLED)."""
+        """Deliver buffered rows, write the alert summary (``trackdiag/status``, and
+        ``trackdiag/health`` = failed|killed for a run that did not finish without worse alerts),
+        finish the run if trackdiag started it (``exit_code`` 0 for FINISHED, 1 for FAILED/KILLED;
+        W&B shows it as failed). ``finish`` waits for the upload (online); when that takes more
+        than ~0.5 s one console line says so, with elapsed time on a terminal."""
         if self.run is None:
             return
         self.flush()
-        final: dict[str, Any] = {"trackdiag/health": summary.get("health", "ok"), "trackdiag/status": status,
-                                 "trackdiag/steps": summary.get("steps", 0)}
+        from trackdiag.sinks.console import DeliveryProgress, display_health
+
+        final: dict[str, Any] = {"trackdiag/health": display_health({**summary, "status": status}),
+                                 "trackdiag/status": status, "trackdiag/steps": summary.get("steps", 0)}
         for kind, a in (summary.get("alerts") or {}).items():
             final.update({f"trackdiag/alerts/{kind}/count": a.get("count", 0),
                           f"trackdiag/alerts/{kind}/first_step": a.get("first_step"),
@@ -150,7 +156,10 @@ class WandbSink(Sink):
         self.run.summary.update(final)
         if self.owned:
             self._started.discard(self.run.id)
-            self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+            progress = DeliveryProgress(f"W&B ({self.mode}), run {self.run.name}")
+            with progress.ticking():
+                self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+            progress.finish("W&B run finished")
         self.run = None
 
     # ------------------------------------------------------------------ data
