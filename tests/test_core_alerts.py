@@ -11,6 +11,7 @@ import trackdiag
 import trackdiag.probes
 from trackdiag import AlertRaised, Diagnostics
 from trackdiag.sinks.local import read_records
+from trackdiag.rules.base import Rule
 from conftest import LEAN_PROBES, batches, make_mlp
 
 
@@ -168,3 +169,18 @@ def test_console_summary_reports_the_overhead_and_how_to_cut_it(digits, tmp_path
     assert "log less often" in printed
     quiet = format_summary({**diag.summary(), "overhead": {**overhead, "fraction": NOTE_ABOVE / 2}})
     assert "ms/step" in quiet and "log less often" not in quiet
+
+
+class BrokenRule(Rule):
+    kind = "broken_rule"
+
+    def check(self, record, history, components):
+        raise ZeroDivisionError("a bug in a rule")
+
+
+def test_failing_rule_is_disabled_not_fatal(digits, tmp_path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="trackdiag"):
+        diag = train(digits, tmp_path, 30, level="basic", rules={"broken_rule": {"_target_": "test_core_alerts.BrokenRule"}})
+    assert diag.summary()["steps"] == 30
+    assert "rule:broken_rule" in diag.summary()["disabled_probes"]
+    assert sum("rule 'broken_rule' disabled" in r.message for r in caplog.records) == 1

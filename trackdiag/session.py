@@ -127,6 +127,21 @@ class Diagnostics(OptimizerEvents, SetupChecks):
             self._fail(probe, method, exc)
             return None
 
+    def _judge(self, method: str, *args: Any) -> list[tuple[Rule, Alert]]:
+        """Every enabled rule's alerts for a record; a rule that raises is switched off with one
+        warning (a diagnostics bug never stops training)."""
+        out: list[tuple[Rule, Alert]] = []
+        for r in self.rules:
+            if not r.enabled:
+                continue
+            try:
+                out += [(r, a) for a in getattr(r, method)(*args)]
+            except Exception as exc:  # noqa: BLE001
+                r.enabled = False
+                self._disabled[f"rule:{r.kind}"] = f"{type(exc).__name__} in {method}: {exc}"
+                log.warning("trackdiag: rule %r disabled: %s", r.kind, self._disabled[f"rule:{r.kind}"])
+        return out
+
     def _fail(self, probe: Probe, method: str, exc: Exception) -> None:
         probe.enabled = False
         self._schedules = self._distinct_schedules()
@@ -233,7 +248,7 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         record = Record(step=step, time=time.time())
         for k, v in values.items():
             record.scalars[f"diag/eval/{k}"] = v
-        alerts = [(r, a) for r in self.rules for a in r.check_eval(record, self._history)]
+        alerts = self._judge("check_eval", record, self._history)
         raised = self._emit(record, alerts)
         if raised is not None:
             raise AlertRaised(raised)
@@ -266,7 +281,7 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         self._overhead += self._window_overhead
         self._window_overhead = 0.0
         self._last_logged = step
-        alerts = [(r, a) for r in self.rules if r.enabled for a in r.check(record, self._history, self.components)]
+        alerts = self._judge("check", record, self._history, self.components)
         alerts = enrich_alerts(self.probes, ctx, alerts)  # NaN replay: the culprit module into `where`
         for p in self._after_record:
             if p.enabled:

@@ -60,8 +60,12 @@ def run(args: argparse.Namespace) -> int:
             rc = max(rc, 2)
             spool.release()
             continue
-        target = args.tracking_uri or state["tracking_uri"]
-        where = "a new run" if args.tracking_uri and args.tracking_uri != state["tracking_uri"] \
+        from trackdiag.redact import DEFAULT_POLICY
+        from trackdiag.sinks._mlflow_spool import real_uri
+
+        same = real_uri(str(state.get("tracking_uri") or ""), args.tracking_uri)
+        target = DEFAULT_POLICY.text(args.tracking_uri or state["tracking_uri"])  # printed without credentials
+        where = "a new run" if args.tracking_uri and args.tracking_uri != same \
             else f"run {state.get('run_id') or '(new)'}"
         print(f"trackdiag: {path}: delivering to {target}, {where} (files only from {path.parent})")
         try:

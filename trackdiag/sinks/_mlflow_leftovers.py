@@ -67,8 +67,10 @@ def deliver(root: Path, tracking_uri: str, exclude: set[Path], stop: Any = lambd
     spools = [p for p in find(root, exclude) if _names(p, tracking_uri)]
     if not spools:
         return []
+    from trackdiag.redact import DEFAULT_POLICY
+
     log.warning("trackdiag: delivering %d MLflow spool(s) that earlier runs left under %s to %s, in the background",
-                len(spools), root, tracking_uri)
+                len(spools), root, DEFAULT_POLICY.text(tracking_uri))
     lines = []
     for path in spools:
         if stop():
@@ -77,7 +79,7 @@ def deliver(root: Path, tracking_uri: str, exclude: set[Path], stop: Any = lambd
         if not spool.claim():
             continue  # another process (its own session, sync, a sibling job) is delivering it
         try:
-            done, left, error, refused = drain(spool, None, should_stop=stop)
+            done, left, error, refused = drain(spool, tracking_uri, should_stop=stop)  # the store they name
             note = f", {len(refused)} refused" if refused else ""
             if left:
                 lines.append(f"{path}: {done} delivered, {left} left ({error}){note}")
@@ -94,7 +96,7 @@ def deliver(root: Path, tracking_uri: str, exclude: set[Path], stop: Any = lambd
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="deliver MLflow spools earlier runs left (used by the MLflow sink)")
     ap.add_argument("--root", type=Path, required=True)
-    ap.add_argument("--tracking-uri", required=True)
+    ap.add_argument("--tracking-uri", default=os.environ.get("TRACKDIAG_TRACKING_URI"))
     ap.add_argument("--exclude", type=Path, action="append", default=[])
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
@@ -103,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     if hasattr(os, "nice"):
         os.nice(10)  # background work: the training process comes first
+    if not args.tracking_uri:
+        ap.error("--tracking-uri (or TRACKDIAG_TRACKING_URI) is required")
     lines = deliver(args.root, args.tracking_uri, set(args.exclude), stop=lambda: bool(stopping))
     if lines:
         left = [x for x in lines if " left " in x or "not delivered" in x]
@@ -125,8 +129,8 @@ def launch(root: Path, tracking_uri: str, exclude: Path) -> Any:
     env = dict(os.environ)
     env.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     env.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
-    cmd = child_command("trackdiag.sinks._mlflow_leftovers", "--root", str(root), "--tracking-uri", tracking_uri,
-                        "--exclude", str(exclude))
+    env["TRACKDIAG_TRACKING_URI"] = tracking_uri  # not on the command line: ps would show its credentials
+    cmd = child_command("trackdiag.sinks._mlflow_leftovers", "--root", str(root), "--exclude", str(exclude))
     try:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
     except OSError as exc:
@@ -140,7 +144,10 @@ def _names(spool: Path, tracking_uri: str) -> bool:
         state = json.loads((spool / "meta.json").read_text(encoding="utf-8")).get("state") or {}
     except (OSError, ValueError, AttributeError):
         return False
-    return isinstance(state, dict) and state.get("tracking_uri") == tracking_uri
+    from trackdiag.redact import DEFAULT_POLICY
+
+    stored = state.get("tracking_uri") if isinstance(state, dict) else None
+    return isinstance(stored, str) and stored in (tracking_uri, DEFAULT_POLICY.text(tracking_uri))
 
 
 def stop(proc: Any, grace: float = 10.0) -> None:

@@ -53,7 +53,7 @@ class Spool:
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.owner and self._lock is None:
             self.claim()
-        meta = {"version": 1, "pid": os.getpid(), "updated": time.time(), "state": state}
+        meta = {"version": 1, "pid": os.getpid(), "updated": time.time(), "state": masked_state(state)}
         _atomic_write(self.dir / "meta.json", json.dumps(meta, indent=2, default=str))
 
     def read_meta(self) -> dict[str, Any]:
@@ -138,6 +138,32 @@ class Spool:
         return target
 
 
+def masked_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with the tracking URI's credentials masked: a spool on disk never holds them (the
+    deliverer keeps the real URI in memory; ``sync`` gets it from ``--tracking-uri`` or
+    ``MLFLOW_TRACKING_URI``)."""
+    from trackdiag.redact import DEFAULT_POLICY
+
+    uri = state.get("tracking_uri")
+    if isinstance(uri, str):
+        masked = DEFAULT_POLICY.text(uri)
+        if masked != uri:
+            return {**state, "tracking_uri": masked}
+    return state
+
+
+def real_uri(stored: str, given: str | None) -> str | None:
+    """The usable URI for a spool whose meta names ``stored``: ``given`` (or ``MLFLOW_TRACKING_URI``)
+    when it is that store with its credentials (same masked form); ``stored`` itself when it holds
+    none; None when the credentials are needed and not known."""
+    from trackdiag.redact import DEFAULT_POLICY
+
+    for cand in (given, os.environ.get("MLFLOW_TRACKING_URI")):
+        if cand and DEFAULT_POLICY.text(cand) == stored:
+            return cand
+    return None if DEFAULT_POLICY.text(stored) != stored or "redacted" in stored else stored
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
@@ -167,7 +193,13 @@ def drain(spool: Spool, tracking_uri: str | None = None,
     problem = check_state(state, spool.dir.parent)
     if problem:
         return 0, spool.counts()[0], f"refused: {problem}", [problem]
-    retarget = bool(tracking_uri) and tracking_uri != state["tracking_uri"]
+    same = real_uri(state["tracking_uri"], tracking_uri)
+    retarget = bool(tracking_uri) and tracking_uri != same
+    if not retarget:
+        if same is None:  # the recorded store needs credentials the spool does not keep
+            return 0, spool.counts()[0], ("the spool's store needs credentials: pass --tracking-uri (or set "
+                                          "MLFLOW_TRACKING_URI) with them"), []
+        state = {**state, "tracking_uri": same}
     if retarget:  # a new run in the given store; nothing of the recorded one applies there
         spec = dict(state.get("spec") or {}, artifact_location=None, attach_run_id=None)
         state = {"tracking_uri": tracking_uri, "run_id": None, "spec": spec}
