@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from trackdiag.context import Component, ProbeContext
-from trackdiag.norms import grad_norms, max_abs
+from trackdiag.norms import global_norm, grad_norms, max_abs
 
 log = logging.getLogger("trackdiag")
 
@@ -41,13 +41,15 @@ log = logging.getLogger("trackdiag")
 class Tap:
     """What one backward pass left in one component's gradients.
 
-    norms: per-parameter L2 norms (fp32 device tensor, unscaled), in ``comp.index.params`` order.
+    total: the global L2 norm (0-d fp32 device tensor, unscaled).
+    norms: per-parameter L2 norms (fp32, unscaled, ``comp.index.params`` order), on detail steps, else None.
     max_abs: the largest gradient magnitude (0-d, unscaled), on detail steps, else None.
     versions / ids: the gradients' version counters and identities, on detail steps, else None.
     step: the optimizer step in progress; number: the backward pass's running number.
     """
 
-    norms: torch.Tensor
+    total: torch.Tensor
+    norms: torch.Tensor | None
     step: int
     number: int
     generation: int = 0
@@ -232,14 +234,16 @@ class GradTap:
         scale when ``unscale`` (the backward pass left them scaled)."""
         grads = comp.index.grads()
         comp.index.clear_cache()
-        norms = grad_norms(grads, comp.index.low_precision)
-        scale = self.scale() if unscale else None
         detail = self.detail()
+        norms = grad_norms(grads, comp.index.low_precision) if detail else None
+        total = torch.linalg.vector_norm(norms) if norms is not None else global_norm(grads, comp.index.low_precision)
+        scale = self.scale() if unscale else None
         top = max_abs(grads) if detail else None
         if scale is not None:
-            norms = norms / scale
+            total = total / scale
+            norms = norms / scale if norms is not None else None
             top = top / scale if top is not None else None
-        tap = Tap(norms, self.ctx.step, number, comp.generation, top)
+        tap = Tap(total, norms, self.ctx.step, number, comp.generation, top)
         if detail:
             tap.versions = [g._version for g in grads]
             tap.ids = [id(g) for g in grads]
@@ -311,8 +315,16 @@ class GradView:
     _now: torch.Tensor | None = None
 
     @property
+    def total(self) -> torch.Tensor:
+        """The global L2 norm, pre-clip and unscaled (0-d fp32, device)."""
+        return self.tap.total
+
+    @property
     def norms(self) -> torch.Tensor:
-        """Per-parameter L2 norms, pre-clip and unscaled (fp32, device)."""
+        """Per-parameter L2 norms, pre-clip and unscaled (fp32, device): taken on detail steps (the due
+        steps of gradient probes); elsewhere computed now, from the gradients as they are now."""
+        if self.tap.norms is None:
+            self.tap.norms = grad_norms(self.comp.index.grads(), self.comp.index.low_precision)
         return self.tap.norms
 
     def modified(self) -> bool | None:

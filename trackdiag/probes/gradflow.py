@@ -30,6 +30,7 @@ class GradFlowProbe(Probe):
     """See module docstring."""
 
     name = "gradflow"
+    wants_detail = True
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)

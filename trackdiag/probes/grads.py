@@ -11,9 +11,9 @@ Emits per component (``diag/`` or ``diag/<component>/``):
       (``clip_grad_norm_``; under AMP also ``unscale_``, coef 1), and, with ``per_layer``,
       ``grad/norm/<layer>`` (pre-clip; layers coarsened to the session's ``max_layer_metrics``
       budget, the full table in ``record.tables`` when coarsened).
-Cost: per step, one ``vector_norm`` of the per-tensor norms the tap took (see
-:mod:`trackdiag.gradtap`); on due steps a few reductions, and one more ``_foreach_norm`` only when
-the gradients were clipped. Host reads: none off logging steps.
+Cost: per step, nothing beyond the global norm the tap took (see :mod:`trackdiag.gradtap`: one pass
+over the gradients); on due steps the per-tensor norms, a few reductions, and one more
+``_foreach_norm`` only when the gradients were clipped. Host reads: none off logging steps.
 """
 from __future__ import annotations
 
@@ -77,12 +77,12 @@ class GradProbe(Probe):
     def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         if not comp.index.params:
             return
-        norms = view.norms
-        total = torch.linalg.vector_norm(norms)
+        total = view.total
         if not scaler_skipped(ctx, comp, view):
             self._ring.setdefault(comp.name, []).append((ctx.step, total))
         if not ctx.is_due(self.schedule):
             return
+        norms = view.norms
         bad = ~torch.isfinite(norms)
         out = {"pre_norm": total, "max_abs": view.tap.max_abs if view.tap.max_abs is not None else max_abs(comp.index.grads())}
         if view.modified():  # clipped, unscaled, or edited by hand after the backward pass

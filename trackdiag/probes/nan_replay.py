@@ -166,7 +166,7 @@ class NanReplayProbe(Probe):
         """``mode=step``: one host sync on the gradients' finiteness; replay before the update."""
         if self.mode != "step" or self._replays >= self.max_replays or comp.model is None or not comp.index.params:
             return
-        if bool(torch.isfinite(view.norms).all()):  # the one host sync of mode=step
+        if bool(torch.isfinite(view.total)):  # the one host sync of mode=step
             return
         self._replays += 1
         self._findings[ctx.step] = (comp.name, self._run(comp, ctx.step, None))
