@@ -70,7 +70,7 @@ def global_norm(tensors: list[torch.Tensor], low_precision: bool = False) -> tor
         return torch.zeros(())
     if tensors[0].device.type == "cpu" and len(tensors) > 64:
         try:
-            if sum(t.numel() for t in tensors) < len(tensors) * (1 << 16):
+            if sum(t.numel() for t in tensors) < len(tensors) * 8192:  # small tensors: per-tensor cost dominates
                 parts = torch.stack([torch.linalg.vector_norm(c) for c in flat_chunks(tensors, torch.float32)])
                 return torch.linalg.vector_norm(parts)
         except (RuntimeError, NotImplementedError):

@@ -10,10 +10,12 @@ What it keeps:
     clean). On a model that was already compiled before the session, or when nothing was
     captured, the batch given to ``step(batch=...)`` is replayed as ``model(inputs)``. Memory cost:
     those input batches stay alive ``ring`` steps longer (``ring`` x batch bytes on their device).
-  * a copy of the weights from the last logging step whose record was entirely finite
-    (:mod:`trackdiag.snapshot`; ``snapshot_mb`` caps it, default 1024 MB; 0 turns it off): when the
-    optimizer has already written NaN into the weights by the time the fault is noticed (the usual
-    case at the default cadence), the bad step's batch is replayed on those weights instead.
+  * (``mode=log``) a copy of the weights from a logging step whose record was entirely finite, taken
+    at most every ``snapshot_every`` (20) steps (:mod:`trackdiag.snapshot`; ``snapshot_mb`` caps it,
+    default 1024 MB; 0 turns it off): when the optimizer has already written NaN into the weights by
+    the time the fault is noticed (the usual case at the default cadence), the bad step's batch is
+    replayed on those weights instead (at most ``every`` + ``snapshot_every`` steps older). Cost: one
+    copy of the parameters per ``snapshot_every`` steps, 1x parameter memory.
 
 Modes:
   ``log`` (default, no sync): replay at the logging step that notices the fault, on the current
@@ -75,9 +77,12 @@ class NanReplayProbe(Probe):
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, mode: str = "log", loss_fn: Any = None,
                  ring: int | None = None, max_replays: int = 1, max_calls: int = 8, backward: bool = True,
-                 snapshot_mb: float = 1024.0) -> None:
+                 snapshot_mb: float = 1024.0, snapshot_every: int = 20) -> None:
         super().__init__(enabled=enabled, every=every)
-        self.snapshot_bytes = int(max(snapshot_mb, 0.0) * 2**20)
+        # mode=step replays before the bad update: no earlier weights needed
+        self.snapshot_bytes = int(max(snapshot_mb, 0.0) * 2**20) if mode == "log" else 0
+        self.snapshot_every = max(1, snapshot_every)
+        self._snapped = -(10**9)
         self._snapshots: dict[str, ParamSnapshot] = {}
         self._stops: list[Any] = []
         if mode not in MODES:
@@ -117,8 +122,10 @@ class NanReplayProbe(Probe):
         self._snapshots.clear()
 
     def after_record(self, ctx: ProbeContext, record: Record) -> None:
-        """A logging step whose record is entirely finite: keep these weights for a later replay."""
-        if self._snapshots and not nonfinite(record):
+        """A logging step whose record is entirely finite, at least ``snapshot_every`` steps after the
+        last copy: keep these weights for a later replay."""
+        if self._snapshots and ctx.step - self._snapped >= self.snapshot_every and not nonfinite(record):
+            self._snapped = ctx.step
             for snap in self._snapshots.values():
                 snap.take(ctx.step + 1)  # the weights the next step's forward will use
 
