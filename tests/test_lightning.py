@@ -86,6 +86,14 @@ class Reference(pl.Callback):
         self.norms[trainer.global_step] = torch.nn.utils.clip_grad_norm_(pl_module.parameters(), math.inf).item()
 
 
+@pytest.fixture(autouse=True)
+def _fluent_mlflow_uri_reset() -> Any:
+    """The frameworks point MLflow's fluent tracking URI at their store (a process global): reset it."""
+    yield
+    if "mlflow" in sys.modules:
+        sys.modules["mlflow"].set_tracking_uri(None)
+
+
 def loaders(batch_size: int = 32) -> tuple[Any, Any]:
     xtr, ytr, xva, yva = digits()
     train = torch.utils.data.TensorDataset(xtr[:512], ytr[:512])

@@ -7,9 +7,11 @@
 Hooks used, and what each costs:
   ``on_train_begin``: builds the :class:`~trackdiag.Diagnostics` session from the ``model`` and
     ``optimizer`` the callback receives (accelerate's ``AcceleratedOptimizer``; its ``GradScaler``
-    under fp16 is found inside it; an optimizer handed as None is adopted at its first step),
-    numbered so that the diagnostics of the Trainer's step ``k`` are logged at step ``k`` like the
-    Trainer's own metrics. With ``report_to`` MLflow / W&B the session writes into that run.
+    under fp16 is found inside it; an optimizer handed as None is adopted at its first step).
+    Steps are numbered like ``state.global_step`` while the step runs (0 for the first, the
+    checkpoint's count on resume); the Trainer stamps its own logs after counting the step, so its
+    ``loss`` at logged step ``k`` is ``diag/loss`` at step ``k - 1``. With ``report_to`` MLflow /
+    W&B the session writes into that run.
   gradients: no hook. The Trainer clips inside its loop, before ``on_pre_optimizer_step``; the
     session's gradient tap measures each backward pass as it ends, before clipping and unscaling,
     so ``diag/grad/global_norm`` equals the Trainer's pre-clip ``grad_norm``.
@@ -109,7 +111,7 @@ class DiagnosticsCallback(TrainerCallback):
         joined = self._join(args, state) if self.join_run else []
         hparams = self.hparams if self.hparams is not None else args.to_sanitized_dict()
         self.diag = build_session(model, optimizer, None, self.level, join_trackers(self.overrides, joined), hparams)
-        start_at(self.diag, state.global_step + 1)  # the Trainer counts a step once it is done
+        start_at(self.diag, state.global_step)  # a resumed run continues the Trainer's count
         self._world = int(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1
         if self.diag.enabled:
             self._loss = StepLoss(model)
