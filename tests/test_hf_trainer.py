@@ -91,21 +91,32 @@ def test_a_loss_the_model_does_not_return_is_reported_missing(tmp_path: Path, ca
     assert norms[3] == pytest.approx(rec.logs[3]["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_run_that_dies_of_an_exception_is_closed_failed_at_exit(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    mlflow = pytest.importorskip("mlflow")
+
     class Boom(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if state.global_step == 3:
                 raise RuntimeError("planted")
 
-    cb = DiagnosticsCallback("basic", output_dir=str(tmp_path / "run"), sinks=["local"])
-    trainer = Trainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Progressions(64), callbacks=[Boom(), cb])
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "boom")
+    cb = DiagnosticsCallback("basic", output_dir=str(tmp_path / "run"), sink={"mlflow": {"delivery": "thread"}})
+    trainer = Trainer(model=gpt2(), args=arguments(tmp_path, report_to=["mlflow"]), train_dataset=Progressions(64),
+                      callbacks=[Boom(), cb])
     with pytest.raises(RuntimeError, match="planted") as err, one_thread():
         trainer.train()
+    assert mlflow.active_run() is not None  # the Trainer's MLflowCallback never reached on_train_end
     monkeypatch.setattr(sys, "last_value", err.value, raising=False)  # what the interpreter sets for an uncaught one
-    cb._at_exit()
+    cb._at_exit()  # the atexit handler, called here
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "FAILED"
-    assert cb.summary()["steps"] == 3
+    assert cb.summary()["steps"] == 3 and mlflow.active_run() is None
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("boom").experiment_id])
+    assert run.info.status == "FAILED" and "diag/loss" in run.data.metrics
 
 
 @pytest.mark.slow

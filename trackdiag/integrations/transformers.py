@@ -26,7 +26,8 @@ Hooks used, and what each costs:
   ``on_evaluate``: ``eval_loss`` and the other ``eval_*`` metrics (not runtimes) go to ``log_eval``.
   ``on_train_end``: the session is closed FINISHED. The Trainer has no exception event: a session
     still open when the interpreter exits is closed FAILED if the script died of an exception
-    (``sys.last_value``), else FINISHED; ``callback.close("FAILED")`` says it explicitly.
+    (``sys.last_value``), and so is the Trainer's MLflow run it joined; else FINISHED.
+    ``callback.close("FAILED")`` says it explicitly.
 
 Runs: the Trainer's ``MLflowCallback`` starts a fluent MLflow run in its ``on_train_begin`` (before
 this callback's), which the MLflow sink joins; ``WandbCallback`` runs are ``wandb.run``, which the
@@ -90,6 +91,7 @@ class DiagnosticsCallback(TrainerCallback):
         self._loss: StepLoss | None = None
         self._open = False
         self._world = 1
+        self._mlflow_run: str | None = None  # the Trainer's MLflow run, when joined
 
     # ------------------------------------------------------------------ results
     @property
@@ -127,6 +129,7 @@ class DiagnosticsCallback(TrainerCallback):
         mlflow = sys.modules.get("mlflow")
         if "mlflow" in names and mlflow is not None and mlflow.active_run() is not None:
             joined.append("mlflow")
+            self._mlflow_run = mlflow.active_run().info.run_id
         wandb = sys.modules.get("wandb")
         if "wandb" in names and wandb is not None and getattr(wandb, "run", None) is not None:
             joined.append("wandb")
@@ -168,5 +171,13 @@ class DiagnosticsCallback(TrainerCallback):
             self.diag.close(status)
 
     def _at_exit(self) -> None:
-        """Interpreter exit with the session open: ``train()`` never reached ``on_train_end``."""
-        self.close("FAILED" if getattr(sys, "last_value", None) is not None else "FINISHED")
+        """Interpreter exit with the session open: ``train()`` never reached ``on_train_end``. After an
+        uncaught exception, the Trainer's MLflow run (still active: its ``MLflowCallback`` ends runs only
+        in ``on_train_end``, else MLflow's exit handler would mark it FINISHED) is ended FAILED too."""
+        failed = getattr(sys, "last_value", None) is not None
+        self.close("FAILED" if failed else "FINISHED")
+        mlflow = sys.modules.get("mlflow")
+        if failed and self._mlflow_run is not None and mlflow is not None:
+            active = mlflow.active_run()
+            if active is not None and active.info.run_id == self._mlflow_run:
+                mlflow.end_run("FAILED")
