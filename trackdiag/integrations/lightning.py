@@ -32,6 +32,14 @@ popped with the run's final status at the end. ``WandbLogger`` runs are ``wandb.
 W&B sink joins. The sinks of a joined tracker replace the preset's own tracker; with no such
 logger, the configured sinks are used. Under DDP every rank computes, rank 0 writes, and rules
 judge the same cross-rank record, so a stop is taken by every rank at the same step.
+
+Limits: the NaN replay re-runs the LightningModule's own forward calls (a ``training_step`` that
+calls ``self(x)``); one that only calls sub-modules is replayed as ``module(<batch input>)``.
+Manual optimization with several ``opt.step()`` per batch gives one diagnostics step per batch
+(``trainer.global_step`` counts optimizer steps), and several optimizers make one component whose
+gradients are read at the batch's first optimizer step: for per-network diagnostics of a GAN, use
+``trackdiag.Diagnostics`` with named components inside the LightningModule instead. Under ``strategy="ddp_spawn"`` the sessions live
+in the spawned processes: ``.alerts`` of the launching process's callback stay empty.
 """
 from __future__ import annotations
 
