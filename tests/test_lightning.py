@@ -121,9 +121,13 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def runs_of(uri: str, experiment: str) -> list[Any]:
+    """The runs of ``experiment``; fails if the store holds a run outside this module's experiments
+    (a second run trackdiag would have started lands in an experiment of its own)."""
     import mlflow
 
     client = mlflow.MlflowClient(uri)
+    used = {e.name for e in client.search_experiments() if client.search_runs([e.experiment_id])}
+    assert used <= {"lit-ok", "lit-boom"}, used
     return client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
 
 
@@ -218,7 +222,7 @@ def test_wandb_logger_one_offline_run_holds_both(tmp_path: Path, monkeypatch: py
     fit(tmp_path, steps=8, callbacks=(cb,), logger=WandbLogger(project="lit", save_dir=str(tmp_path), offline=True),
         log_every_n_steps=2)
     wandb.finish()
-    (path,) = settled_runs(tmp_path / "wandb")
+    (path,) = settled_runs(tmp_path)  # one run file anywhere: the sink started no run of its own
     keys = set().union(*map(set, read_run(path).history))
     assert {"train_loss", "val_loss", "diag/loss", "diag/grad/global_norm", "diag/eval/loss"} <= keys
 
@@ -244,7 +248,7 @@ def test_bad_options_fail_at_construction() -> None:
 
 @pytest.mark.slow
 def test_ddp_two_processes_one_run_and_a_collective_stop(tmp_path: Path) -> None:
-    pytest.importorskip("mlflow")
+    mlflow = pytest.importorskip("mlflow")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), "MLFLOW_TRACKING_URI": uri}
     worker = Path(__file__).with_name("_lightning_ddp_worker.py")
@@ -263,6 +267,7 @@ def test_ddp_two_processes_one_run_and_a_collective_stop(tmp_path: Path) -> None
         alert = next(a for a in r["alerts"] if a["kind"] == "nonfinite_loss")
         assert (alert["step"], alert["where"]) == (5, "rank 1")
     assert [p.parent.name for p in tmp_path.rglob("records.jsonl")] == ["run"]
-    (run,) = runs_of(uri, "ddp")
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])  # the only run
     assert {"train_loss", "diag/loss", "diag/alerts/nonfinite_loss"} <= set(run.data.metrics)
     assert run.data.metrics["diag/dist/world_size"] == 2
