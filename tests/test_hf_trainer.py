@@ -25,11 +25,16 @@ from trackdiag.integrations.transformers import DiagnosticsCallback  # noqa: E40
 
 
 @pytest.fixture(autouse=True)
-def _fluent_mlflow_uri_reset() -> Any:
-    """The frameworks point MLflow's fluent tracking URI at their store (a process global): reset it."""
+def _fluent_mlflow_state_reset(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The frameworks set MLflow's fluent tracking URI and active experiment (process globals, plus
+    ``MLFLOW_EXPERIMENT_ID`` in the environment): leave neither to the tests that follow."""
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)  # put back as it was at teardown
     yield
     if "mlflow" in sys.modules:
         sys.modules["mlflow"].set_tracking_uri(None)
+        fluent = sys.modules.get("mlflow.tracking.fluent")
+        if fluent is not None and hasattr(fluent, "_active_experiment_id"):
+            fluent._active_experiment_id = None
 
 
 def train(tmp_path: Path, model: Any, *, cb: DiagnosticsCallback | None = None, arm_at: int | None = None,

@@ -87,11 +87,16 @@ class Reference(pl.Callback):
 
 
 @pytest.fixture(autouse=True)
-def _fluent_mlflow_uri_reset() -> Any:
-    """The frameworks point MLflow's fluent tracking URI at their store (a process global): reset it."""
+def _fluent_mlflow_state_reset(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The frameworks set MLflow's fluent tracking URI and active experiment (process globals, plus
+    ``MLFLOW_EXPERIMENT_ID`` in the environment): leave neither to the tests that follow."""
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)  # put back as it was at teardown
     yield
     if "mlflow" in sys.modules:
         sys.modules["mlflow"].set_tracking_uri(None)
+        fluent = sys.modules.get("mlflow.tracking.fluent")
+        if fluent is not None and hasattr(fluent, "_active_experiment_id"):
+            fluent._active_experiment_id = None
 
 
 def loaders(batch_size: int = 32) -> tuple[Any, Any]:
@@ -127,7 +132,7 @@ def runs_of(uri: str, experiment: str) -> list[Any]:
 
     client = mlflow.MlflowClient(uri)
     used = {e.name for e in client.search_experiments() if client.search_runs([e.experiment_id])}
-    assert used <= {"lit-ok", "lit-boom"}, used
+    assert used <= {"lit-ok", "lit-boom"}, used  # ("user-exp" is active in one test, and stays empty)
     return client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
 
 
@@ -182,9 +187,12 @@ def test_mlflow_logger_one_run_holds_both_and_is_left_to_lightning(tmp_path: Pat
     import mlflow
     from lightning.pytorch.loggers import MLFlowLogger
 
+    mlflow.set_tracking_uri(store)
+    mine = mlflow.set_experiment("user-exp").experiment_id  # the user's active experiment is another one
     cb = DiagnosticsCallback("advanced", every=4, output_dir=str(tmp_path / "run"), probes=quiet_probes(),
                              sink={"mlflow": {"delivery": "thread"}})
     fit(tmp_path, steps=8, callbacks=(cb,), logger=MLFlowLogger("lit-ok", tracking_uri=store), log_every_n_steps=2)
+    assert os.environ["MLFLOW_EXPERIMENT_ID"] == mine  # and stays active
     (run,) = runs_of(store, "lit-ok")
     assert {"train_loss", "val_loss", "diag/loss", "diag/grad/global_norm", "diag/eval/loss", "diag/eval/acc"} \
         <= set(run.data.metrics)
