@@ -87,10 +87,12 @@ class Reference(pl.Callback):
 
 
 @pytest.fixture(autouse=True)
-def _fluent_mlflow_state_reset(monkeypatch: pytest.MonkeyPatch) -> Any:
+def _fluent_mlflow_state_reset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     """The frameworks set MLflow's fluent tracking URI and active experiment (process globals, plus
-    ``MLFLOW_EXPERIMENT_ID`` in the environment): leave neither to the tests that follow."""
+    ``MLFLOW_EXPERIMENT_ID`` in the environment): leave neither to the tests that follow. The
+    experiments they create get ``./mlruns`` as artifact root: run in the test's directory."""
     monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)  # put back as it was at teardown
+    monkeypatch.chdir(tmp_path)
     yield
     if "mlflow" in sys.modules:
         sys.modules["mlflow"].set_tracking_uri(None)
@@ -258,10 +260,11 @@ def test_bad_options_fail_at_construction() -> None:
 def test_ddp_two_processes_one_run_and_a_collective_stop(tmp_path: Path) -> None:
     mlflow = pytest.importorskip("mlflow")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), "MLFLOW_TRACKING_URI": uri}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path]), "MLFLOW_TRACKING_URI": uri}
     worker = Path(__file__).with_name("_lightning_ddp_worker.py")
     proc = subprocess.Popen([sys.executable, str(worker), str(tmp_path), uri], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # Lightning forks rank 1
+                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                            start_new_session=True)  # Lightning forks rank 1
     try:
         out = proc.communicate(timeout=150)[0]
     finally:
