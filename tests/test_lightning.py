@@ -260,7 +260,8 @@ def test_bad_options_fail_at_construction() -> None:
 def test_ddp_two_processes_one_run_and_a_collective_stop(tmp_path: Path) -> None:
     mlflow = pytest.importorskip("mlflow")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path]), "MLFLOW_TRACKING_URI": uri}
+    path = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path])  # this checkout first
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "MLFLOW_TRACKING_URI": uri}
     worker = Path(__file__).with_name("_lightning_ddp_worker.py")
     proc = subprocess.Popen([sys.executable, str(worker), str(tmp_path), uri], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=tmp_path,

@@ -38,8 +38,9 @@ calls ``self(x)``); one that only calls sub-modules is replayed as ``module(<bat
 Manual optimization with several ``opt.step()`` per batch gives one diagnostics step per batch
 (``trainer.global_step`` counts optimizer steps), and several optimizers make one component whose
 gradients are read at the batch's first optimizer step: for per-network diagnostics of a GAN, use
-``trackdiag.Diagnostics`` with named components inside the LightningModule instead. Under ``strategy="ddp_spawn"`` the sessions live
-in the spawned processes: ``.alerts`` of the launching process's callback stay empty.
+``trackdiag.Diagnostics`` with named components inside the LightningModule instead. Under
+``strategy="ddp_spawn"`` the sessions live in the spawned processes: ``.alerts`` of the launching
+process's callback stay empty.
 """
 from __future__ import annotations
 
