@@ -163,11 +163,13 @@ def test_console_summary_reports_the_overhead_and_how_to_cut_it(digits, tmp_path
 
     diag = train(digits, tmp_path, 60, level="advanced", every=1, sinks=["local", "console"])
     overhead = diag.summary()["overhead"]
-    assert overhead["fraction"] > NOTE_ABOVE  # precondition: 60 logging steps on a 64-32-32-10 MLP
     printed = " ".join(capsys.readouterr().err.split())
     assert f"overhead {100 * overhead['fraction']:.2f}% ({overhead['per_step_ms']:.2f} ms/step)" in printed
-    assert "log less often" in printed
+    # the note follows the measured fraction (usually above the threshold here; a loaded machine slows the bare step)
+    assert ("log less often" in printed) == (overhead["fraction"] > NOTE_ABOVE)
+    loud = format_summary({**diag.summary(), "overhead": {**overhead, "fraction": NOTE_ABOVE * 2}})
     quiet = format_summary({**diag.summary(), "overhead": {**overhead, "fraction": NOTE_ABOVE / 2}})
+    assert "log less often" in " ".join(loud.split())
     assert "ms/step" in quiet and "log less often" not in quiet
 
 
