@@ -12,7 +12,7 @@ Faults (``FAULTS``): ``lr_start``/``lr_mid`` (learning rate x1000 from step 0 / 
 inside a named module from ``onset``), ``no_zero`` (zero_grad dropped from ``onset``),
 ``freeze_before``/``freeze_after`` (a block frozen before / after the optimizer is built, the
 optimizer still given all parameters), ``left_out`` (a layer left out of the optimizer),
-``labels_eq_inputs`` (targets equal to the inputs), ``tiny_subset`` (training on two batches:
+``labels_eq_inputs`` (targets equal to the inputs), ``tiny_subset`` (training on one or two batches:
 overfitting), ``leak`` (``backward(retain_graph=True)`` and the loss kept in a list every step: its
 graph's saved activations stay alive). Each script says which faults
 it cannot have (``NOT_APPLICABLE``) and why.
@@ -65,6 +65,16 @@ class Run:
         alerts = [a for a in self.diag.alerts if order[a.severity] >= order[min_severity] and (kinds is None or a.kind in kinds)]
         return min(alerts, key=lambda a: a.step) if alerts else None
 
+    def raised_at(self, alert: Any) -> int:
+        """The logging step whose record carried ``alert``: when the user was told (``alert.step`` is
+        when the fault happened)."""
+        from trackdiag.sinks.local import read_records
+
+        for rec in read_records(self.diag.run.output_dir):
+            if any((a.kind, a.step, a.where) == (alert.kind, alert.step, alert.where) for a in rec.alerts):
+                return rec.step
+        return -1
+
 
 def session(model: Any, opt: Any, out: Any, level: str, every: int, **kw: Any) -> trackdiag.Diagnostics:
     return trackdiag.Diagnostics(model, opt, level=level, every=every, sinks=["local"], output_dir=str(out),
@@ -90,7 +100,7 @@ def wordlm(fault: str | None, out: Any, steps: int = 300, onset: int = ONSET, le
     lr, clip = 20.0, 0.25
     train = batchify(data[: int(0.9 * len(data))], 16)
     if fault == "tiny_subset":
-        train = train[:42]
+        train = train[:22]
     batches = lm_batches(train, 20)
     kept: list[torch.Tensor] = []
     diag = session(model, None, out, level, every)

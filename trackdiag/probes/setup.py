@@ -1,11 +1,14 @@
-"""Set-up probe: parameters that should train but that no optimizer steps.
+"""Set-up probe: parameters that should train but that no optimizer steps, and parameters an
+optimizer holds that are frozen.
 
 At the first step (and whenever a component is re-indexed: a param group added, layers unfrozen)
 it lists, per component with an optimizer, the model's parameters that require a gradient but are
 in none of the component's optimizers' param groups: a head replaced after the optimizer was
 built, a layer forgotten in a hand-built param group list. A layer frozen on purpose
 (``requires_grad=False``) is not listed. Emits the table ``diag/[<c>/]setup/unoptimized`` =
-``{layer: number of values}`` at the next logging step (only when some are found).
+``{layer: number of values}`` at the next logging step (only when some are found), and
+``diag/[<c>/]setup/frozen`` for parameters that are in an optimizer but do not require a gradient
+(frozen by mistake before or after the optimizer was built: they never get one).
 Cost: one host pass over the model's parameters at those steps; nothing else.
 """
 from __future__ import annotations
@@ -18,6 +21,18 @@ from trackdiag.context import Component, ProbeContext, StepInputs
 from trackdiag.layers import layer_of
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
+
+
+def frozen(comp: Component) -> dict[str, float]:
+    """``{layer: values}`` of ``comp``'s optimizers' parameters that do not require a gradient."""
+    if not comp.optimizers:
+        return {}
+    out: dict[str, float] = {}
+    for name, p in zip(comp.index.names, comp.index.params):
+        if not p.requires_grad:
+            layer = layer_of(name)
+            out[layer] = out.get(layer, 0.0) + float(p.numel())
+    return out
 
 
 def unoptimized(comp: Component) -> dict[str, float]:
@@ -43,6 +58,7 @@ class SetupProbe(Probe):
         super().__init__(enabled=enabled, every=every)
         self._due: set[str] = set()
         self._found: dict[str, dict[str, float]] = {}
+        self._frozen: dict[str, dict[str, float]] = {}
 
     def bind(self, default_every: int) -> None:
         from trackdiag.schedule import Never
@@ -63,12 +79,18 @@ class SetupProbe(Probe):
                 found = unoptimized(comp)
                 if found:
                     self._found[comp.name] = found
+                cold = frozen(comp)
+                if cold:
+                    self._frozen[comp.name] = cold
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
-        return {"found": float(len(self._found))} if self._found else {}
+        return {"found": float(len(self._found) + len(self._frozen))} if self._found or self._frozen else {}
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         for comp in ctx.components:
             found = self._found.pop(comp.name, None)
             if found:
                 record.tables[comp.key("setup/unoptimized")] = found
+            cold = self._frozen.pop(comp.name, None)
+            if cold:
+                record.tables[comp.key("setup/frozen")] = cold

@@ -112,7 +112,8 @@ class StaleParams(Rule):
     branch, an unused module, an LR of 0. Also when a component's optimizer has not stepped for
     ``min_steps`` steps while backward passes reach it (``update/idle_steps``: an ``optimizer.step()``
     the loop stopped calling): ``step`` is the first idle step, ``where`` the component.
-    Layers excluded from the optimizer on purpose are not seen at all. ``where`` is the layer."""
+    Layers excluded from the optimizer on purpose are not seen at all. ``where`` is the layer. Layers
+    an optimizer holds with ``requires_grad=False`` (``setup/frozen``) are reported at once."""
 
     kind = "stale_params"
     severity = "warning"
@@ -128,7 +129,7 @@ class StaleParams(Rule):
         self._idle_reported: dict[str, set[int]] = {}
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
-        out = self._idle(record, components)
+        out = self._idle(record, components) + self._frozen(record, components)
         for comp in components:
             grads = layer_values(record, comp.key("grad/norm"))
             ups = layer_values(record, comp.key("update/ratio"))
@@ -141,6 +142,22 @@ class StaleParams(Rule):
                        else "does not change at the optimizer step (update 0)")
                 msg = f"{where} {why} at every measurement since step {self._streaks.start(f'{comp.name}|{layer}')}."
                 out.append(self.make(self._streaks.start(f"{comp.name}|{layer}"), msg, 0.0, 0.0, where))
+        return out
+
+    def _frozen(self, record: Record, components: Sequence[Component]) -> list[Alert]:
+        """Parameters an optimizer holds that do not require a gradient (the ``setup`` probe): at once."""
+        out = []
+        for comp in components:
+            table = record.tables.get(comp.key("setup/frozen"))
+            if not table:
+                continue
+            layers = sorted(table, key=lambda k: -table[k])
+            where = ", ".join(qualified(comp, lay) for lay in layers[:5]) + (f" (+{len(layers) - 5} more)" if len(layers) > 5 else "")
+            msg = (f"{len(layers)} layer(s) in the optimizer have requires_grad=False ({where}): they never get a "
+                   f"gradient and never train. Frozen on purpose? Then leave them out of the optimizer.")
+            for lay in layers:  # the streak below must not report them again
+                self._streaks.mark(f"{comp.name}|{lay}", record.step)
+            out.append(self.make(record.step, msg, sum(table.values()), 0.0, where))
         return out
 
     def _idle(self, record: Record, components: Sequence[Component]) -> list[Alert]:
