@@ -26,9 +26,9 @@ tr.none td{color:#888}tr.none td.h{font-style:italic}
 ul.risk li{font-family:ui-monospace,Menlo,monospace;font-size:13px;margin:2px 0}
 img{max-width:100%;border:1px solid #eee;margin:8px 0}.note{color:#777;font-size:12px}
 """
-_TITLES = {"anomalies_by_param": "Alert kinds per hyperparameter value",
+_TITLES = {"anomalies_by_param": "Anomalous runs per hyperparameter value",
            "first_anomaly_vs_param": "First anomaly step vs swept parameter",
-           "loss_curves": "Loss curves by health"}
+           "loss_curves": "Loss curves"}
 
 
 def render_html(comparison: "Comparison", images: dict[str, bytes] | None = None) -> str:

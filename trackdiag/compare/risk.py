@@ -23,6 +23,7 @@ class ValueRisk:
     anomalous: int = 0
     failed: int = 0
     kinds: dict[str, int] = field(default_factory=dict)  # kind -> number of runs that raised it
+    first_kinds: dict[str, int] = field(default_factory=dict)  # kind -> anomalous runs whose FIRST alert it was
 
     @property
     def rate(self) -> float:
@@ -93,8 +94,11 @@ def param_risk(runs: list[RunSummary], params: list[str]) -> list[ParamRisk]:
             vr.runs += 1
             vr.anomalous += r.anomalous
             vr.failed += r.failed
-            for k in r.anomaly_kinds():
+            kinds = r.anomaly_kinds()
+            for k in kinds:
                 vr.kinds[k] = vr.kinds.get(k, 0) + 1
+            if r.anomalous and kinds:
+                vr.first_kinds[kinds[0]] = vr.first_kinds.get(kinds[0], 0) + 1
         order = {repr(v): i for i, v in enumerate(sort_values(x.value for x in by_value.values()))}
         if len(by_value) > 1:  # a single value left (the others were runs without trackdiag): nothing to compare
             out.append(ParamRisk(p, sorted(by_value.values(), key=lambda x: order[repr(x.value)])))
