@@ -91,7 +91,7 @@ class NanReplayProbe(Probe):
         self._findings: dict[int, tuple[str, Finding]] = {}
         self._handles: list[Any] = []
         self._replays = 0
-        self._told: dict[tuple[str, int], tuple[str, int]] = {}  # finding -> the alert that explained it
+        self._told: dict[tuple[str, int], tuple[str, int, bool]] = {}  # finding -> (kind, step) told, data at fault
         self._busy = False
         self._ctx: ProbeContext | None = None
 
@@ -225,14 +225,14 @@ class NanReplayProbe(Probe):
                 model = next((c.model for c in ctx.components if c.name == comp), None)
                 kind = module_type(model, found.module) if needs_type(found.module) else ""
                 where = found.where(comp if len(ctx.components) > 1 else "", kind)
-                told = self._told.setdefault((comp, found.step), (alert.kind, alert.step))
-                if told == (alert.kind, alert.step):
+                told = self._told.setdefault((comp, found.step), (alert.kind, alert.step, data))
+                if told[:2] == (alert.kind, alert.step):
                     account = f"NaN replay of step {found.step}: {found.detail}"
                 else:
                     account = f"NaN replay of step {found.step}: see the {told[0]} alert of step {told[1]}."
                 alert = dataclasses.replace(
                     alert, where=where if where and alert.kind != "nonfinite_input" else alert.where,
-                    message=f"{alert.message} {account}", hint=replay_hint(found, alert, where, data))
+                    message=f"{alert.message} {account}", hint=replay_hint(found, alert, where, data or told[2]))
             out.append((rule, alert))
         return out
 
