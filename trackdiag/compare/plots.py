@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 HEALTH_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "failed": "#9467bd", "unknown": "#7f7f7f",
                  "ok": "#2ca02c"}
 MAX_PARAMS = 6  # most decisive parameters plotted
+#: one colour per run in a legend: no pure red or green, which read as health
+RUN_COLORS = ["#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22", "#393b79",
+              "#843c39", "#637939", "#000000"]
 
 
 def render_plots(comparison: "Comparison") -> dict[str, bytes]:
@@ -213,9 +216,8 @@ def _run_colors(runs: list[RunSummary], param: str | None, many: bool) -> tuple[
     from matplotlib.colors import LogNorm, Normalize
 
     if not many:
-        cmap = colormaps["tab10" if len(runs) <= 10 else "tab20"]
         order = sorted(runs, key=lambda r: (_sortable(r.hparams.get(param, MISSING)) if param else (0, 0.0, ""), r.label))
-        return {id(r): cmap(i % cmap.N) for i, r in enumerate(order)}, None
+        return {id(r): RUN_COLORS[i % len(RUN_COLORS)] for i, r in enumerate(order)}, None
     values = [r.hparams.get(param, MISSING) for r in runs] if param else []
     nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if param and len(nums) == len(values) and len(set(nums)) > 1:

@@ -106,7 +106,6 @@ class HistogramRenderer:
             ax.stairs(counts, edges, fill=True, alpha=0.75)
             short = title.removeprefix("diag/")
             ax.set_title(f"{short}\nstep {step}", fontsize=9)
-            ax.set_xlabel("value", fontsize=8)
             ax.set_ylabel("count", fontsize=8)
             ax.tick_params(labelsize=7)
             ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
