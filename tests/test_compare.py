@@ -51,7 +51,8 @@ def write_run(sweep: Path, num: int, hparams: dict[str, Any], alerts: list[tuple
 
 @pytest.fixture()
 def synthetic(tmp_path: Path) -> Path:
-    """lr x depth grid: lr=0.1 diverges; job 4 is live (no summary); job 5 died before diagnostics."""
+    """lr x depth grid: lr=0.1 diverges; job 4 is live (no summary); job 5 died before diagnostics;
+    job 6 ran without trackdiag."""
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     (sweep / "multirun.yaml").write_text("hydra: {}\n")
@@ -64,7 +65,11 @@ def synthetic(tmp_path: Path) -> Path:
     hydra = sweep / "5" / ".hydra"
     hydra.mkdir(parents=True)
     (hydra / "overrides.yaml").write_text("- optimizer.lr=0.01\n- model.depth=8\n")
-    (hydra / "config.yaml").write_text("seed: 0\noptimizer:\n  lr: 0.01\nmodel:\n  depth: 8\n")
+    (hydra / "config.yaml").write_text("seed: 0\noptimizer:\n  lr: 0.01\nmodel:\n  depth: 8\ndiag:\n  level: basic\n")
+    plain = sweep / "6" / ".hydra"  # a job whose config never turned trackdiag on
+    plain.mkdir(parents=True)
+    (plain / "overrides.yaml").write_text("- optimizer.lr=0.001\n")
+    (plain / "config.yaml").write_text("seed: 0\noptimizer:\n  lr: 0.001\nmodel:\n  depth: 2\n")
     return sweep
 
 
@@ -85,15 +90,18 @@ def test_local_sweep_table_risk_and_outputs(synthetic: Path, tmp_path: Path) -> 
     assert by[5].status == "FAILED" and by[5].display_health == "failed"
     assert by[5].overrides == ["optimizer.lr=0.01", "model.depth=8"] and by[5].hparams["optimizer.lr"] == 0.01
     assert by[0].overrides == ["optimizer.lr=0.001"]
+    # a job without trackdiag in its config: shown as such, not failed, and left out of the risk lines
+    assert by[6].display_health == "no trackdiag" and by[6].status == "UNKNOWN" and not by[6].failed
+    assert "optimizer.lr=0.001: 0/2 runs anomalous" in c.risk_lines
     assert "optimizer.lr=0.1: 2/2 runs anomalous (loss_divergence, grad_explosion)" in c.risk_lines
     assert "optimizer.lr=0.001: 0/2 runs anomalous" in c.risk_lines
     assert "optimizer.lr=0.01: 1/2 runs anomalous (grad_explosion), 1 failed" in c.risk_lines
     assert c.risk_lines[0].startswith("optimizer.lr")  # the decisive parameter comes first
     table = rows(c.runs, c.swept, c.kinds)
     assert table[0]["loss_divergence.first_step"] == 12 and table[0]["health"] == "critical"
-    assert "2 critical, 1 warning, 1 failed, 2 ok" in c.headline and "#5" in render_text(c)
+    assert "2 critical, 1 warning, 1 failed, 2 ok, 1 no trackdiag" in c.headline and "#5" in render_text(c)
     csv_lines = to_csv(c).splitlines()
-    assert csv_lines[0].startswith("run,status,health,model.depth,optimizer.lr,") and len(csv_lines) == 7
+    assert csv_lines[0].startswith("run,status,health,model.depth,optimizer.lr,") and len(csv_lines) == 8
     written = write_outputs(c, tmp_path / "report")
     html = written["html"].read_text()
     assert html.count("data:image/png;base64,") == 3 and "optimizer.lr=0.1: 2/2 runs anomalous" in html
@@ -109,6 +117,7 @@ def test_hydra_job_markers_override_run_status(synthetic: Path) -> None:
     by = {r.job_num: r for r in load_runs(synthetic)}
     assert by[0].status == "FAILED" and "after close" in by[0].note and by[0].display_health == "failed"
     assert by[5].status == "FINISHED" and by[5].health == "unknown"  # diagnostics were simply off
+    assert by[5].display_health == "no trackdiag" and not by[5].failed
     one = load_runs(synthetic / "0")  # one job of a sweep still sees its sweep's markers
     assert len(one) == 1 and one[0].status == "FAILED"
 

@@ -48,7 +48,7 @@ def test_nonfinite_input_exact_step_and_replay_blames_the_data(tmp_path):
     (inp,) = got["nonfinite_input"]
     assert inp.step == 13 and inp.where == "input batch[0]"  # exact step, the entry of the batch
     loss = got["nonfinite_loss"][0]
-    assert loss.step == 13 and loss.where == "body.0 (input non-finite)", loss
+    assert loss.step == 13 and loss.where == "body.0 (Linear, input non-finite)", loss
     # reference: which steps really held a NaN, computed on the host
     assert [s for s, (x, _) in enumerate(batches(30)) if not torch.isfinite(plant(s, x, None)[0]).all()] == [13]
 
@@ -60,9 +60,12 @@ def test_nonfinite_input_log_mode_replays_on_the_kept_weights(tmp_path):
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     diag = session(model, opt, tmp_path, every=10, probes={"nan_replay": {"mode": "log"}})
     train(diag, model, opt, batches(25), plant=lambda s, x, y: (x * float("nan") if s == 13 else x, y))
-    loss = kinds(diag)["nonfinite_loss"][0]
+    loss, inp = kinds(diag)["nonfinite_loss"][0], kinds(diag)["nonfinite_input"][0]
     assert loss.step == 13
-    assert loss.where == "body.0 (input non-finite)" and "replayed on the weights of step 1," in loss.message
+    # the replay's account is told once, in the first alert of the incident; the others point to it
+    assert loss.where == "body.0 (Linear, input non-finite)" and "replayed on the weights of step 1," in inp.message
+    assert loss.message.endswith("NaN replay of step 13: see the nonfinite_input alert of step 13.")
+    assert loss.hint.startswith("The NaN/Inf came in with the batch") and "learning rate will not help" in loss.hint
     assert not all(torch.isfinite(p).all() for p in model.parameters())  # reference: they really are NaN now
 
 
@@ -71,10 +74,10 @@ def test_without_a_weight_snapshot_log_mode_says_params_are_already_nan(tmp_path
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     diag = session(model, opt, tmp_path, every=10, probes={"nan_replay": {"mode": "log", "snapshot_mb": 0}})
     train(diag, model, opt, batches(25), plant=lambda s, x, y: (x * float("nan") if s == 13 else x, y))
-    loss = kinds(diag)["nonfinite_loss"][0]
+    loss, inp = kinds(diag)["nonfinite_loss"][0], kinds(diag)["nonfinite_input"][0]
     assert loss.step == 13
-    assert loss.where == "input batch non-finite (parameters already non-finite)" and "mode=step" in loss.message
-    assert "input batch was NON-finite" in loss.message
+    assert loss.where == "input batch non-finite (parameters already non-finite)"
+    assert "diag.probes.nan_replay.mode=step" in inp.message and "input batch was NON-finite" in inp.message
 
 
 def test_label_range_exact_step(tmp_path):
@@ -162,7 +165,7 @@ def test_log_of_zero_is_traced_to_the_named_module(tmp_path, mode):
     assert ref["m"] == "body.2" and a.step == 23
     if mode == "log":  # Adam already wrote NaN into every weight: replayed on the weights kept at step 21
         assert "replayed on the weights of step 21" in a.message, a
-    assert a.where == "body.2 (input finite)", a
+    assert a.where == "body.2 (LogLayer, input finite)", a
     assert "LogLayer" in a.message and "from a finite input" in a.message
 
 
@@ -174,7 +177,7 @@ def test_backward_only_nan_is_traced_to_the_module(tmp_path):
     train(diag, model, opt, batches(3))
     assert "nonfinite_loss" not in kinds(diag)  # the forward is finite
     a = kinds(diag)["nonfinite_grad"][0]
-    assert a.step == 0 and a.where == "body.1 (backward)", a
+    assert a.step == 0 and a.where == "body.1 (SafeLog, backward)", a
     x, y = next(batches(1))  # reference: anomaly mode names the op inside body.1 (SafeLog)
     with pytest.raises(RuntimeError, match="LogBackward0' returned nan"), torch.autograd.detect_anomaly():
         F.cross_entropy(where_net()(x), y).backward()

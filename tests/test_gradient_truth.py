@@ -188,7 +188,7 @@ def test_parameters_in_no_optimizer_are_reported_at_the_first_step(tmp_path) -> 
                 opt.zero_grad()
                 diag.step(loss)
     (alert,) = [a for a in diag.alerts if a.kind == "param_not_optimized"]
-    assert alert.step == 0 and alert.where == "2" and "51 trainable values" in alert.message
+    assert alert.step == 0 and alert.where == "2 (Linear)" and "51 trainable values" in alert.message
     assert "add_param_group" in alert.hint
 
 

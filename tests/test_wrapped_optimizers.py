@@ -148,7 +148,7 @@ def test_accelerate_missing_zero_grad_is_caught(tmp_path) -> None:
 def test_accelerate_nan_in_a_named_module(tmp_path) -> None:
     diag, _ = accelerate_loop(tmp_path, accum=4, clip=True, built="after", steps=16, fault="nan", fault_at=7)
     a = next(a for a in diag.alerts if a.kind == "nonfinite_loss")
-    assert a.step == 7 and a.where.startswith("2 (input finite)")
+    assert a.step == 7 and a.where.startswith("2 (LogBlock, input finite)")
 
 
 class OwnTrainer:

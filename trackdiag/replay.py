@@ -47,18 +47,20 @@ class Finding:
     input_finite: bool | None = None
     detail: str = ""
 
-    def where(self, component: str = "") -> str:
-        """The alert's ``where``: ``encoder.3 (input finite)``, ``head (backward)``, ``loss function``."""
+    def where(self, component: str = "", kind: str = "") -> str:
+        """The alert's ``where``: ``encoder.3 (input finite)``, ``head (backward)``, ``loss function``;
+        with the module's type ``kind`` (given for bare indices): ``0 (Linear, input finite)``."""
         mod = f"{component}.{self.module}" if component and self.module else (self.module or component)
+        typed = f"{kind}, " if kind else ""
         if self.phase == "forward":
-            return f"{mod} (input {'finite' if self.input_finite else 'non-finite'})"
+            return f"{mod} ({typed}input {'finite' if self.input_finite else 'non-finite'})"
         if self.phase == "backward":
-            return f"{mod} (backward)"
+            return f"{mod} ({typed}backward)"
         if self.phase == "loss":
             return "loss function"
         if self.phase == "params":  # the data is the cause when the bad step's input held NaN/Inf
             head = "input batch non-finite" if self.input_finite is False else mod
-            return f"{head} (parameters already non-finite)"
+            return f"{head} ({typed if head == mod else ''}parameters already non-finite)"
         return ""
 
 
@@ -135,7 +137,7 @@ class _Recorder:
         name = self.names[module]
         self.order.setdefault(name, len(self.order))
         if self.first is None and not _finite(output):
-            self.first = (name, self.in_ok.get(name, True), f"{type(module).__name__} output: {_describe(output)}")
+            self.first = (name, self.in_ok.get(name, True), f"{type(module).__name__}; its output holds {_describe(output)}")
         if self.backward:
             self._grad_hooks(self.grad_out, name, output)
 
@@ -178,12 +180,13 @@ def replay(model: nn.Module, calls: list[Call], *, step: int, batch: Any = None,
                     found = _replay(model, calls, step, batch, loss_fn, backward)
                     return dataclasses.replace(found, detail=(
                         f"{found.detail} (replayed on the weights of step {at}, {step - at} step(s) before the bad "
-                        f"step: by the time it was noticed, the optimizer had already written NaN/Inf into the weights)"))
+                        f"step: by the time it was noticed, the optimizer had already written NaN/Inf into the weights.)"))
             why = f"the weights kept at step {snapshot.step} are not finite either"
         return Finding(step, "params", _layer(bad_state[0]), inputs_ok, (
             f"{len(bad_state)} parameter/buffer tensor(s) already hold NaN/Inf (first: {bad_state[0]}): the optimizer "
             f"applied the bad step's update before the fault was noticed, and {why}. The input batch was "
-            f"{'finite' if inputs_ok else 'NON-finite'}. Set probes.nan_replay.mode=step to replay before the update."))
+            f"{'finite' if inputs_ok else 'NON-finite'}. To replay before the update, set diag.probes.nan_replay.mode=step "
+            f"(Python: probes={{'nan_replay': {{'mode': 'step'}}}}: one host sync per step)."))
 
 
 def _replay(model: nn.Module, calls: list[Call], step: int, batch: Any,
@@ -199,7 +202,7 @@ def _replay(model: nn.Module, calls: list[Call], step: int, batch: Any,
                     name, inp, desc = rec.first
                     src = "its input already held NaN/Inf" if not inp else "from a finite input"
                     return Finding(step, "forward", name, inp,
-                                   f"the first non-finite value comes out of '{name}' ({desc}) {src}.")
+                                   f"the first non-finite value comes out of {name} ({desc}); {src}.")
                 found = _after_forward(model, rec, outputs, batch, loss_fn, backward, step)
             finally:
                 rec.remove()
@@ -233,7 +236,7 @@ def _after_forward(model: nn.Module, rec: _Recorder, outputs: Any, batch: Any,
     culprit = rec.backward_culprit(param_ok)
     if culprit is not None:
         return Finding(step, "backward", culprit, True, f"every forward value is finite; the first non-finite gradient "
-                                                         f"is produced in the backward of '{culprit}'.")
+                                                         f"is produced in the backward of {culprit}.")
     what = "the loss" if loss is not None else "the sum of the outputs (no loss_fn: the loss itself was not replayed)"
     return Finding(step, "none", detail=(
         f"the replay is finite in forward and in the backward of {what}: the non-finite value arises outside the model "

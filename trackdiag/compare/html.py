@@ -22,12 +22,13 @@ th,td{border:1px solid #ddd;padding:4px 8px;text-align:right;white-space:nowrap}
 th{background:#f4f4f4;position:sticky;top:0}td.l,th.l{text-align:left}
 tr.critical td.h{background:#fdd;color:#a00;font-weight:bold}tr.warning td.h{background:#fff1d6;color:#a60}
 tr.failed td.h{background:#eedff5;color:#729}tr.unknown td.h{color:#888}tr.ok td.h{background:#e3f5e1;color:#270}
+tr.none td{color:#888}tr.none td.h{font-style:italic}
 ul.risk li{font-family:ui-monospace,Menlo,monospace;font-size:13px;margin:2px 0}
 img{max-width:100%;border:1px solid #eee;margin:8px 0}.note{color:#777;font-size:12px}
 """
-_TITLES = {"anomalies_by_param": "Alert kinds per hyperparameter value",
+_TITLES = {"anomalies_by_param": "Anomalous runs per hyperparameter value",
            "first_anomaly_vs_param": "First anomaly step vs swept parameter",
-           "loss_curves": "Loss curves by health"}
+           "loss_curves": "Loss curves"}
 
 
 def render_html(comparison: "Comparison", images: dict[str, bytes] | None = None) -> str:
@@ -52,7 +53,8 @@ def render_html(comparison: "Comparison", images: dict[str, bytes] | None = None
             cls = "l h" if h == "health" else ("l" if h in left else "")
             title = f" title='{escape(r.name)}'" if i == 0 else ""
             tds.append(f"<td class='{cls}'{title}>{escape(c)}</td>")
-        parts.append(f"<tr class='{escape(r.display_health)}'>{''.join(tds)}</tr>")
+        css = "none" if not r.diagnosed else r.display_health  # "no trackdiag": one class name
+        parts.append(f"<tr class='{escape(css)}'>{''.join(tds)}</tr>")
     parts.append("</tbody></table>")
     if comparison.risk_lines:
         parts.append("<h2>Anomaly rate per swept value</h2><ul class='risk'>")

@@ -55,15 +55,26 @@ def overlay(run: RunSummary, marker: dict[str, Any] | None) -> None:
 
 
 def failed_job(job: Path, num: int | None, marker: dict[str, Any] | None) -> RunSummary:
-    """A Hydra job dir without a trackdiag record."""
-    completed = bool(marker) and marker.get("status") == "COMPLETED"
+    """A Hydra job dir without a trackdiag record: ``FAILED`` when its marker says so, or when its
+    config turned trackdiag on (it died before diagnostics started); ``no trackdiag`` when its marker
+    says ``COMPLETED`` or its readable config has no enabled ``diag`` node (status ``UNKNOWN`` without a marker:
+    nothing in the job dir tells how a job without trackdiag ended)."""
+    status = marker.get("status") if marker else None
     error = _error(marker or {})
     overrides = read_overrides(job)
+    hparams = read_hydra_config(job)
+    # an unreadable or empty config tells nothing: a job dir without a record is then a job that failed
+    enabled = not hparams or (any(k.startswith("diag.") for k in hparams) and hparams.get("diag.enabled") is not False)
+    if status == "COMPLETED" or (status is None and not enabled):
+        return RunSummary(
+            name=",".join(overrides) or job.name, source_id=str(job), status="FINISHED" if status else "UNKNOWN",
+            health="unknown", hparams=hparams, overrides=overrides, job_num=num, diagnosed=False,
+            note="diagnostics disabled or not used" if status else "trackdiag not enabled in this job's config "
+            "(no diag node, or diag.enabled=false)")
     return RunSummary(
-        name=",".join(overrides) or job.name, source_id=str(job), status="FINISHED" if completed else "FAILED",
-        health="unknown", hparams=read_hydra_config(job), overrides=overrides, job_num=num,
-        note="diagnostics disabled or not used" if completed
-        else f"no trackdiag record: the job failed before diagnostics started {error}".strip(),
+        name=",".join(overrides) or job.name, source_id=str(job), status="FAILED",
+        health="unknown", hparams=hparams, overrides=overrides, job_num=num,
+        note=f"no trackdiag record: the job failed before diagnostics started {error}".strip(),
     )
 
 

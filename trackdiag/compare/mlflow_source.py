@@ -5,6 +5,7 @@ What the trackdiag MLflow sink logs per run and this reader uses: params = flatt
 metric ``diag/alerts/<kind>`` = count, metric ``diag/loss`` (per step), ``diag/eval/loss``. A Hydra
 multirun has a parent run (tag ``trackdiag.role=sweep``); its jobs are children
 (``mlflow.parentRunId``, tag ``trackdiag.job_num``). Without ``--parent`` every run of the experiment is read except parents.
+A run with no ``trackdiag.*`` tag never ran trackdiag: it is listed as ``no trackdiag`` (with its own status).
 Cost: one ``search_runs`` call per page of runs plus two metric-history calls per run.
 """
 from __future__ import annotations
@@ -92,8 +93,11 @@ def run_summary(client: Any, run: Any) -> RunSummary:
     name = run.info.run_name or run_id
     match = _JOB_NUM.search(name)
     status = run.info.status
+    diagnosed = any(k.startswith("trackdiag.") for k in tags)  # level, version, ... from the sink's first call
     note = ""
-    if status == "RUNNING" and HEALTH_TAG not in tags:
+    if not diagnosed:
+        note = "not a trackdiag run (no trackdiag.* tags)"
+    elif status == "RUNNING" and HEALTH_TAG not in tags:
         note = "no trackdiag.health tag: still running, or the process died before trackdiag closed"
     return RunSummary(
         name=name, source_id=run_id, status=status, health=health,
@@ -104,7 +108,7 @@ def run_summary(client: Any, run: Any) -> RunSummary:
         best_eval_loss=best_finite(evals), loss_curve=curve,
         job_num=_job_num(tags.get(JOB_NUM_TAG)) if JOB_NUM_TAG in tags else (
             int(match.group(1)) if match and SWEEP_TAG in tags else None),
-        group=tags.get(PARENT_TAG) or tags.get(SWEEP_TAG), note=note,
+        group=tags.get(PARENT_TAG) or tags.get(SWEEP_TAG), note=note, diagnosed=diagnosed,
     )
 
 

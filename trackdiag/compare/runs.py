@@ -12,14 +12,41 @@ from typing import Any, Callable, Iterable, Mapping
 from trackdiag.compare.safe_read import MAX_DEPTH, UnreadableFile, clip, clip_value, parse_json
 from trackdiag.errors import TrackdiagError
 
+#: What a run that never ran trackdiag reads as in the health column (a plain MLflow run, a Hydra job
+#: without ``diag``): neither failed nor healthy, just not diagnosed.
+NO_TRACKDIAG = "no trackdiag"
 #: Sort order of health values: most severe first.
-HEALTH_RANK = {"critical": 0, "warning": 1, "failed": 2, "unknown": 3, "ok": 4}
+HEALTH_RANK = {"critical": 0, "warning": 1, "failed": 2, "unknown": 3, "ok": 4, NO_TRACKDIAG: 5}
+#: Hyperparameter keys that are trackdiag's own settings (the Hydra ``diag`` node, W&B's ``trackdiag``
+#: section): compared only between runs that have them, listed after the user's own.
+SETTINGS_PREFIXES = ("diag.", "trackdiag.")
 #: Run statuses that mean the run did not end normally.
 FAILED_STATUSES = frozenset({"FAILED", "KILLED", "CRASHED"})
 #: Most points kept per loss curve (curves are for plots, not analysis).
 MAX_CURVE_POINTS = 300
 #: Most hyperparameters kept per run.
 MAX_HPARAMS = 5000
+
+
+
+class _Missing:
+    """A hyperparameter a run does not have (tables and risk lines read ``(unset)``, not ``null``)."""
+
+    _instance: "_Missing | None" = None
+
+    def __new__(cls) -> "_Missing":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+    def __str__(self) -> str:
+        return "(unset)"
+
+
+MISSING = _Missing()
 
 Progress = Callable[[int, int], None]
 """``progress(done, total)``: called by sources while they read runs."""
@@ -35,8 +62,9 @@ class RunSummary:
 
     name: the run's name; label: a short name for tables (``#3`` for Hydra job 3).
     source_id: where it came from (local dir, MLflow run id, W&B run path).
-    status: ``FINISHED | FAILED | KILLED | RUNNING | CRASHED``. health: ``ok | warning | critical |
-        unknown`` (unknown: no diagnostics record).
+    status: ``FINISHED | FAILED | KILLED | RUNNING | CRASHED | UNKNOWN``. health: ``ok | warning |
+        critical | unknown`` (unknown: no diagnostics record). diagnosed: False for a run that never
+        ran trackdiag (its health column reads ``no trackdiag``; risk lines leave it out).
     hparams: flattened hyperparameters (dotted keys). overrides: Hydra overrides, when known.
     job_num / group: Hydra job number and sweep (sweep dir, MLflow parent run, W&B group).
     alert_counts / first_steps / severities: per alert kind.
@@ -64,6 +92,7 @@ class RunSummary:
     job_num: int | None = None
     group: str | None = None
     note: str = ""
+    diagnosed: bool = True
 
     def __post_init__(self) -> None:
         # cut every text early (whatever the source): tables, plots and risk lines stay linear and small
@@ -89,7 +118,10 @@ class RunSummary:
 
     @property
     def display_health(self) -> str:
-        """Health for tables: a failed run without alerts reads ``failed``."""
+        """Health for tables: a run without trackdiag reads ``no trackdiag``, a failed run without
+        alerts ``failed``."""
+        if not self.diagnosed:
+            return NO_TRACKDIAG
         if self.failed and self.health in ("ok", "unknown"):
             return "failed"
         return self.health
@@ -190,14 +222,23 @@ def first_anomaly(first_steps: Mapping[str, int], severities: Mapping[str, str])
     return min(steps) if steps else None
 
 
+def is_setting(key: str) -> bool:
+    """True for trackdiag's own settings (``diag.every``), False for the user's hyperparameters."""
+    return key.startswith(SETTINGS_PREFIXES)
+
+
 def swept_params(runs: Iterable[RunSummary]) -> list[str]:
-    """Hyperparameter keys whose value differs between runs (a key missing in a run counts as a value).
+    """Hyperparameter keys whose value differs between runs: the user's first (a key missing in a run
+    counts as a value), then trackdiag settings whose value differs between the runs that have them
+    (a preset without a probe, or a run without trackdiag, does not make every setting a column).
 
     Runs with no hyperparameters at all (a source that could not read them) are ignored.
     """
     runs = [r for r in runs if r.hparams]
     keys = sorted({k for r in runs for k in r.hparams})
-    return [k for k in keys if len({repr(r.hparams.get(k, "<missing>")) for r in runs}) > 1]
+    user = [k for k in keys if not is_setting(k) and len({repr(r.hparams.get(k, MISSING)) for r in runs}) > 1]
+    settings = [k for k in keys if is_setting(k) and len({repr(r.hparams[k]) for r in runs if k in r.hparams}) > 1]
+    return user + settings
 
 
 def alert_kinds(runs: Iterable[RunSummary]) -> list[str]:
@@ -213,4 +254,4 @@ def format_value(v: Any) -> str:
     """Compact display of a hyperparameter value (``0.001`` -> ``0.001``, ``1e-05`` stays)."""
     if isinstance(v, float):
         return f"{v:g}"
-    return "null" if v is None else str(v)
+    return "null" if v is None else str(v)  # MISSING reads "(unset)"

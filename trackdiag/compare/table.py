@@ -10,14 +10,15 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from trackdiag.compare.runs import RunSummary, finite_or_none, format_value
+from trackdiag.compare.runs import MISSING, NO_TRACKDIAG, RunSummary, finite_or_none, format_value
 from trackdiag.compare.safe_read import clip
 
 if TYPE_CHECKING:
     from trackdiag.compare.comparison import Comparison
 
 MAX_CELL = 60  # display width of a hyperparameter cell (long values end in a hash, so they stay distinct)
-HEALTH_STYLE = {"critical": "bold red", "warning": "yellow", "failed": "magenta", "unknown": "dim", "ok": "green"}
+HEALTH_STYLE = {"critical": "bold red", "warning": "yellow", "failed": "magenta", "unknown": "dim", "ok": "green",
+                NO_TRACKDIAG: "dim"}
 
 
 def rows(runs: list[RunSummary], swept: list[str], kinds: list[str]) -> list[dict[str, Any]]:
@@ -58,7 +59,7 @@ def to_json(comparison: "Comparison") -> str:
 def cells(r: RunSummary, swept: list[str], kinds: list[str]) -> list[str]:
     """Display cells for one run: alert kinds read ``count @first_step``; blanks for none."""
     out = [r.label, r.status, r.display_health]
-    out += [clip(format_value(r.hparams.get(p)), MAX_CELL) for p in swept]
+    out += [clip(format_value(r.hparams.get(p, MISSING)), MAX_CELL) for p in swept]
     for k in kinds:
         n = r.alert_counts.get(k, 0)
         out.append(f"{n} @{r.first_steps[k]}" if n and k in r.first_steps else (str(n) if n else ""))

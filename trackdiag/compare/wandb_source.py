@@ -109,6 +109,7 @@ def run_summary(run: Any) -> RunSummary:
         steps=(max(s for s, _ in train) + 1) if train else None, final_loss=final, best_loss=best,
         best_eval_loss=best_finite(evals), loss_curve=curve,
         job_num=int(match.group(1)) if match else None, group=getattr(run, "group", None),
+        diagnosed=any(str(k).startswith("trackdiag/") for k in summary) or "trackdiag" in dict(run.config),
     )
 
 

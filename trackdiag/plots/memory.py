@@ -4,7 +4,8 @@
 ``diag/mem/cuda_allocated_mb``, ``cuda_reserved_mb``, ``cuda_peak_mb``, per device with a ``/<i>``
 suffix) and the ``memory_phases`` probe's ``diag/[<c>/]mem/phase/<start|forward|backward|step>_mb``, and
 draws host memory, per CUDA device allocated / reserved / peak-since-last-log, and allocated memory
-at each phase of the step.
+at each phase of the step. The y axes start at 0 (a flat RSS reads flat) and each panel's title gives
+the change of each series from its first to its last reading.
 
 ``MemorySnapshot`` records the CUDA caching allocator's history for a few steps
 (``torch.cuda.memory._record_memory_history``) and dumps a pickle that https://pytorch.org/memory_viz
@@ -15,6 +16,7 @@ a model not on CUDA, it does nothing.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Iterable
@@ -59,15 +61,23 @@ def plot_memory(records: Iterable[Record], path: str | Path) -> Path | None:
     fig = figure(8.0, 2.8 * len(panels) + 0.4)
     axes = fig.subplots(len(panels), 1, squeeze=False, sharex=True)[:, 0]
     for ax, (title, keys) in zip(axes, panels):
+        highest, changes = 0.0, []
         for key in keys:
             steps, vals = zip(*sorted(series[key]))
             m = _PHASE.match(key)
             label = m["phase"] if m else key.split("/")[2].removeprefix("cuda_").removesuffix("_mb")
             kind = "-" if "peak" not in key else "--"
             ax.plot(steps, vals, kind, marker=".", ms=3, lw=1.2, label=label)
-        ax.set_title(f"{title} memory (MiB)", fontsize=10)
+            finite = [v for v in vals if math.isfinite(v)]
+            if finite:
+                highest = max(highest, max(finite))
+                changes.append(f"{label} {finite[-1] - finite[0]:+.1f} MiB")
+        # from 0: a flat 541 MiB RSS must look flat, not like a ramp over a 0.7 MiB window
+        ax.set_ylim(0, max(highest * 1.15, 1.0))
+        note = f" — change over the run: {', '.join(changes)}" if changes else ""
+        ax.set_title(f"{title} memory (MiB){note}", fontsize=10, loc="left")
         ax.set_ylabel("MiB", fontsize=8)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="lower right")
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step", fontsize=8)
     return save(fig, path)

@@ -31,8 +31,21 @@ th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}.critical{color:#
 .muted{color:#777;font-size:12px}"""
 
 
+def _spans(steps: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive steps as (first, last) pairs (gaps of more than one step split them)."""
+    out: list[tuple[int, int]] = []
+    for s in sorted(steps):
+        if out and s <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out
+
+
 def plot_loss_alerts(records: Iterable[Record], path: str | Path) -> Path | None:
-    """Loss curves over steps with every alert marked (vertical line and a timeline row per kind)."""
+    """Loss curves over steps with every alert marked (vertical line and a timeline row per kind), over
+    the whole run (x axis from the first to the last recorded step); steps whose loss was NaN/Inf are
+    shaded red (their points cannot be drawn)."""
     records = list(records)
     curves = loss_points(records)
     alerts = [a for r in records for a in r.alerts]
@@ -41,11 +54,16 @@ def plot_loss_alerts(records: Iterable[Record], path: str | Path) -> Path | None
     fig = figure(9.0, 5.0)
     top, strip = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
     finite: list[float] = []
+    bad: set[int] = set()
     for key, pts in curves.items():
         steps = [s for s, v in pts]
         vals = [v if math.isfinite(v) else math.nan for _, v in pts]
         finite += [v for v in vals if v == v]
+        bad.update(s for s, v in pts if not math.isfinite(v))
         top.plot(steps, vals, lw=1.2, marker="." if len(pts) < 50 else None, label=key)
+    for i, (a, b) in enumerate(_spans(sorted(bad))):
+        top.axvspan(a - 0.5, b + 0.5, color="#cb181d", alpha=0.12, lw=0,
+                    label=f"loss NaN/Inf ({len(bad)} steps)" if i == 0 else None)
     if finite and min(finite) > 0 and max(finite) > 10 * min(finite):  # log scale when it spans a decade
         top.set_yscale("log")
     kinds = list(dict.fromkeys(a.kind for a in alerts))
@@ -53,15 +71,24 @@ def plot_loss_alerts(records: Iterable[Record], path: str | Path) -> Path | None
         colour = _SEVERITY.get(a.severity, "#777")
         top.axvline(a.step, color=colour, alpha=0.5, lw=1)
         strip.scatter([a.step], [kinds.index(a.kind)], color=colour, marker="v", s=30, zorder=3)
+    steps_seen = [r.step for r in records] + [s for pts in curves.values() for s, _ in pts] + [a.step for a in alerts]
+    first, last = min(steps_seen), max(steps_seen)
+    pad = max(1.0, 0.01 * (last - first))
+    strip.set_xlim(first - pad, last + pad)  # the whole run, also when the loss stops being finite early
     strip.set_yticks(range(len(kinds)), kinds, fontsize=7)
     strip.set_ylim(-0.7, max(len(kinds), 1) - 0.3)
     strip.set_xlabel("step", fontsize=8)
     strip.set_title("alerts" if alerts else "alerts: none", fontsize=9)
-    top.set_title("loss and alerts", fontsize=11)
-    if curves:
+    top.set_title(f"loss and alerts (steps {first}-{last})", fontsize=11)
+    if curves or bad:
         top.legend(fontsize=7)
     top.grid(alpha=0.3)
     return save(fig, path)
+
+
+def _number(v: float) -> str:
+    """A threshold for the alert table: NaN (no numeric limit, e.g. a non-finite loss) reads ``none``."""
+    return "none" if isinstance(v, float) and math.isnan(v) else describe(v)
 
 
 def _img(path: Path) -> str:
@@ -91,8 +118,8 @@ def render_html(path: str | Path, *, title: str, meta: dict[str, Any], images: l
         parts += [f"<h2>{html.escape(caption)}</h2>", _img(img)]
     parts.append(f"<h2>alerts ({len(alerts)})</h2>")
     parts.append(_table([{"step": a.step, "severity": a.severity, "kind": a.kind, "where": a.where,
-                          "value": a.value, "threshold": a.threshold, "message": a.message, "hint": a.hint}
-                         for a in alerts[:1000]]))
+                          "value": a.value, "threshold": _number(a.threshold), "message": a.message,
+                          "hint": a.hint} for a in alerts[:1000]]))
     for name, summary in (summaries or {}).items():
         totals = {k: v for k, v in summary.items() if k != "modules"}
         parts += [f"<h2>model summary{' — ' + html.escape(name) if name else ''}</h2>", _table(totals),
@@ -114,6 +141,19 @@ def _json(path: Path) -> Any:
         return None
 
 
+def layer_labels(summaries: dict[str, Any]) -> dict[str, str]:
+    """Tick labels from the model summaries: a layer named by a bare index (``0``, ``blocks.3``) reads
+    ``0 (Linear)``; keys are ``<layer>`` (``<component>/<layer>`` for named components)."""
+    out: dict[str, str] = {}
+    for comp, summary in summaries.items():
+        rows = summary.get("modules", []) if isinstance(summary, dict) else []
+        for row in rows if isinstance(rows, list) else []:
+            name, kind = (row.get("name"), row.get("type")) if isinstance(row, dict) else (None, None)
+            if isinstance(name, str) and isinstance(kind, str) and name.rpartition(".")[2].isdigit():
+                out[f"{comp}/{name}" if comp else name] = f"{name} ({kind})"
+    return out
+
+
 def build_report(run_dir: str | Path, records: list[Record] | None = None, *, write_html: bool = True) -> list[Path]:
     """Render every picture the run's records allow and (with ``write_html``) the HTML page; returns the
     files written. Without matplotlib: one warning, and a page with the tables only."""
@@ -133,11 +173,15 @@ def build_report(run_dir: str | Path, records: list[Record] | None = None, *, wr
     except ImportError:
         log.warning("trackdiag: no pictures in the report: matplotlib is missing (pip install 'trackdiag[plots]')")
         pictures = False
+    summaries = _json(run_dir / "model_summary.json") or {}
+    if "modules" in summaries:  # a single model; several components are keyed by name
+        summaries = {"": summaries}
+    labels = layer_labels(summaries)
     for caption, draw in () if not pictures else (
         ("loss and alerts", lambda: plot_loss_alerts(records, out / "loss_alerts.png")),
-        ("gradient flow", lambda: plot_grad_flow(records, out / "grad_flow.png")),
-        ("gradient histograms", lambda: plot_histograms(records, "grad", out / "grad_hist.png")),
-        ("parameter histograms", lambda: plot_histograms(records, "param", out / "param_hist.png")),
+        ("gradient flow", lambda: plot_grad_flow(records, out / "grad_flow.png", labels=labels)),
+        ("gradient histograms", lambda: plot_histograms(records, "grad", out / "grad_hist.png", labels=labels)),
+        ("parameter histograms", lambda: plot_histograms(records, "param", out / "param_hist.png", labels=labels)),
         ("memory", lambda: plot_memory(records, out / "memory.png")),
     ):
         try:
@@ -154,9 +198,6 @@ def build_report(run_dir: str | Path, records: list[Record] | None = None, *, wr
     meta = {"run": run.get("name", run_dir.name), "level": run.get("level", ""),
             "records": len(records), "last step": max((r.step for r in records), default=0)}
     alerts = sorted((a for r in records for a in r.alerts), key=lambda a: a.step)
-    summaries = _json(run_dir / "model_summary.json") or {}
-    if "modules" in summaries:  # a single model; several components are keyed by name
-        summaries = {"": summaries}
     page = render_html(run_dir / "report.html", title=f"trackdiag report: {meta['run']}", meta=meta, images=images,
                        alerts=alerts, summaries=summaries, environment=_json(run_dir / "environment.json"))
     return [p for _, p in images if p.parent == out] + [page]

@@ -25,6 +25,11 @@ path on CPU; bin boundaries then follow ``histc``/``torch.histogram(bins=n, rang
 published edges up to float rounding); otherwise one ``bucketize`` (a transient int64 copy of the
 tensor) and one ``scatter_add_`` count; two ``aminmax`` per tensor once, at the first due step.
 No host sync: counts and edges go to the host with the session's one copy. Nothing on other steps.
+
+Schedule: with ``spread`` (the default) the due steps are log-spaced up to ``every`` and then every
+``every`` steps (:class:`~trackdiag.schedule.SpreadThenEvery` on the session's cadence: 0, 10, 20, 50,
+100, 200, 500, 1000, 1500, ... at ``advanced``), so a short run still gets a series and a long one
+costs what ``every`` alone would, plus 5 due steps at the start. ``spread=false``: ``0, every, 2 every, ...``.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from trackdiag.layers import group_names, layer_of
 from trackdiag.norms import bin_counts, flat_chunks
 from trackdiag.probes.base import Probe
 from trackdiag.record import Histogram, Record
+from trackdiag.schedule import Every, SpreadThenEvery
 
 MAX_BINS = 512
 DECADES = 8  # symlog edges: the smallest magnitude bin starts this many decades below the top
@@ -74,6 +80,7 @@ class HistogramProbe(Probe):
         margin: linear edges: fraction of the first step's range added on each side.
         max_groups: at most this many histograms per kind and component.
         grads / params: which distributions to record.
+        spread: log-spaced due steps before the first multiple of ``every`` (see module docstring).
     """
 
     name = "histograms"
@@ -81,8 +88,10 @@ class HistogramProbe(Probe):
     follows_anomaly = False  # too costly to run on every step of an anomaly window
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, bins: int = 64, scale: str = "linear",
-                 margin: float = 0.5, max_groups: int = 16, grads: bool = True, params: bool = True) -> None:
+                 margin: float = 0.5, max_groups: int = 16, grads: bool = True, params: bool = True,
+                 spread: bool = True) -> None:
         super().__init__(enabled=enabled, every=every)
+        self.spread = spread
         problems = []
         if not 2 <= bins <= MAX_BINS or (scale == "symlog" and bins % 2):
             problems.append(f"diag.probes.histograms.bins: must be in [2, {MAX_BINS}] (even for symlog), got {bins!r}")
@@ -100,6 +109,12 @@ class HistogramProbe(Probe):
         self._edges: dict[str, torch.Tensor] = {}  # "<comp>|<kind>" -> (groups, bins + 1) float32
         self._ranges: dict[str, list[tuple[float, float]]] = {}  # host (first, last) edge per group: linear fast path
         self._pending: dict[str, torch.Tensor] = {}
+
+    def bind(self, default_every: int) -> None:
+        """Due steps: log-spaced on the session's cadence up to ``every``, then every ``every`` (``spread``)."""
+        n = self.every or default_every
+        spread = self.spread and n > default_every
+        self.schedule = SpreadThenEvery(n, default_every, False) if spread else Every(n, False)
 
     # ------------------------------------------------------------------ hooks
     @torch.no_grad()

@@ -46,11 +46,13 @@ from trackdiag.errors import ConfigError
 from trackdiag.probes.base import Probe
 from trackdiag.registry import resolve
 from trackdiag.replay import Call, Finding, replay
+from trackdiag.replay_hints import replay_hint
 from trackdiag.schedule import Never
 from trackdiag.forward_watch import FORWARD
 from trackdiag.gradtap import GradView
-from trackdiag.incidents import nonfinite
+from trackdiag.incidents import nonfinite, order
 from trackdiag.record import Record
+from trackdiag.modnames import module_type, needs_type
 from trackdiag.snapshot import ParamSnapshot
 from trackdiag.tensors import inputs_of
 
@@ -94,6 +96,7 @@ class NanReplayProbe(Probe):
         self._findings: dict[int, tuple[str, Finding]] = {}
         self._handles: list[Any] = []
         self._replays = 0
+        self._told: dict[tuple[str, int], tuple[str, int, bool]] = {}  # finding -> (kind, step) told, data at fault
         self._busy = False
         self._ctx: ProbeContext | None = None
 
@@ -217,16 +220,26 @@ class NanReplayProbe(Probe):
         return got
 
     def enrich(self, ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> list[tuple[Any, Alert]]:
-        """``alerts`` with the replay's culprit in ``where`` and message (non-finite kinds only)."""
+        """``alerts`` with the replay's culprit in ``where``, a hint that follows what the replay found,
+        and the replay's account in the message: in full in the first alert of an incident (the input,
+        then the loss, grad, param alert: the order they are emitted in), as a reference in the others."""
         out = []
-        for rule, alert in sorted(alerts, key=lambda ra: ra[1].step):
+        data = any(a.kind == "nonfinite_input" for _, a in alerts)
+        for rule, alert in sorted(alerts, key=lambda ra: order(ra[1])):
             got = self.finding(ctx, alert.step) if alert.kind in TRIGGERS else None
             if got is not None:
                 comp, found = got
-                where = found.where(comp if len(ctx.components) > 1 else "")
+                model = next((c.model for c in ctx.components if c.name == comp), None)
+                kind = module_type(model, found.module) if needs_type(found.module) else ""
+                where = found.where(comp if len(ctx.components) > 1 else "", kind)
+                told = self._told.setdefault((comp, found.step), (alert.kind, alert.step, data))
+                if told[:2] == (alert.kind, alert.step):
+                    account = f"NaN replay of step {found.step}: {found.detail}"
+                else:
+                    account = f"NaN replay of step {found.step}: see the {told[0]} alert of step {told[1]}."
                 alert = dataclasses.replace(
                     alert, where=where if where and alert.kind != "nonfinite_input" else alert.where,
-                    message=f"{alert.message} Replay of step {found.step}: {found.detail}")
+                    message=f"{alert.message} {account}", hint=replay_hint(found, alert, where, data or told[2]))
             out.append((rule, alert))
         return out
 

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
+from trackdiag.modnames import layer_label
 from trackdiag.rules._streak import Streaks
 from trackdiag.rules.base import Rule, layer_values
 
@@ -37,7 +38,7 @@ class DeadUnits(Rule):
                     key = f"{comp.name}|{fam}|{module}"
                     if not self._streaks.bump(key, math.isfinite(frac) and frac > self.threshold, record.step):
                         continue
-                    where = f"{comp.name}.{module}" if comp.name else module
+                    where = layer_label(comp, module)
                     msg = (f"{frac:.0%} of the units of {where} {what} over every sampled batch, for "
                            f"{self.patience} consecutive measurements.")
                     out.append(self.make(self._streaks.start(key), msg, frac, self.threshold, where))

@@ -63,6 +63,12 @@ def where_of(key: str) -> str:
     return parts[1] if len(parts) == 3 else ""
 
 
+def loss_where(key: str) -> str:
+    """The ``where`` of an alert about a loss series: the series' metric key (``diag/loss``,
+    ``diag/G/loss``), so the alert names the chart to look at."""
+    return key
+
+
 def layer_values(record: Record, prefix: str) -> dict[str, float]:
     """Per-layer values under ``prefix`` (``diag/grad/norm``): the full table when the keys were
     coarsened, else the per-layer scalar keys."""

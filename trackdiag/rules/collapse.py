@@ -24,7 +24,7 @@ class ModeCollapse(Rule):
 
     The streak must also span ``min_steps`` (100) optimizer steps: early in training a model often
     predicts one class, and a zero-initialised head outputs a constant, for a few dozen steps.
-    ``step`` is the first logged step of the streak; ``where`` the component (``""`` for one model).
+    ``step`` is the first logged step of the streak; ``where`` the outputs (``model outputs``, ``G outputs``).
     """
 
     kind = "mode_collapse"
@@ -46,7 +46,8 @@ class ModeCollapse(Rule):
             if not key.endswith(_SUFFIX) or not math.isfinite(std):
                 continue
             base = key[: -len(_SUFFIX)]  # "diag" or "diag/<component>"
-            where = base.partition("/")[2]
+            where = base.partition("/")[2]  # the streaks' key: the component
+            place = f"{where} outputs" if where else "model outputs"
             dist, top, n, ent = (record.scalars.get(f"{base}/out/{s}", math.nan)
                                  for s in ("pairwise_dist", "top_class_fraction", "samples", "pred_entropy"))
             if self._streaks.bump(f"{where}|std", std < self.std_threshold, record.step, self.min_steps):
@@ -54,14 +55,14 @@ class ModeCollapse(Rule):
                     self._streaks.start(f"{where}|std"),
                     f"outputs are constant across the batch: batch std {std:.3g} < {self.std_threshold:g} "
                     f"(mean pairwise distance {dist:.3g}) since step {self._streaks.start(where + '|std')}.",
-                    std, self.std_threshold, where))
+                    std, self.std_threshold, place))
             single = math.isfinite(top) and n >= self.min_samples and top >= self.class_fraction
             if self._streaks.bump(f"{where}|class", single, record.step, self.min_steps):
                 out.append(self.make(
                     self._streaks.start(f"{where}|class"),
                     f"{top:.0%} of the batch predicts a single class (prediction entropy {ent:.3g} nats) "
                     f"since step {self._streaks.start(where + '|class')}.",
-                    top, self.class_fraction, where))
+                    top, self.class_fraction, place))
         return out
 
     def state_dict(self) -> dict[str, Any]:

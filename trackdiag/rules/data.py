@@ -27,7 +27,8 @@ class NonfiniteInput(Rule):
         firsts = record.tables.get("diag/data/nonfinite_first", {})
         entry = min(firsts, key=lambda k: firsts[k]) if firsts else "batch"
         n = record.scalars.get("diag/data/nonfinite_tensors", 1.0)
-        msg = f"the input batch holds NaN/Inf in {entry} (input non-finite); {int(n)} tensor-step(s) affected in this window."
+        what = "the batch" if entry == "batch" else entry
+        msg = f"{what} passed to step() holds NaN/Inf at step {int(first)} ({int(n)} tensor-step(s) with NaN/Inf in this window)."
         return [self.make(int(first), msg, n, 0, f"input {entry}")]
 
 

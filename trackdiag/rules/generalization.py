@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any, Sequence
 
 from trackdiag.alert import Alert
@@ -26,14 +27,34 @@ def latest_train_loss(history: Sequence[Record]) -> float:
     return math.nan
 
 
+def smoothed_best(vals: Sequence[float]) -> float:
+    """The lowest value once each is replaced by the median of it and its two neighbours: a lone
+    low reading between two higher ones does not count as the best (the first and the newest
+    value, with one neighbour, count as they are)."""
+    inner = [sorted(vals[i - 1:i + 2])[1] for i in range(1, len(vals) - 1)]
+    return min([vals[0], vals[-1], *inner])
+
+
+def noise_of(vals: Sequence[float]) -> float:
+    """The spread of one value around the trend, from the median absolute successive change
+    (robust to a trend and to outliers): ``median|d| / (0.6745 * sqrt 2)``; 0 with fewer than 4."""
+    if len(vals) < 4:
+        return 0.0
+    return statistics.median(abs(b - a) for a, b in zip(vals, vals[1:])) / 0.954
+
+
 class Overfitting(Rule):
     """Fires at an evaluation where the validation loss has turned upward while the train loss
     (the newest ``diag/loss/ema``) did not:
 
     - **trend**: each of the last ``patience`` (3) evaluations sits above the best validation loss by
-      more than ``min_rise`` (5%) of it and ``giveback`` (10%) of the improvement since the first
-      evaluation, the newest is ``min_rise`` above the one ``patience`` evaluations earlier and above
-      the train loss, and the train loss fell meanwhile;
+      more than ``min_rise`` (5%) of it, ``giveback`` (10%) of the improvement since the first
+      evaluation and ``noise`` (1.5) times the evaluation-to-evaluation noise (robust: from the
+      median successive change), the newest is ``min_rise`` above the one ``patience``
+      evaluations earlier and above the train loss, and the train loss fell meanwhile. A lone low
+      reading between two higher ones is not the best (each evaluation counts as the median of it
+      and its neighbours): one lucky reading of a noisy validation loss does not make everything
+      after it look like a rise;
     - **ratio**: or val/train exceeds ``ratio`` (2.0, the guides' "severe overfitting") with the last
       ``patience`` evaluations above the best (a mere lag behind a fast-falling train loss, or one
       noisy reading, with the validation loss still improving, is not overfitting).
@@ -50,10 +71,10 @@ class Overfitting(Rule):
             "smaller model; use early stopping on the validation loss and keep the best checkpoint.")
 
     def __init__(self, *, ratio: float = 2.0, patience: int = 3, min_rise: float = 0.05, giveback: float = 0.1,
-                 leak_ratio: float = 20.0, metric: str = "loss", **kw: Any) -> None:
+                 noise: float = 1.5, leak_ratio: float = 20.0, metric: str = "loss", **kw: Any) -> None:
         super().__init__(**kw)
         self.ratio, self.patience, self.metric = ratio, max(1, patience), metric
-        self.min_rise, self.giveback, self.leak_ratio = min_rise, giveback, leak_ratio
+        self.min_rise, self.giveback, self.noise, self.leak_ratio = min_rise, giveback, noise, leak_ratio
         self._evals: list[tuple[int, float, float]] = []  # (step, val, train), bounded below
         self._active = False
 
@@ -64,12 +85,13 @@ class Overfitting(Rule):
             return []
         self._evals.append((record.step, val, train))
         del self._evals[:-200]
-        best_i = min(range(len(self._evals)), key=lambda i: self._evals[i][1])
-        best = self._evals[best_i][1]
-        recent = [v for _, v, _ in self._evals[-self.patience:]]
-        # every one of the last `patience` evaluations sits above the best, by a margin that counts both
-        # relative to the best and to what the run gained so far: sustained, not a noisy reading
-        margin = max(best * self.min_rise, self.giveback * (self._evals[0][1] - best))
+        vals = [v for _, v, _ in self._evals]
+        best_i = min(range(len(vals)), key=vals.__getitem__)
+        best = smoothed_best(vals)
+        recent = vals[-self.patience:]
+        # every one of the last `patience` evaluations sits above the best, by a margin that counts
+        # what the run gained so far and the evaluations' own noise: sustained, not a noisy reading
+        margin = max(best * self.min_rise, self.giveback * (vals[0] - best), self.noise * noise_of(vals))
         above = len(recent) == self.patience and min(recent) > best + margin + 1e-12
         trend = False
         if len(self._evals) > self.patience:

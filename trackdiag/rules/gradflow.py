@@ -7,6 +7,7 @@ from typing import Any, Sequence
 from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
+from trackdiag.modnames import layer_label
 from trackdiag.rules._streak import Streaks
 from trackdiag.rules.base import Rule
 
@@ -36,14 +37,15 @@ class GradFlow(Rule):
             if r is None or not math.isfinite(r):
                 continue
             ends = list(record.tables.get(comp.key("grad/flow"), {}))
-            first, last = ends if len(ends) == 2 else ("first layer", "last layer")
-            where = f"{comp.name}.{first}" if comp.name else first
+            first, last = (layer_label(comp, e) for e in ends) if len(ends) == 2 else ("the first layer", "the last layer")
+            where = first if len(ends) == 2 else comp.name
             for low, thr in ((True, self.min_ratio), (False, self.max_ratio)):
                 key = f"{comp.name}|{'low' if low else 'high'}"
                 if self._streaks.bump(key, r < thr if low else r > thr, record.step):
                     what = "vanishes" if low else "explodes"
-                    msg = (f"gradient {what} towards the input: ||g({first})|| is {r:.3g} x ||g({last})|| "
-                           f"({'<' if low else '>'} {thr:g}) for {self.patience} measurements.")
+                    msg = (f"the gradient {what} towards the input: the gradient norm of the first layer, {first}, is "
+                           f"{r:.3g} x that of the last, {last} ({'<' if low else '>'} {thr:g}), for {self.patience} "
+                           f"measurements.")
                     out.append(self.make(self._streaks.start(key), msg, r, thr, where))
         return out
 

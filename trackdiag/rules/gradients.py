@@ -8,11 +8,13 @@ from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
 from trackdiag.rules.base import Rule, latest, layer_values, points_of
+from trackdiag.modnames import layer_label
 from trackdiag.rules._spike import SpikeDetector
 
 
 def _qualified(comp: Component, layer: str) -> str:
-    return f"{comp.name}.{layer}" if comp.name and layer else (layer or comp.name)
+    """``<component>.<layer>``, with the module type of a bare index (``0 (Linear)``)."""
+    return layer_label(comp, layer)
 
 
 class GradExplosion(Rule):

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
-from trackdiag.rules.base import Rule, loss_series, where_of
+from trackdiag.rules.base import Rule, loss_series, loss_where
 from trackdiag.rules._spike import SpikeDetector
 
 
@@ -46,7 +46,7 @@ class LossSpike(Rule):
                 spike, ref = det.feed(v)
                 if spike and not fired:
                     out.append(self.make(step, f"loss {v:.4g} is {v / ref:.1f}x its recent average {ref:.4g} and far "
-                                               f"outside its recent spread.", v, self.factor * ref, where_of(key)))
+                                               f"outside its recent spread.", v, self.factor * ref, loss_where(key)))
                     fired = True
         return out
 
@@ -101,7 +101,7 @@ class LossDivergence(Rule):
                     if now > self.early_factor * abs(base) and now - base > 1e-6:
                         out.append(self.make(step, f"the loss rises from the very start: the median of the last 5 steps is "
                                                    f"{now:.4g}, {now / base:.1f}x the first losses ({base:.4g}).",
-                                             now, self.early_factor * base, where_of(key)))
+                                             now, self.early_factor * base, loss_where(key)))
                         fired = st["early_fired"] = True
                 if len(recent) < self.window:
                     continue
@@ -112,7 +112,7 @@ class LossDivergence(Rule):
                 best, start = st["best"], st["start"]
                 progress = max(start - best, abs(best) * 1e-3, 1e-12)
                 if not fired and cur - best > (self.factor - 1.0) * abs(best) and (cur - best) > self.giveback * progress:
-                    out.append(self.make(step, f"the median loss of the last {self.window} steps rose to {cur:.4g} from a best of {best:.4g}.", cur, self.factor * best, where_of(key)))
+                    out.append(self.make(step, f"the median loss of the last {self.window} steps rose to {cur:.4g} from a best of {best:.4g}.", cur, self.factor * best, loss_where(key)))
                     fired = True
         return out
 
@@ -162,5 +162,5 @@ class InitialLoss(Rule):
             if start > self.factor * chance:
                 msg = (f"the first losses (median {start:.4g}) are {start / chance:.1f}x the chance level ln({int(classes)}) "
                        f"= {chance:.3g} of a {int(classes)}-class output: the model starts far from uniform predictions.")
-                out.append(self.make(first[0][0], msg, start, self.factor * chance, where_of(key)))
+                out.append(self.make(first[0][0], msg, start, self.factor * chance, loss_where(key)))
         return out

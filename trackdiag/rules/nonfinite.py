@@ -7,7 +7,8 @@ from typing import Sequence
 from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
-from trackdiag.rules.base import Rule, loss_series, where_of
+from trackdiag.modnames import layer_label
+from trackdiag.rules.base import Rule, loss_series, loss_where, where_of
 
 
 class NonfiniteLoss(Rule):
@@ -15,8 +16,9 @@ class NonfiniteLoss(Rule):
 
     kind = "nonfinite_loss"
     severity = "critical"
-    hint = ("Lower the learning rate, clip gradients (clip_grad_norm_), guard log/div/sqrt with an eps "
-            "(log(x + 1e-8)), check the batch for NaN/Inf, and under fp16 AMP use a GradScaler or bf16.")
+    hint = ("Find where it starts (the NaN replay names the module when diag.probes.nan_replay is on). Usual causes: "
+            "NaN/Inf in the batch (fix the data); log/div/sqrt without an eps (log(x + 1e-8)); weights blown up by a "
+            "learning rate too high (lower it, clip gradients with clip_grad_norm_); fp16 overflow (GradScaler or bf16).")
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
@@ -24,10 +26,11 @@ class NonfiniteLoss(Rule):
         for key, points in loss_series(record).items():
             for step, v in points:
                 if not math.isfinite(v):
-                    where, msg = where_of(key), f"loss is {v}."
+                    where, msg = loss_where(key), f"the loss is {v} at step {step}."
                     if key in ranks:
                         rank = f"rank {int(ranks[key])}"
-                        where, msg = f"{where}, {rank}" if where else rank, f"loss is {v} (first on {rank})."
+                        comp = where_of(key)
+                        where, msg = f"{comp}, {rank}" if comp else rank, f"the loss is {v} at step {step} (first on {rank})."
                     out.append(self.make(step, msg, v, math.nan, where))
                     break
         return out
@@ -42,9 +45,8 @@ class _NonfiniteTensors(Rule):
             n = record.scalars.get(comp.key(f"{self.family}/nonfinite_tensors"), 0.0)
             if n > 0:
                 layers = record.tables.get(comp.key(f"{self.family}/nonfinite_layers"), {})
-                where = next(iter(layers), "") or comp.name
-                if comp.name and layers:
-                    where = f"{comp.name}.{where}"
+                first = next(iter(layers), "")
+                where = layer_label(comp, first) if first else comp.name
                 what = "gradient" if self.family == "grad" else "parameter"
                 out.append(self.make(record.step, f"{int(n)} {what} tensor(s) hold NaN/Inf; first in {where or 'the model'}.", n, 0, where))
         return out

@@ -6,11 +6,13 @@ from typing import Sequence
 from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
+from trackdiag.modnames import layer_label
 from trackdiag.rules.base import Rule
 
 
 def qualified(comp: Component, layer: str) -> str:
-    return f"{comp.name}.{layer}" if comp.name else layer
+    """``<component>.<layer>``, a bare index with its module type (``2 (Linear)``)."""
+    return layer_label(comp, layer)
 
 
 class ParamNotOptimized(Rule):

@@ -8,13 +8,15 @@ from typing import Any, Sequence
 from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
+from trackdiag.modnames import layer_label
 from trackdiag.rules._streak import Streaks
 from trackdiag.rules.base import Rule, layer_values
 
 
 def qualified(comp: Component, layer: str) -> str:
-    """``<component>.<layer>`` for a named component, else the layer."""
-    return f"{comp.name}.{layer}" if comp.name and layer else (layer or comp.name)
+    """``<component>.<layer>`` for a named component, else the layer; a bare index with its module
+    type (``0 (Linear)``)."""
+    return layer_label(comp, layer)
 
 
 class UpdateRatio(Rule):

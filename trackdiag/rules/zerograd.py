@@ -18,7 +18,7 @@ class GradsNotZeroed(Rule):
     severity = "critical"
     hint = ("Call optimizer.zero_grad(set_to_none=True) once per optimizer step (after optimizer.step(), or before "
             "the next backward). To accumulate over micro-batches, zero only after each optimizer step; if you "
-            "deliberately carry gradients across k optimizer steps, set probes.zerograd.accumulation_steps=k.")
+            "deliberately carry gradients across k optimizer steps, set diag.probes.zerograd.accumulation_steps=k (Python: probes={'zerograd': {'accumulation_steps': k}}).")
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
@@ -33,7 +33,7 @@ class GradsNotZeroed(Rule):
             n = int(meta.get("backwards", 0))
             msg = (f"gradients were not zeroed before optimizer step {step}: after {n} backward pass(es) they still "
                    f"held the previous step's gradients, so the step used their sum.")
-            out.append(self.make(step, msg, 1.0, 0.0, comp.name))
+            out.append(self.make(step, msg, 1.0, 0.0, comp.name or "optimizer"))
         return out
 
 
@@ -59,5 +59,5 @@ class AccumulationReset(Rule):
             n = int(meta.get("backwards", 0))
             msg = (f"gradients were reset between the {n} backward passes of optimizer step {step}: only the last "
                    f"pass's gradients reached the update.")
-            out.append(self.make(step, msg, 1.0, 0.0, comp.name))
+            out.append(self.make(step, msg, 1.0, 0.0, comp.name or "optimizer"))
         return out

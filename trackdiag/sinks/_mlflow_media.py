@@ -88,7 +88,8 @@ class HistogramRenderer:
                 log.info("trackdiag: matplotlib not installed; MLflow gets histogram data (JSON) without images "
                          "(pip install 'trackdiag[plots]')")
                 return None
-            self._fig = Figure(figsize=(4.0, 2.6), dpi=80)
+            # 256 x 256 px: MLflow's image cards show the compressed copy, at most 256 px a side
+            self._fig = Figure(figsize=(3.2, 3.2), dpi=80)
             FigureCanvasAgg(self._fig)
         return self._fig
 
@@ -102,9 +103,16 @@ class HistogramRenderer:
 
             fig.clear()
             ax = fig.add_subplot(1, 1, 1)
-            ax.stairs(counts, edges, fill=True, alpha=0.7)
-            ax.set_title(f"{title}  step {step}", fontsize=8)
+            ax.stairs(counts, edges, fill=True, alpha=0.75)
+            short = title.removeprefix("diag/")
+            ax.set_title(f"{short}\nstep {step}", fontsize=9)
+            ax.set_ylabel("count", fontsize=8)
             ax.tick_params(labelsize=7)
+            ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
+            ends = counts[0] + counts[-1]
+            if sum(counts) and ends > 0.25 * sum(counts):  # clamped values (out of range, NaN/Inf) pile up at the ends
+                ax.text(0.5, 0.9, f"{ends / sum(counts):.0%} in the end bins\n(out of range or NaN/Inf)",
+                        transform=ax.transAxes, ha="center", va="top", fontsize=7, color="#cb181d")
             fig.tight_layout()
             fig.canvas.draw()
             return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()

@@ -1,7 +1,8 @@
 """The data half of a group of ops: merged ``log_batch`` calls and one upload of every file.
 
 :class:`Collected` gathers a group's points (as MLflow ``Metric`` entities, keys mapped), params,
-tags (the last value of a key wins), files and histogram images. :func:`send_batches` sends them
+tags (the last value of a key wins), files and histogram images (with the ``mlflow.loggedImages`` tag
+that ``log_image`` sets and the run page's image charts need). :func:`send_batches` sends them
 in as few ``log_batch`` calls as the limits allow (``_mlflow_batch.pack``). :func:`upload` stages
 the files, rendered images and ``trackdiag/key_map.json`` in one temp tree and sends it with one
 ``log_artifacts`` call to a local artifact store, or file by file on 8 threads to a server (its
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from trackdiag.sinks._mlflow_run import Runner
 
 UPLOAD_THREADS = 8
+#: the run tag ``MlflowClient.log_image`` sets: the run page lists image charts only for runs carrying it
+LOGGED_IMAGES = "mlflow.loggedImages"
 
 
 class Collected:
@@ -58,6 +61,7 @@ class Collected:
             self.files.append((Path(op["path"]), op.get("dir")))
         elif kind == "image":
             self.images.append(op)
+            self.tags[LOGGED_IMAGES] = "True"  # as log_image(key=..., step=...) does; sent with the group's log_batch
         elif kind == "key_map":
             self.key_map = True
         else:

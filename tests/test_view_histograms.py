@@ -1,0 +1,81 @@
+"""The histogram schedule gives every run a series worth looking at: log-spaced due steps up to the
+preset's ``every`` (0, 10, 20, 50, 100, 200 at ``advanced`` in a 300-step run), then every ``every``;
+the heat-maps of a healthy, a NaN and an LR-explosion run differ; the per-step MLflow images are
+square (what the run page's image cards show) and flag values piled up in the end bins."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import batches, make_mlp
+
+from trackdiag import Diagnostics
+from trackdiag.probes.histograms import HistogramProbe
+from trackdiag.schedule import Every, SpreadThenEvery
+from trackdiag.sinks.local import read_records
+
+
+def test_spread_schedule_steps() -> None:
+    assert [s for s in range(3001) if SpreadThenEvery(500, 10)(s)] == [0, 10, 20, 50, 100, 200, 500, 1000, 1500,
+                                                                       2000, 2500, 3000]
+    assert [s for s in range(301) if SpreadThenEvery(100, 5)(s)] == [0, 5, 10, 25, 50, 100, 200, 300]
+    # the long-run cost is Every(n)'s plus the early steps: 200 + 5 due steps in 100k steps
+    assert sum(SpreadThenEvery(500, 10)(s) for s in range(100_000)) == 200 + 5
+    probe = HistogramProbe(every=500)
+    probe.bind(10)
+    assert probe.schedule == SpreadThenEvery(500, 10, False)  # no anomaly-window steps: too costly
+    off = HistogramProbe(every=500, spread=False)
+    off.bind(10)
+    assert off.schedule == Every(500, False)
+
+
+def _run(out: Path, digits, fault: str) -> Path:
+    x, y = digits
+    model = make_mlp(hidden=32, depth=2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    diag = Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(out),
+                       probes={"landscape": {"enabled": False}})
+    data = batches(x, y, 64)
+    with diag:
+        for step in range(120):
+            xb, yb = next(data)
+            if fault == "nan" and step == 60:
+                xb = xb.clone()
+                xb[0, 0] = float("nan")
+            if fault == "lr" and step == 60:
+                for g in opt.param_groups:
+                    g["lr"] = 50.0
+            loss = F.cross_entropy(model(xb), yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=model(xb).detach() if step % 10 == 0 else None, batch=(xb, yb))
+    return out
+
+
+@pytest.mark.slow
+def test_advanced_runs_get_a_series_and_faults_show_in_it(tmp_path: Path, digits) -> None:
+    runs = {f: _run(tmp_path / f, digits, f) for f in ("healthy", "nan", "lr")}
+    steps = {f: [r.step for r in read_records(d) if r.histograms] for f, d in runs.items()}
+    assert steps["healthy"] == [0, 10, 20, 50, 100]  # a 120-step run: five columns, not one
+    pictures = {f: (d / "plots" / "param_hist.png").read_bytes() for f, d in runs.items()}
+    assert len(set(pictures.values())) == 3  # byte-identical across runs before
+    clipped = {f: [r.tables.get("diag/param/hist_clipped", {}) for r in read_records(d) if r.histograms][-1]
+               for f, d in runs.items()}
+    assert not clipped["healthy"] and clipped["nan"] and clipped["lr"]  # NaN / blown-up weights leave the edges
+
+
+def test_mlflow_histogram_image_is_square_and_flags_the_end_bins() -> None:
+    pytest.importorskip("matplotlib")
+    from trackdiag.sinks._mlflow_media import HistogramRenderer
+
+    r = HistogramRenderer()
+    edges = list(np.linspace(-1.0, 1.0, 33))
+    ok = r.to_array("diag/grad/hist/0", edges, list(np.exp(-np.linspace(-2, 2, 32) ** 2) * 50), 10)
+    assert ok.shape == (256, 256, 3) and ok.dtype == np.uint8 and ok.std() > 5
+    bad = r.to_array("diag/param/hist/0", edges, [0.0] * 31 + [1000.0], 100)
+    red = (bad[..., 0] > 150) & (bad[..., 1] < 80) & (bad[..., 2] < 80)  # the "in the end bins" note
+    assert red.sum() > 50 and not ((ok[..., 0] > 150) & (ok[..., 1] < 80) & (ok[..., 2] < 80)).sum() > 50
