@@ -3,7 +3,7 @@ warning or worse (kind, step, steps after the fault's onset, where) and, for hea
 alert. The README's detection table is this script's output.
 
 Usage: python benchmarks/fault_zoo.py [--scripts wordlm,chargpt,cnn,names] [--faults ...]
-       [--level advanced] [--json out.json]
+       [--level advanced] [--json out.json] [--markdown]
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def run_one(script: str, fault: str | None, level: str) -> dict:
     alerts = [(a.kind, a.step, a.severity, a.where) for a in r.diag.alerts]
     return {"script": script, "fault": fault or "healthy", "onset": r.onset, "culprit": r.culprit,
             "first": None if first is None else {"kind": first.kind, "step": first.step, "where": first.where,
-                                                  "after": first.step - r.onset},
+                                                  "after": first.step - r.onset,
+                                                  "raised_after": r.raised_at(first) - r.onset},
             "alerts": alerts, "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -58,6 +59,7 @@ def main() -> int:
     ap.add_argument("--level", default="advanced")
     ap.add_argument("--jobs", type=int, default=2, help="cases run at once, each in its own process")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--markdown", action="store_true", help="print the README table")
     args = ap.parse_args()
     cases = [(s, f, args.level) for s in args.scripts.split(",") for f in args.faults.split(",")]
     todo = [c for c in cases if c[:2] not in NOT_APPLICABLE]
@@ -70,7 +72,7 @@ def main() -> int:
             rows.append({"script": script, "fault": fault, "na": NOT_APPLICABLE[(script, fault)]})
             print(f"{script:8} {fault:16} n/a: {NOT_APPLICABLE[(script, fault)]}", flush=True)
             continue
-        if True:
+        else:
             row = done[(script, fault, args.level)]
             rows.append(row)
             f = row["first"]
@@ -79,11 +81,37 @@ def main() -> int:
                 print(f"{script:8} {fault:16} {'OK' if not bad else 'FALSE ALARMS ' + str(bad)}  "
                       f"(info: {[a for a in row['alerts'] if a[2] == 'info']}) {row['seconds']}s", flush=True)
             else:
-                desc = "MISSED" if f is None else f"{f['kind']} @ {f['step']} (+{f['after']}) where={f['where']!r}"
+                desc = "MISSED" if f is None else (f"{f['kind']} @ {f['step']} (+{f['after']}, raised +{f['raised_after']})"
+                                                   f" where={f['where']!r}")
                 print(f"{script:8} {fault:16} {desc}   all={sorted({a[0] for a in row['alerts']})} {row['seconds']}s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.markdown:
+        print(markdown(rows, args.scripts.split(","), [f for f in args.faults.split(",")]))
     return 0
+
+
+def markdown(rows: list[dict], scripts: list[str], faults: list[str]) -> str:
+    """Faults down, scripts across; a cell is the first alert's kind, +steps from the onset to the step it
+    names / to the logging step that raised it."""
+    by = {(r["script"], r["fault"]): r for r in rows}
+    out = ["| fault | " + " | ".join(scripts) + " |", "|---|" + "---|" * len(scripts)]
+    for fault in faults:
+        cells = []
+        for script in scripts:
+            r = by[(script, fault)]
+            if "na" in r:
+                cells.append("n/a")
+            elif fault == "healthy":
+                bad = [a for a in r["alerts"] if a[2] != "info"]
+                cells.append("no alert" if not bad else "**" + ", ".join(sorted({a[0] for a in bad})) + "**")
+            elif r["first"] is None:
+                cells.append("**missed**")
+            else:
+                f = r["first"]
+                cells.append(f"`{f['kind']}` +{f['after']} / +{f['raised_after']}")
+        out.append(f"| {fault} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -196,6 +196,8 @@ def test_mlflow_run_page_shows_kind_source_and_images(served_run: tuple[str, str
         b.goto(f"{uri}/#/experiments/{eid}/runs/{rid}/model-metrics?{ml}")
         box = "input[placeholder*=\"Search metric\"]"
         assert b.wait(f"!!document.querySelector('{box}')", 60)
+        # typed before the charts are listed, the filter hides them all ("All charts are filtered")
+        assert b.wait("document.body.innerText.includes('diag/param/hist')", 90)
         b.eval(f"document.querySelector('{box}').focus()")
         b.type("hist")
         loaded = "Array.from(document.querySelectorAll('img[src*=get-artifact]')).filter(i => i.naturalWidth > 0)"
