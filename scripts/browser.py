@@ -195,12 +195,17 @@ class Browser:
         """Type ``text`` into the focused element (as a user would: React sees input events)."""
         self.call("Input.insertText", text=text)
 
-    def screenshot(self, path: Path, full_page: bool = False) -> Path:
-        """A PNG of the viewport (or of the whole document with ``full_page``)."""
+    def screenshot(self, path: Path, full_page: bool = False,
+                   clip: tuple[float, float, float, float] | None = None) -> Path:
+        """A PNG of the viewport, of the whole document with ``full_page``, or of the rectangle ``clip``
+        (x, y, width, height in CSS pixels of the document; it may reach below the viewport)."""
         params: dict[str, Any] = {"format": "png"}
         if full_page:
             h = int(self.eval("Math.max(document.body.scrollHeight, document.documentElement.scrollHeight)") or self.height)
-            params.update(clip={"x": 0, "y": 0, "width": self.width, "height": h, "scale": 1}, captureBeyondViewport=True)
+            clip = (0, 0, self.width, h)
+        if clip is not None:
+            x, y, w, h = clip
+            params.update(clip={"x": x, "y": y, "width": w, "height": h, "scale": 1}, captureBeyondViewport=True)
         data = self.call("Page.captureScreenshot", **params)["data"]
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
