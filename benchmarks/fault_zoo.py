@@ -27,12 +27,12 @@ def run_one(script: str, fault: str | None, level: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         r = SCRIPTS[script](fault, Path(tmp), level=level) if fault is None else \
             SCRIPTS[script](fault, Path(tmp), level=level, steps=None or _steps(script, fault))
-    first = r.first()
+        first = r.first()
+        raised = None if first is None else r.raised_at(first)  # read from the record, before it is deleted
     alerts = [(a.kind, a.step, a.severity, a.where) for a in r.diag.alerts]
     return {"script": script, "fault": fault or "healthy", "onset": r.onset, "culprit": r.culprit,
             "first": None if first is None else {"kind": first.kind, "step": first.step, "where": first.where,
-                                                  "after": first.step - r.onset,
-                                                  "raised_after": r.raised_at(first) - r.onset},
+                                                  "after": first.step - r.onset, "raised_after": raised - r.onset},
             "alerts": alerts, "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -109,7 +109,10 @@ def markdown(rows: list[dict], scripts: list[str], faults: list[str]) -> str:
                 cells.append("**missed**")
             else:
                 f = r["first"]
-                cells.append(f"`{f['kind']}` +{f['after']} / +{f['raised_after']}")
+                if fault == "tiny_subset":  # present from the start: the step it names is the overfitting onset
+                    cells.append(f"`{f['kind']}` onset {f['step']}, raised {f['raised_after'] + r['onset']}")
+                else:
+                    cells.append(f"`{f['kind']}` +{f['after']} / +{f['raised_after']}")
         out.append(f"| {fault} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -68,6 +68,13 @@ def test_huge_lr_gives_explosion_or_divergence(digits, tmp_path) -> None:
         assert boom.value > boom.threshold and boom.where  # names the layer with the largest norm
 
 
+def test_explosion_message_at_basic_names_no_layer(digits, tmp_path) -> None:
+    """basic records no per-layer norms: the message says nothing of a layer (it read '(nan)')."""
+    diag = train(digits, tmp_path, 80, fault="lr_explode", fault_step=40, level="basic")
+    boom = next(a for a in diag.alerts if a.kind == "grad_explosion")
+    assert 40 <= boom.step <= 50 and "nan" not in boom.message and "largest" not in boom.message, boom.message
+
+
 def test_healthy_training_300_steps_no_alert(digits, tmp_path) -> None:
     for level in ("basic", "advanced", "extreme"):
         diag = train(digits, tmp_path / level, 300, level=level, full=True)  # the whole preset, report included

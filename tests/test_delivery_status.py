@@ -205,3 +205,23 @@ def test_crashed_hydra_jobs_are_failed_not_healthy(tmp_path: Path) -> None:
                                    f"tags.`trackdiag.run_dir` = '{out / 'diag'}'")
         assert run.info.status == "FAILED" and run.data.tags["trackdiag.health"] == "failed", name
         assert run.data.tags["trackdiag.status"] == "FAILED"
+
+
+def test_sigterm_after_the_last_session_closed_is_the_default(tmp_path: Path) -> None:
+    """Once every session is closed, SIGTERM does what it did before trackdiag: the process dies of
+    the signal, without a SystemExit raised into whatever runs then (a pool worker's atexit hooks)."""
+    script = textwrap.dedent(f"""
+        import os, signal, time, torch
+        import trackdiag
+        model = torch.nn.Linear(2, 2)
+        with trackdiag.Diagnostics(model, None, level="basic", sinks=["local"], output_dir={str(tmp_path / "run")!r}):
+            model(torch.randn(3, 2)).sum().backward()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        print("survived")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr[-2000:])
+    assert "SystemExit" not in proc.stderr and "survived" not in proc.stdout

@@ -110,8 +110,11 @@ def _install_sigterm() -> None:
 
     def on_sigterm(signum: int, frame: FrameType | None) -> Any:
         global _signalled
-        if os.getpid() != owner or _signalled:  # a forked child, or the second SIGTERM: die now
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if os.getpid() != owner or _signalled or not _any_open():
+            # a forked child, the second SIGTERM, or no session left to close: as if never installed
+            if callable(prev):
+                return prev(signum, frame)
+            signal.signal(signal.SIGTERM, prev)
             os.kill(os.getpid(), signal.SIGTERM)
             return None
         _signalled = KILLED
@@ -123,6 +126,12 @@ def _install_sigterm() -> None:
         signal.signal(signal.SIGTERM, on_sigterm)
     except (ValueError, OSError):
         pass
+
+
+def _any_open() -> bool:
+    """Whether a tracked session is still open (one that SIGTERM should close as KILLED)."""
+    live = [ref() for ref, _, _ in list(_sessions)]  # no lock: this runs in a signal handler
+    return any(x is not None and not getattr(x, "_closed", True) for x in live)
 
 
 def track(session: Any) -> None:

@@ -48,15 +48,23 @@ class GradExplosion(Rule):
             where = _qualified(comp, worst)
             det = self._spikes.setdefault(comp.name, SpikeDetector(**self.spike))
             fired = False
+
+            def largest(step: int) -> str:
+                """Where the per-layer norms (measured on logging steps only) put the largest gradient."""
+                if not worst or not math.isfinite(worst_v):
+                    return ""
+                return (f"; largest in {where} ({worst_v:.3g})" if step == record.step
+                        else f"; at step {record.step} the largest is in {where} ({worst_v:.3g})")
+
             for step, gn in points_of(record, comp.key("grad/global_norm")):  # every step, pre-clip
                 spike, ref = det.feed(gn)
                 if fired or not math.isfinite(gn):
                     continue
                 if gn > self.threshold:
-                    out.append(self.make(step, f"global gradient norm {gn:.3g} exceeds {self.threshold:g}; largest in {where or 'the model'} ({worst_v:.3g}).", gn, self.threshold, where))
+                    out.append(self.make(step, f"global gradient norm {gn:.3g} exceeds {self.threshold:g}{largest(step)}.", gn, self.threshold, where))
                     fired = True
                 elif spike:
-                    out.append(self.make(step, f"global gradient norm {gn:.3g} jumped to {gn / ref:.1f}x its recent average {ref:.3g}; largest in {where or 'the model'}.", gn, self.spike_factor * ref, where))
+                    out.append(self.make(step, f"global gradient norm {gn:.3g} jumped to {gn / ref:.1f}x its recent average {ref:.3g}{largest(step)}.", gn, self.spike_factor * ref, where))
                     fired = True
             if not fired and worst_v > self.layer_threshold:
                 out.append(self.make(record.step, f"gradient norm of {where} is {worst_v:.3g} (> {self.layer_threshold:g}).", worst_v, self.layer_threshold, where))
