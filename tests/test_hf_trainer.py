@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from _framework_util import fluent_mlflow_state_reset  # noqa: F401 (autouse fixture)
 from _zoo_a import one_thread, quiet_probes
 from trackdiag.errors import ConfigError
 from trackdiag.sinks.local import read_records
@@ -22,21 +23,6 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from _hf_util import Progressions, Recorder, accuracy, arguments, bert, gpt2  # noqa: E402
 from trackdiag.integrations.transformers import DiagnosticsCallback  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _fluent_mlflow_state_reset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
-    """The frameworks set MLflow's fluent tracking URI and active experiment (process globals, plus
-    ``MLFLOW_EXPERIMENT_ID`` in the environment): leave neither to the tests that follow. The
-    experiments they create get ``./mlruns`` as artifact root: run in the test's directory."""
-    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)  # put back as it was at teardown
-    monkeypatch.chdir(tmp_path)
-    yield
-    if "mlflow" in sys.modules:
-        sys.modules["mlflow"].set_tracking_uri(None)
-        fluent = sys.modules.get("mlflow.tracking.fluent")
-        if fluent is not None and hasattr(fluent, "_active_experiment_id"):
-            fluent._active_experiment_id = None
 
 
 def train(tmp_path: Path, model: Any, *, cb: DiagnosticsCallback | None = None, arm_at: int | None = None,

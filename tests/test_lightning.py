@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from _framework_util import fluent_mlflow_state_reset  # noqa: F401 (autouse fixture)
 from _zoo_a import digits, one_thread, quiet_probes
 from trackdiag.errors import ConfigError
 from trackdiag.sinks.local import read_records
@@ -84,21 +85,6 @@ class Reference(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self.norms[trainer.global_step] = torch.nn.utils.clip_grad_norm_(pl_module.parameters(), math.inf).item()
-
-
-@pytest.fixture(autouse=True)
-def _fluent_mlflow_state_reset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
-    """The frameworks set MLflow's fluent tracking URI and active experiment (process globals, plus
-    ``MLFLOW_EXPERIMENT_ID`` in the environment): leave neither to the tests that follow. The
-    experiments they create get ``./mlruns`` as artifact root: run in the test's directory."""
-    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)  # put back as it was at teardown
-    monkeypatch.chdir(tmp_path)
-    yield
-    if "mlflow" in sys.modules:
-        sys.modules["mlflow"].set_tracking_uri(None)
-        fluent = sys.modules.get("mlflow.tracking.fluent")
-        if fluent is not None and hasattr(fluent, "_active_experiment_id"):
-            fluent._active_experiment_id = None
 
 
 def loaders(batch_size: int = 32) -> tuple[Any, Any]:

@@ -40,3 +40,10 @@ def layer_label(comp: Any, layer: str) -> str:
     ``<component>.<layer>`` for a named component, with the module type for bare indices."""
     return label(getattr(comp, "model", None), layer, getattr(comp, "name", ""))
 
+
+def layers_named(comp: Any, table: dict[str, float], most: int = 5) -> str:
+    """The layers of a ``{layer: values}`` table, the largest first, labelled as :func:`layer_label`
+    does: at most ``most`` of them, then ``(+N more)``."""
+    layers = sorted(table, key=lambda k: -table[k])
+    more = f" (+{len(layers) - most} more)" if len(layers) > most else ""
+    return ", ".join(layer_label(comp, lay) for lay in layers[:most]) + more

@@ -6,13 +6,8 @@ from typing import Sequence
 from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
-from trackdiag.modnames import layer_label
+from trackdiag.modnames import layers_named
 from trackdiag.rules.base import Rule
-
-
-def qualified(comp: Component, layer: str) -> str:
-    """``<component>.<layer>``, a bare index with its module type (``2 (Linear)``)."""
-    return layer_label(comp, layer)
 
 
 class ParamNotOptimized(Rule):
@@ -33,10 +28,8 @@ class ParamNotOptimized(Rule):
             table = record.tables.get(comp.key("setup/unoptimized"))
             if not table:
                 continue
-            layers = sorted(table, key=lambda k: -table[k])
-            where = ", ".join(qualified(comp, lay) for lay in layers[:5]) + (f" (+{len(layers) - 5} more)" if len(layers) > 5 else "")
-            total = sum(table.values())
-            msg = (f"{len(layers)} layer(s) with {total:.0f} trainable values are in no optimizer: {where}. They receive "
+            where, total = layers_named(comp, table), sum(table.values())
+            msg = (f"{len(table)} layer(s) with {total:.0f} trainable values are in no optimizer: {where}. They receive "
                    f"gradients but are never updated.")
             out.append(self.make(record.step, msg, total, 0.0, where))
         return out

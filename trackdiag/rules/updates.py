@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
-from trackdiag.modnames import layer_label
+from trackdiag.modnames import layer_label, layers_named
 from trackdiag.rules._streak import Streaks
 from trackdiag.rules.base import Rule, layer_values
 
@@ -153,11 +153,10 @@ class StaleParams(Rule):
             table = record.tables.get(comp.key("setup/frozen"))
             if not table:
                 continue
-            layers = sorted(table, key=lambda k: -table[k])
-            where = ", ".join(qualified(comp, lay) for lay in layers[:5]) + (f" (+{len(layers) - 5} more)" if len(layers) > 5 else "")
-            msg = (f"{len(layers)} layer(s) in the optimizer have requires_grad=False ({where}): they never get a "
+            where = layers_named(comp, table)
+            msg = (f"{len(table)} layer(s) in the optimizer have requires_grad=False ({where}): they never get a "
                    f"gradient and never train. Frozen on purpose? Then leave them out of the optimizer.")
-            for lay in layers:  # the streak below must not report them again
+            for lay in table:  # the streak below must not report them again
                 self._streaks.mark(f"{comp.name}|{lay}", record.step)
             out.append(self.make(record.step, msg, sum(table.values()), 0.0, where))
         return out

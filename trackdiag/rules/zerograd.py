@@ -9,6 +9,17 @@ from trackdiag.record import Record
 from trackdiag.rules.base import Rule
 
 
+def flagged(record: Record, components: Sequence[Component], flag: str, table: str) -> list[tuple[Component, int, int]]:
+    """``(component, optimizer step, backward passes)`` for each component whose zerograd ``flag``
+    is set in ``record``; the step and pass count come from the probe's ``table``."""
+    out = []
+    for comp in components:
+        if record.scalars.get(comp.key(flag), 0.0) >= 0.5:
+            meta = record.tables.get(comp.key(table), {})
+            out.append((comp, int(meta.get("step", record.step)), int(meta.get("backwards", 0))))
+    return out
+
+
 class GradsNotZeroed(Rule):
     """Fires when the ``zerograd`` probe saw no gradient reset between two optimizer steps
     (``diag/grad/not_zeroed`` == 1). Exact, so no patience: ``step`` is the optimizer step that used the
@@ -25,12 +36,7 @@ class GradsNotZeroed(Rule):
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
-        for comp in components:
-            if record.scalars.get(comp.key("grad/not_zeroed"), 0.0) < 0.5:
-                continue
-            meta = record.tables.get(comp.key("grad/zero_check"), {})
-            step = int(meta.get("step", record.step))
-            n = int(meta.get("backwards", 0))
+        for comp, step, n in flagged(record, components, "grad/not_zeroed", "grad/zero_check"):
             msg = (f"gradients were not zeroed before optimizer step {step}: after {n} backward pass(es) they still "
                    f"held the previous step's gradients, so the step used their sum.")
             out.append(self.make(step, msg, 1.0, 0.0, comp.name or "optimizer"))
@@ -51,12 +57,7 @@ class AccumulationReset(Rule):
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
-        for comp in components:
-            if record.scalars.get(comp.key("grad/accum_reset"), 0.0) < 0.5:
-                continue
-            meta = record.tables.get(comp.key("grad/accum_check"), {})
-            step = int(meta.get("step", record.step))
-            n = int(meta.get("backwards", 0))
+        for comp, step, n in flagged(record, components, "grad/accum_reset", "grad/accum_check"):
             msg = (f"gradients were reset between the {n} backward passes of optimizer step {step}: only the last "
                    f"pass's gradients reached the update.")
             out.append(self.make(step, msg, 1.0, 0.0, comp.name or "optimizer"))
