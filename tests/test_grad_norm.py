@@ -227,3 +227,16 @@ def test_all_finite_falls_back_where_the_kernel_refuses() -> None:
     assert bool(all_finite([torch.randn(4, dtype=torch.complex64)]))
     assert not bool(all_finite([torch.tensor([1 + 1j, complex(math.inf, 0)])]))
     assert bool(all_finite([]))
+
+
+def test_global_norm_of_small_and_large_cpu_tensors_matches_float64() -> None:
+    """The CPU path that norms the small tensors as concatenated chunks and the large ones by the
+    foreach kernel gives the same number as a float64 reference (and each path alone does too)."""
+    from trackdiag.norms import SMALL, global_norm
+
+    gen = torch.Generator().manual_seed(3)
+    small = [torch.randn(int(n), generator=gen) for n in torch.randint(1, SMALL, (300,), generator=gen)]
+    large = [torch.randn(SMALL + 17, generator=gen) * 3 for _ in range(5)]
+    for tensors in (small + large, small, large * 20, large[:2]):
+        ref = torch.cat([t.double().flatten() for t in tensors]).norm()
+        assert float(global_norm(tensors)) == pytest.approx(float(ref), rel=1e-5)
