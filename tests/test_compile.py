@@ -87,3 +87,21 @@ def test_nan_culprit_is_named_in_a_compiled_model(tmp_path) -> None:
     *_, diag = run(tmp_path, "advanced", "wrap", steps=8, fault_at=4)
     a = next(a for a in diag.alerts if a.kind == "nonfinite_loss")
     assert a.step == 4 and a.where == "h.1.attn (input finite)", a
+
+
+def test_compiled_model_without_batch_says_activations_are_not_recorded(tmp_path) -> None:
+    """Under compile, activations come from an eager forward of step(batch=...): without a batch the
+    session says so (console and summary()["notes"]) instead of leaving diag/act/* silently empty."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    cm = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    diag = trackdiag.Diagnostics(cm, opt, level="advanced", every=3, sinks=["local"], output_dir=str(tmp_path),
+                                 probes={**LEAN, "activations": {"every": 3}})
+    with one_thread(), diag:
+        for _ in range(7):
+            loss = F.cross_entropy(cm(torch.randn(16, 8)), torch.randint(0, 4, (16,)))
+            loss.backward(); opt.step(); opt.zero_grad(); diag.step(loss)
+    notes = diag.summary()["notes"]
+    assert sum("step(batch=...)" in n for n in notes) == 1, notes
+    assert not any(k.startswith("diag/act/") for r in read_records(tmp_path) for k in r.scalars)

@@ -88,6 +88,8 @@ class ProbeContext:
     backward_seen: set[str] = field(default_factory=set)
     #: some part of a model is compiled (``torch.compile``): no module hooks, replays run eager
     compiled: bool = False
+    #: what a probe cannot measure in this loop, once each (``summary()["notes"]``)
+    notes: dict[str, str] = field(default_factory=dict)
 
     def is_due(self, schedule: Callable[[int], bool]) -> bool:
         return schedule(self.step) or (self.step <= self.anomaly_until and getattr(schedule, "anomaly", True))

@@ -326,7 +326,7 @@ class Diagnostics(OptimizerEvents, SetupChecks):
                          "fraction": spent / wall if wall > 0 else 0.0,
                          "sink_thread_cpu_seconds": self._hub.cpu_seconds},
             "should_stop": self.should_stop, "disabled_probes": dict(self._disabled),
-            "notes": list(self._notes.values()),
+            "notes": [*self._notes.values(), *self._ctx.notes.values()],
             "consequences_suppressed": dict(self._book.consequences),
             "output_dir": str(self.run.output_dir),
         }

@@ -101,7 +101,6 @@ class ActivationProbe(Probe):
         self._modules: list[tuple[str, str, nn.Module, str]] = []  # (component, name, module, family)
         self._stops: list[Any] = []
         self._keys: list[tuple[str, str, str]] = []  # collect's order: (component, name, family)
-        self._noted = False
         self._cur: dict[tuple[str, str, str], tuple[torch.Tensor, int]] = {}
         self._hist: dict[tuple[str, str, str], deque[tuple[torch.Tensor, int]]] = {}
         self._units: dict[tuple[str, str], int] = {}
@@ -160,9 +159,10 @@ class ActivationProbe(Probe):
         from trackdiag.isolation import isolated
 
         if inputs.batch is None:
-            if not self._noted:
-                self._noted = True
-                log.info("trackdiag: activations of a compiled model are measured on step(batch=...): none given")
+            if "activations" not in ctx.notes:
+                ctx.notes["activations"] = ("activations of a compiled model are measured by an eager forward of "
+                                            "step(batch=...): none was given, so diag/act/* is not recorded")
+                log.warning("trackdiag: %s", ctx.notes["activations"])
             return
         model_input = inputs_of(inputs.batch)
         for comp in ctx.components:
