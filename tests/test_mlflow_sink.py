@@ -219,3 +219,23 @@ def test_bad_options_are_config_errors() -> None:
     assert "diag.sink.mlflow.bogus" in str(err.value)
     with pytest.raises(trackdiag.ConfigError, match="retry_backoff"):
         MlflowSink(retry_backoff=-1.0)
+
+
+def test_params_keep_the_users_hyperparameters_not_the_whole_preset(tmp_path: Path, store: str) -> None:
+    """A Hydra user's ``hparams=cfg`` holds the whole ``diag`` node: MLflow's params get the user's keys,
+    ``diag.level`` and what the user changed (here ``every``), not the 130-odd preset values; the whole
+    preset is in the ``trackdiag/diag_config.yaml`` artifact."""
+    from trackdiag.config import resolve
+
+    diag_node = resolve({"level": "advanced", "every": 7})
+    model, opt = tiny_model()
+    diag = trackdiag.Diagnostics(model, opt, level="advanced", every=7, sinks=["mlflow"], output_dir=str(tmp_path / "run"),
+                                 hparams={"lr": 0.1, "diag": diag_node},
+                                 sink={"mlflow": {"tracking_uri": store, "experiment": "params"}})
+    with diag:
+        train(diag, model, opt, range(3))
+    client = MlflowClient(store)
+    run_id = _mlflow_sink(diag).run_id
+    assert client.get_run(run_id).data.params == {"lr": "0.1", "diag.level": "advanced", "diag.every": "7"}
+    config = Path(client.download_artifacts(run_id, "trackdiag/diag_config.yaml", str(tmp_path)))
+    assert "every: 7" in config.read_text() and "activations" in config.read_text()

@@ -97,6 +97,23 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def user_params(params: dict[str, str], level: str) -> dict[str, str]:
+    """``params`` (a flattened config) without the ``diag.*`` entries that only repeat preset ``level``:
+    a Hydra user's ``hparams=cfg`` carries the whole ``diag`` node (130-odd keys for one preset),
+    which would bury the user's own hyperparameters in MLflow's params table, run comparison and
+    image cards. ``diag.level`` and every value the user changed stay; the whole preset is in the
+    ``trackdiag/diag_config.yaml`` artifact."""
+    if not any(k.startswith("diag.") for k in params):
+        return params
+    try:
+        from trackdiag.config import resolve
+
+        preset = flatten({"diag": resolve({"level": level})})
+    except Exception:  # noqa: BLE001 - an unknown level: keep everything
+        return params
+    return {k: v for k, v in params.items() if k == "diag.level" or not k.startswith("diag.") or preset.get(k) != v}
+
+
 def chunk_metrics(items: list[Any], key_len: Any = len) -> Iterator[list[Any]]:
     """Split metrics into ``log_batch``-sized lists: <= 1000 each and under ~0.9 MB of JSON
     (~80 bytes per point plus its key; ``key_len(item)`` gives the key's length)."""

@@ -43,7 +43,7 @@ from trackdiag.runinfo import RunInfo, hydra_runtime
 from trackdiag.sinks._mlflow_deliver import Deliverer
 from trackdiag.sinks._mlflow_media import artifact_dir, file_op, histogram_ops, to_yaml
 from trackdiag.sinks._mlflow_leftovers import launch, output_root, stop
-from trackdiag.sinks._mlflow_ops import MAX_METRICS, flatten, pair_ops
+from trackdiag.sinks._mlflow_ops import MAX_METRICS, flatten, pair_ops, user_params
 from trackdiag.sinks._mlflow_run import SWEEP_TAG, Runner
 from trackdiag.sinks._mlflow_spool import Spool
 from trackdiag.sinks._mlflow_store import (absolute_sqlite, default_artifact_location, default_tracking_uri,
@@ -161,7 +161,7 @@ class MlflowSink(Sink):
             tags.update({SWEEP_TAG: run.group, "trackdiag.job_num": str(run.job_num)})
         ops: list[dict[str, Any]] = [{"op": "open", "spec": spec}, *pair_ops("tags", {**tags, **self.tags}.items())]
         if self.log_params and run.hparams:
-            ops += pair_ops("params", flatten(run.hparams).items())
+            ops += pair_ops("params", user_params(flatten(run.hparams), run.level).items())
         if self.log_config:
             ops.append(self._file(to_yaml(run.hparams), "config.yaml", None))
             ops.append(self._file(to_yaml(run.config), "trackdiag/diag_config.yaml", "trackdiag"))
