@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import http.server
-import os
 import subprocess
 import sys
 import threading
@@ -107,14 +106,9 @@ class DelayProxy:
         return [(float(t), r) for t, r in lines]
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            import signal
+        from _procs import kill_group
 
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
+        kill_group(self.proc)
         self.proc = None
 
 

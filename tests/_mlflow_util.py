@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from _procs import kill_group
 from trackdiag.sinks.local import read_records
 
 
@@ -101,12 +101,7 @@ class MlflowServer:
         return time.monotonic() - t0
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
+        kill_group(self.proc)
         self.proc = None
         if getattr(self, "log", None) is not None:
             self.log.close()

@@ -73,9 +73,11 @@ def global_norm(tensors: list[torch.Tensor], low_precision: bool = False) -> tor
         return torch.zeros(())
     if tensors[0].device.type == "cpu" and len(tensors) > 64:
         try:
-            small = [t for t in tensors if t.numel() < SMALL]
+            small: list[torch.Tensor] = []
+            big: list[torch.Tensor] = []
+            for t in tensors:  # one host pass over the list (no device work)
+                (small if t.numel() < SMALL else big).append(t)
             if len(small) > 64:  # many small tensors: the per-tensor kernel cost dominates, copy them instead
-                big = [t for t in tensors if t.numel() >= SMALL]
                 parts = [torch.linalg.vector_norm(c) for c in flat_chunks(small, torch.float32)]
                 if big:
                     parts.append(torch.linalg.vector_norm(grad_norms(big, low_precision)))
