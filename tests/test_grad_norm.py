@@ -230,13 +230,19 @@ def test_all_finite_falls_back_where_the_kernel_refuses() -> None:
 
 
 def test_global_norm_of_small_and_large_cpu_tensors_matches_float64() -> None:
-    """The CPU path that norms the small tensors as concatenated chunks and the large ones by the
-    foreach kernel gives the same number as a float64 reference (and each path alone does too)."""
-    from trackdiag.norms import SMALL, global_norm
+    """The CPU path that norms the small tensors as concatenated chunks, the mid-sized ones by the
+    foreach kernel and the large contiguous fp32/fp64 ones by BLAS dots gives the same number as a
+    float64 reference (each path alone, and together); non-contiguous large tensors take the
+    foreach kernel."""
+    from trackdiag.norms import DOT, SMALL, global_norm
 
     gen = torch.Generator().manual_seed(3)
     small = [torch.randn(int(n), generator=gen) for n in torch.randint(1, SMALL, (300,), generator=gen)]
-    large = [torch.randn(SMALL + 17, generator=gen) * 3 for _ in range(5)]
-    for tensors in (small + large, small, large * 20, large[:2]):
+    mid = [torch.randn(SMALL + 17, generator=gen) * 3 for _ in range(5)]
+    big = [torch.randn(DOT + 5, generator=gen) * 1e-3, torch.randn(700, 300, generator=gen).t(),  # a transposed view
+           torch.randn(2 * DOT, dtype=torch.float64, generator=gen) * 1e4, torch.randn(4_000_000, generator=gen)]
+    for tensors in (small + mid, small, mid * 20, mid[:2], big, big[:1], small + mid + big):
         ref = torch.cat([t.double().flatten() for t in tensors]).norm()
-        assert float(global_norm(tensors)) == pytest.approx(float(ref), rel=1e-5)
+        got = global_norm(tensors)
+        assert got.dtype == torch.float32 and got.dim() == 0
+        assert float(got) == pytest.approx(float(ref), rel=2e-5)

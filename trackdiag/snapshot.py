@@ -34,8 +34,8 @@ class ParamSnapshot:
         self.refused: str = ""
 
     def _tensors(self) -> list[torch.Tensor]:
-        params = [p.detach() for p in self.model.parameters()]
-        return [t for t in params if t.layout is torch.strided and t.device.type != "meta"]
+        # callers copy under no_grad: no detach() per tensor (2.8 us each on the CPU)
+        return [t for t in self.model.parameters() if t.layout is torch.strided and t.device.type != "meta"]
 
     @torch.no_grad()
     def take(self, step: int) -> bool:

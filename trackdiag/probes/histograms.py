@@ -17,13 +17,17 @@ Bin edges are fixed per series, so the histograms of one run are comparable step
   e.g. gradients over a long run; the edges are then non-uniform).
 Values outside the edges are clamped into the end bins and counted as clipped (NaN and +Inf land
 in the last bin, -Inf in the first), so every histogram's counts sum to the number of elements.
-Bin assignment equals ``torch.histogram`` on the same edges (bins ``[e_i, e_i+1)``, the last closed).
+Bins are ``[e_i, e_i+1)``, the last closed, as in ``torch.histogram`` (exactly for symlog edges; for linear
+edges up to float rounding at the edges, see below).
 
-Cost on a due step, per parameter tensor: linear edges, once their values have reached the host
-with the first due step's record: one ``histc`` and one ``lt``/``sum`` (~3x faster than the general
-path on CPU; bin boundaries then follow ``histc``/``torch.histogram(bins=n, range=...)``, equal to the
-published edges up to float rounding); otherwise one ``bucketize`` (a transient int64 copy of the
-tensor) and one ``scatter_add_`` count; two ``aminmax`` per tensor once, at the first due step.
+Cost on a due step, per parameter tensor: linear edges once their values are known on the host
+(on the CPU from the first due step; on CUDA from the first due step's record on): on the CPU,
+histc's arithmetic over 2 MB slices, a few in-cache elementwise ops and one ``index_add_`` count
+(2x faster than ``histc`` plus ``(x < lo).sum()``), on CUDA one ``histc`` and one
+``lt``/``sum``; bin boundaries follow ``histc``/``torch.histogram(bins=n, range=...)``, equal to the
+published edges up to float rounding. Otherwise (symlog edges, CUDA's first due step) one
+``bucketize`` (a transient int64 copy of the tensor) and one ``scatter_add_`` count, exact on the
+edges; two ``aminmax`` per tensor once, at the first due step.
 No host sync: counts and edges go to the host with the session's one copy. Nothing on other steps.
 
 Schedule: with ``spread`` (the default) the due steps are log-spaced up to ``every`` and then every
@@ -57,6 +61,36 @@ KINDS = ("grad", "param")
 def _binnable(t: torch.Tensor) -> bool:
     """Dense real tensors are binned; sparse and complex ones are left out (the module doc says so)."""
     return t.layout is torch.strided and not t.is_complex()
+
+
+
+SLICE = 1 << 19  # values per slice on the CPU path: a few in-cache elementwise passes each
+
+
+def linear_counts_cpu(tensors: list[torch.Tensor], dtype: torch.dtype, bins: int, lo: float,
+                      hi: float) -> torch.Tensor | None:
+    """``(bins + 2,)`` int64 counts of CPU ``tensors`` over linear edges ``lo..hi``: below ``lo``,
+    the bins, above ``hi`` (with NaN and +Inf). The bin of a value is histc's,
+    ``floor((x - lo) * bins / (hi - lo))`` in the values' dtype, the last edge closed (equal to
+    ``torch.histc`` bin for bin); computed per 2 MB slice with a few in-cache elementwise ops and
+    one ``index_add_`` count (not ``bincount``: on CUDA it reads back, and this code keeps to ops that
+    would not): ~2.4 ms per million values on a 2-core VM, 2x faster than ``histc`` plus
+    ``(x < lo).sum()`` (whose bool-to-int64 sum alone costs more than ``histc``). None when the range
+    is degenerate in ``dtype`` (the caller takes ``histc``)."""
+    np_dtype = np.float64 if dtype == torch.float64 else np.float32
+    width = float(np_dtype(hi) - np_dtype(lo))  # histc's (hi - lo), in the values' dtype
+    if not (width > 0 and math.isfinite(width)):
+        return None
+    n = min(SLICE, sum(t.numel() for t in tensors))
+    total, part = torch.zeros(bins + 2, dtype=torch.long), torch.zeros(bins + 2, dtype=torch.int32)
+    buf, ones = torch.empty(n, dtype=dtype), torch.ones(n, dtype=torch.int32)
+    for run in flat_chunks(tensors, dtype, SLICE):
+        for start in range(0, run.numel(), SLICE):
+            x = run[start : start + SLICE]
+            pos = torch.sub(x, lo, out=buf[: x.numel()]).mul_(bins).div_(width).floor_().clamp_(-1, bins - 1).add_(1)
+            pos = torch.where(x.le(hi), pos, bins + 1)  # above hi, +Inf and NaN (NaN <= hi is False)
+            total += part.zero_().index_add_(0, pos.to(torch.int32), ones[: x.numel()])  # int32 per slice
+    return total
 
 
 class _Series:
@@ -126,7 +160,7 @@ class HistogramProbe(Probe):
         for comp in ctx.components:
             if "param" in self.kinds and comp.index.params and ctx.is_due(self.schedule):
                 with torch.no_grad():
-                    self._measure(comp, "param", [p.detach() for p in comp.index.params])
+                    self._measure(comp, "param", list(comp.index.params))
         out, self._pending = self._pending, {}
         return out
 
@@ -173,6 +207,8 @@ class HistogramProbe(Probe):
         edges = self._edges.get(key)
         if edges is None:
             edges = self._fix_edges(tensors, layout, device)
+            if self.scale == "linear" and device.type == "cpu":  # reading CPU values is free: fast path now
+                self._ranges[key] = [(row[0], row[-1]) for row in edges.tolist()]
         edges = self._edges[key] = edges.to(device)
         b2 = self.bins + 2
         ranges = self._ranges.get(key)
@@ -193,7 +229,8 @@ class HistogramProbe(Probe):
 
     def _histc(self, tensors: list[torch.Tensor | None], layout: _Series, ranges: list[tuple[float, float]],
                device: torch.device) -> torch.Tensor:
-        """The fast path for linear edges known on the host: ``histc`` counts the values inside
+        """The fast path for linear edges known on the host: CPU groups by :func:`linear_counts_cpu`;
+        elsewhere ``histc`` counts the values inside
         ``[lo, hi]``; ``x < lo`` are the ones below; the rest (above ``hi``, NaN, +Inf) are above.
         A group's tensors are binned in concatenated chunks (:func:`~trackdiag.norms.flat_chunks`)."""
         b, n = self.bins, len(layout.groups)
@@ -207,6 +244,11 @@ class HistogramProbe(Probe):
                 continue
             lo, hi = ranges[g]
             dtype = torch.float64 if any(t.dtype == torch.float64 for t in group) else torch.float32
+            if group[0].device.type == "cpu":
+                cpu = linear_counts_cpu(group, dtype, b, lo, hi)
+                if cpu is not None:
+                    counts[g] = cpu.to(device, torch.float64)
+                    continue
             inside, below = 0, 0
             for x in flat_chunks(group, dtype):
                 inside = inside + torch.histc(x, b, lo, hi)
