@@ -32,7 +32,10 @@ def test_presets_are_packaged_and_valid() -> None:
     for level in presets():
         cfg = resolve({"level": level})
         assert cfg["level"] == level and cfg["every"] >= 1
-    assert load_preset("extreme")["every"] < load_preset("advanced")["every"] < load_preset("basic")["every"]
+    ext, adv, bas = (load_preset(level) for level in ("extreme", "advanced", "basic"))
+    assert ext["every"] <= adv["every"] < bas["every"]
+    for probe in ("params", "updates", "activations", "histograms"):  # extreme: each probe at a finer cadence
+        assert ext["probes"][probe]["every"] < adv["probes"][probe]["every"], probe
 
 
 def test_every_problem_listed_in_one_error() -> None:
