@@ -138,8 +138,13 @@ def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
         return lo_hi.abs().max()
     if tensors[0].device.type != "cpu":
         return tensor_norms(tensors, math.inf).max()
-    small = [t for t in tensors if t.numel() < DOT]
-    parts = [torch.stack(torch.aminmax(t.detach())).float() for t in tensors if t.numel() >= DOT]  # no copy
+    small: list[torch.Tensor] = []
+    parts: list[torch.Tensor] = []
+    for t in tensors:  # large ones: an aminmax each, no copy
+        if t.numel() < DOT:
+            small.append(t)
+        else:
+            parts.append(torch.stack(torch.aminmax(t.detach())).float())
     if small:
         dtype = small[0].dtype if all(t.dtype == small[0].dtype for t in small) else torch.float64
         parts += [torch.stack(torch.aminmax(x)).float() for x in flat_chunks(small, dtype, NORM_CHUNK)]

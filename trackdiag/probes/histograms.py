@@ -63,7 +63,6 @@ def _binnable(t: torch.Tensor) -> bool:
     return t.layout is torch.strided and not t.is_complex()
 
 
-
 SLICE = 1 << 19  # values per slice on the CPU path: a few in-cache elementwise passes each
 
 
