@@ -20,6 +20,10 @@ class Alert:
     value / threshold: the measured value and the limit it crossed (``nan`` when not numeric).
     where: the layer, component or series concerned (``""`` when global).
     hint: the usual remedies.
+    evidence: what made the policy give it its severity (:mod:`trackdiag.policy`): ``persistent``,
+        ``loss``, ``weights``, ``corroborated``, ``unambiguous``; empty for an info finding.
+    count / last_step: how many times this incident was found (repeats and their consequences
+        are folded into it, not raised again) and the step it was last seen at.
     """
 
     kind: str
@@ -30,13 +34,20 @@ class Alert:
     threshold: float = math.nan
     where: str = ""
     hint: str = ""
+    evidence: tuple[str, ...] = ()
+    count: int = 1
+    last_step: int = -1
 
     def describe(self) -> str:
+        from trackdiag.policy import describe
+
         place = f" in {self.where}" if self.where else ""
-        return f"[{self.severity}] {self.kind} at step {self.step}{place}: {self.message} Hint: {self.hint}"
+        why = f" ({describe(self.evidence)})" if self.evidence else ""
+        return f"[{self.severity}] {self.kind} at step {self.step}{place}{why}: {self.message} Hint: {self.hint}"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["evidence"] = list(self.evidence)
         for k in ("value", "threshold"):  # JSON has no NaN/Inf: keep them as strings
             if not math.isfinite(d[k]):
                 d[k] = str(d[k])
@@ -44,4 +55,6 @@ class Alert:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Alert":
-        return cls(**{**d, "value": float(d.get("value", "nan")), "threshold": float(d.get("threshold", "nan"))})
+        known = {f: d[f] for f in cls.__dataclass_fields__ if f in d}  # records of older versions lack some
+        return cls(**{**known, "value": float(d.get("value", "nan")), "threshold": float(d.get("threshold", "nan")),
+                      "evidence": tuple(d.get("evidence", ()))})

@@ -42,9 +42,14 @@ def build_components(model: Any, optimizer: Any, budget: int) -> list[Component]
     A single model and optimizer give one unnamed component. Dicts are paired by key
     (``{"G": g, "D": d}`` with ``{"G": opt_g, "D": opt_d}``); any string works as a key. A dict of
     models with one optimizer becomes one component whose layer names are prefixed with the model
-    keys. An optimizer may be a wrapper (accelerate, Lightning, ZeRO, Lookahead: the optimizer that
+    keys. One model with a dict (or list) of optimizers is one component that all of them step. An
+    optimizer may be a wrapper (accelerate, Lightning, ZeRO, Lookahead: the optimizer that
     really steps is found inside), a list of optimizers, or ``None`` (found when it first steps).
     """
+    if not isinstance(model, Mapping) and isinstance(optimizer, Mapping):
+        # one model, several optimizers over parts of it (SparseAdam for an embedding + Adam for the rest,
+        # Muon for matrices + AdamW for the rest): one component that all of them step
+        optimizer = [o for o in optimizer.values() if o is not None]
     if isinstance(model, Mapping) and not isinstance(optimizer, Mapping):
         taken: set[str] = set()
         model = nn.ModuleDict({module_key(k, taken): unwrap(m) for k, m in model.items()})

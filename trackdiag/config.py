@@ -28,7 +28,11 @@ _TOP: dict[str, Any] = {
     "level": str, "enabled": bool, "every": int, "max_layer_metrics": int, "history": int,
     "anomaly_window": int, "max_alerts_per_rule": int, "output_dir": str | None, "run_name": str | None,
     "sinks": list[str], "probes": dict, "rules": dict, "sink": dict, "redact": dict | None,
+    "objective": str | dict | None,
 }
+#: what a component's loss is for (see README, "Objectives"): ``minimize`` (the default), ``adversarial``
+#: (a GAN's generator/discriminator pair), ``rl`` (a policy-gradient / actor-critic objective)
+OBJECTIVES = ("minimize", "adversarial", "rl", "auto")
 #: The ``redact`` section (see :mod:`trackdiag.redact`).
 _REDACT: dict[str, Any] = {"enabled": bool, "keys": list[str] | None, "patterns": list[str] | None}
 
@@ -138,6 +142,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
         else:
             active_sinks.append(name)
     problems += _redact_problems(cfg.get("redact"))
+    problems += objective_problems(cfg.get("objective"))
     for family, registry in (("probes", PROBES), ("rules", RULES), ("sink", SINKS)):
         section = cfg.get(family) or {}
         if not isinstance(section, Mapping):
@@ -150,6 +155,19 @@ def validate(cfg: Mapping[str, Any]) -> None:
             problems += component_problems(f"diag.sink.{name}", "sink", SINKS, name, {}, True)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
+
+
+def objective_problems(value: Any) -> list[str]:
+    """Problems of ``diag.objective``: one of ``OBJECTIVES``, or a mapping component -> one of them."""
+    if value is None or isinstance(value, Unresolved):
+        return []
+    pairs = value.items() if isinstance(value, Mapping) else [(None, value)]
+    out = []
+    for name, v in pairs:
+        if not isinstance(v, str) or v not in OBJECTIVES:
+            path = "diag.objective" + (f".{name}" if name is not None else "")
+            out.append(f"{path}: {show_value(v)} is not one of {', '.join(OBJECTIVES)}")
+    return out
 
 
 def _enabled(entry: Any) -> bool:

@@ -86,6 +86,8 @@ class ProbeContext:
     stepped: set[str] = field(default_factory=set)
     #: components some backward pass reached in that step
     backward_seen: set[str] = field(default_factory=set)
+    #: backward passes per component in that step (> 1: gradient accumulation, or micro-batches merged)
+    passes: dict[str, int] = field(default_factory=dict)
     #: some part of a model is compiled (``torch.compile``): no module hooks, replays run eager
     compiled: bool = False
     #: what a probe cannot measure in this loop, once each (``summary()["notes"]``)

@@ -13,13 +13,10 @@ from __future__ import annotations
 import math
 
 from trackdiag.alert import Alert
+from trackdiag.alerting import INDEPENDENT
 from trackdiag.record import Record
 
 NONFINITE = ("nonfinite_input", "nonfinite_loss", "nonfinite_grad", "nonfinite_param")
-INDEPENDENT = frozenset({
-    "label_range", "label_leak", "param_not_optimized", "grads_not_zeroed", "accumulation_reset", "memory_leak",
-    "memory_pressure", "data_bottleneck", "straggler", "preflight", "initial_loss",
-})
 
 
 def nonfinite(record: Record) -> bool:
@@ -56,6 +53,8 @@ class Incidents:
         return self.since is None or alert.step < self.since or alert.kind in INDEPENDENT
 
     def update(self, record: Record) -> None:
-        """Close the incident once a logging record is entirely finite again."""
-        if self.since is not None and record.scalars and not nonfinite(record) and record.step > self.since:
+        """Close the incident once a training record is entirely finite again (an evaluation record,
+        which holds no training values, says nothing about it)."""
+        training = bool(record.series) or any(not k.startswith("diag/eval/") for k in record.scalars)
+        if self.since is not None and training and not nonfinite(record) and record.step > self.since:
             self.since, self.chain = None, False

@@ -19,6 +19,7 @@ from trackdiag.distributed import DistSync, is_main_process
 from trackdiag.errors import AlertRaised
 from trackdiag.forward_watch import compiled_parts
 from trackdiag.incidents import Incidents, order
+from trackdiag.objectives import Objectives
 from trackdiag.probes.base import Probe
 from trackdiag.probes.nan_replay import enrich_alerts
 from trackdiag.record import Record
@@ -88,6 +89,9 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         self._ctx.compiled = any(compiled_parts(m) for m in (model.values() if isinstance(model, Mapping) else [model]))
         self.probes: list[Probe] = [_build(PROBES, n, e) for n, e in cfg["probes"].items() if (e or {}).get("enabled", True)]
         self.rules: list[Rule] = [_build(RULES, n, e) for n, e in cfg["rules"].items() if (e or {}).get("enabled", True)]
+        self.objectives = Objectives(cfg.get("objective", "auto"))
+        for r in self.rules:
+            r.objectives = self.objectives
         self._dist = DistSync.detect(self.components)  # None outside torch.distributed
         main = is_main_process()  # only rank 0 opens tracker runs and writes the local record/artifacts
         sinks: list[Sink] = [_build(SINKS, n, cfg["sink"].get(n)) for n in dict.fromkeys(["local", *cfg["sinks"]])] if main else []
@@ -197,6 +201,7 @@ class Diagnostics(OptimizerEvents, SetupChecks):
             self._window_overhead += time.perf_counter() - t0
             return self.should_stop
         losses = self._merge_micro(losses)
+        self.objectives.observe(losses)
         inputs = StepInputs(losses, outputs, batch, batch_size if batch_size is not None else batch_size_of(batch))
         if not self._preflighted:
             self._auto_preflight(inputs)
@@ -282,6 +287,9 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         self._window_overhead = 0.0
         self._last_logged = step
         alerts = self._judge("check", record, self._history, self.components)
+        if final:
+            alerts += self._judge("at_close", record, self._history, self.components)
+        ctx.anomaly_until = max([ctx.anomaly_until, *(r.follow_until for r in self.rules if r.enabled)])
         alerts = enrich_alerts(self.probes, ctx, alerts)  # NaN replay: the culprit module into `where`
         for p in self._after_record:
             if p.enabled:
@@ -290,25 +298,28 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         return self._emit(record, alerts)
 
     def _emit(self, record: Record, alerts: list[tuple[Rule, Alert]]) -> Alert | None:
-        """Apply cooldown and actions, send the record and its alerts to the sinks."""
+        """Fold findings into incidents (:mod:`trackdiag.alerting`), apply actions, send the record
+        and its new alerts to the sinks. Returns the first alert whose action is ``raise``."""
         raised = None
         for rule, alert in sorted(merge_places(alerts, self.config.get("max_alerts_per_rule", 3)), key=lambda ra: order(ra[1])):
-            if not self._incidents.screen(alert):
-                self._book.suppress(alert)  # a consequence of the open non-finite incident
+            root = self._book.absorbing(alert)
+            if not self._incidents.screen(alert) or root is not None:
+                self._book.suppress(alert, root)  # a consequence of an open incident
                 continue
-            if not self._book.admit(alert, rule.cooldown):
+            if not self._book.admit(alert, rule.cooldown, rule.incident_key(alert)):
                 continue
             record.alerts.append(alert)
-            if rule.action == "log":
+            loud = alert.severity != "info"
+            if rule.action == "log" or not loud:
                 log.info("trackdiag: %s", alert.describe())
             else:
                 log.warning("trackdiag: %s", alert.describe())
-            if rule.action == "stop":
+            if rule.action == "stop" and loud:
                 self.should_stop = True
-            elif rule.action == "raise" and raised is None:
+            elif rule.action == "raise" and loud and raised is None:
                 raised = alert
         self._incidents.update(record)
-        if record.alerts and self.config["anomaly_window"]:
+        if any(a.severity != "info" for a in record.alerts) and self.config["anomaly_window"]:
             self._ctx.anomaly_until = max(self._ctx.anomaly_until, self._step + self.config["anomaly_window"])
         self._hub.write(record)
         for alert in record.alerts:
@@ -328,6 +339,7 @@ class Diagnostics(OptimizerEvents, SetupChecks):
             "should_stop": self.should_stop, "disabled_probes": dict(self._disabled),
             "notes": [*self._notes.values(), *self._ctx.notes.values()],
             "consequences_suppressed": dict(self._book.consequences),
+            "incidents": self._book.summary(),
             "output_dir": str(self.run.output_dir),
         }
 
@@ -356,6 +368,11 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         self._handles.clear()
         if self._opened and self._step - 1 > self._last_logged:
             self._log(self._step - 1, final=True)
+        elif self._opened and self._step > 0:  # findings still waiting for steps that will not come
+            last = Record(step=self._step - 1, time=time.time())
+            pending = self._judge("at_close", last, self._history, self.components)
+            if pending:
+                self._emit(last, pending)
         for p in self.probes:
             self._guard(p, "detach")
         if self._opened:

@@ -51,7 +51,7 @@ class SetupChecks:
         report = run_preflight(comp.model, comp.optimizer, batch, loss_fn or rule.loss_fn, forward,
                                overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop, lenient=auto)
         record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(len(report.failed))})
-        raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.level, rule.hint)])
+        raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.pinned or "warning", rule.hint)])
         if raised is not None:
             raise AlertRaised(raised)
         return report

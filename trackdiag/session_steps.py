@@ -196,6 +196,7 @@ class OptimizerEvents:
         view = GradView(comp, tap, source, st.stepped, passes)
         if source == "backward":
             self._ctx.backward_seen.add(comp.name)
+        self._ctx.passes[comp.name] = len(passes)
         ctx = self._ctx
         for p in self._grad_probes:
             if p.enabled:
@@ -216,6 +217,7 @@ class OptimizerEvents:
         if not self._micro:
             return losses
         parts, self._micro = [*self._micro, losses], []
+        self._ctx.passes[""] = max(self._ctx.passes.get("", 0), len(parts))
         out: dict[str, Any] = {}
         for name in dict.fromkeys(k for part in parts for k in part):
             vals = [part[name] for part in parts if part.get(name) is not None]
@@ -235,6 +237,7 @@ class OptimizerEvents:
 
     def _reset_steps(self) -> None:
         self._ctx.backward_seen = set()
+        self._ctx.passes = {}
         for st in self._steps.values():
             st.stepped = st.consumed = st.closure = st.pre_done = False
             st.depth = 0

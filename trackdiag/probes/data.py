@@ -15,7 +15,13 @@
   ``diag/data/num_classes`` (from the output's class dimension), ``diag/data/ignore_index`` (the
   padding value in force, when one was seen), and ``diag/data/target_is_input`` (the largest share
   of target positions equal to the input, over the window: 1.0 when the targets are the inputs
-  themselves, as in a language model whose targets were not shifted by one).
+  themselves, as in a language model whose targets were not shifted by one). Targets equal to the
+  inputs are the convention of models that shift labels inside ``forward`` (Hugging Face's causal
+  LMs take ``labels=input_ids``), so while they are, on due steps of the first ``leak_steps`` (300)
+  the probe also measures which the loss follows: the table ``diag/data/leak_ce`` holds
+  ``copy`` (cross-entropy of the outputs against the targets as they are), ``next`` (against the
+  targets shifted one position, along either of the first two dimensions), ``loss`` and ``step``.
+  A model learning to copy its input shows ``copy`` far below ``next`` and the loss with it.
   The ignore value: ``ignore_index="auto"`` (default) takes the one negative value the targets use
   for padding (cross-entropy's -100, or -1 as many scripts pass ``ignore_index=-1``) when every
   negative target of a step has that same value, and keeps it; a second negative value, or
@@ -38,6 +44,7 @@ from trackdiag.context import ProbeContext, StepInputs
 from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
+from trackdiag.task import masked_ce
 from trackdiag.tensors import class_dim, float_tensors, inputs_of, logits_of, targets_of
 
 class DataFiniteProbe(Probe):
@@ -106,8 +113,10 @@ class DataLabelsProbe(Probe):
     always_collect = True
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, target: int | str | None = None,
-                 output: int | str | None = None, ignore_index: int | str | None = "auto") -> None:
+                 output: int | str | None = None, ignore_index: int | str | None = "auto", leak_steps: int = 300) -> None:
         super().__init__(enabled=enabled, every=every)
+        self.leak_steps = leak_steps
+        self._leak: tuple[int, list[torch.Tensor]] | None = None  # (step, [copy, next, loss]) of the window's last due step
         self.target, self.output = target, output
         self.auto = ignore_index == "auto"
         self.ignore_index: int | None = None if self.auto else ignore_index  # type: ignore[assignment]
@@ -130,6 +139,22 @@ class DataLabelsProbe(Probe):
         same = (x == t).float().mean() if isinstance(x, torch.Tensor) and x.shape == t.shape \
             and not x.is_floating_point() and not x.is_complex() else lo.new_zeros(()).float() - 1.0
         self._seen.append((ctx.step, self._classes, [lo, hi, top_neg, same]))
+        if ctx.step < self.leak_steps and dim == -1 and ctx.is_due(self.schedule) and isinstance(x, torch.Tensor) \
+                and x.shape == t.shape and not x.is_floating_point() and len(inputs.losses) == 1:
+            self._leak_terms(ctx.step, logits, t, inputs.losses)
+
+    def _leak_terms(self, step: int, logits: torch.Tensor, t: torch.Tensor, losses: Any) -> None:
+        """Cross-entropy of the outputs against the targets as they are and shifted one position (device)."""
+        loss = next(iter(losses.values()))
+        if not isinstance(loss, torch.Tensor):
+            return
+        scores = logits.detach().float()
+        copy = masked_ce(scores, t)[0]
+        nexts = [masked_ce(scores[:, :-1], t[:, 1:])[0]] if t.dim() >= 2 and t.shape[1] > 1 else []
+        if t.dim() >= 2 and t.shape[0] > 1:
+            nexts.append(masked_ce(scores[:-1], t[1:])[0])
+        if nexts:
+            self._leak = (step, [copy, torch.stack(nexts).min(), loss.detach().float().reshape(())])
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         """The window's per-step label statistics, stacked (one kernel) and copied with everything
@@ -139,7 +164,11 @@ class DataLabelsProbe(Probe):
         steps, classes, stats = zip(*self._seen)
         self._seen = []
         self._window = (steps, classes)
-        return {"stats": torch.stack([stack_scalars(s, torch.float64) for s in stats])}
+        out = {"stats": torch.stack([stack_scalars(s, torch.float64) for s in stats])}
+        if self._leak is not None:
+            out["leak"] = stack_scalars(self._leak[1], torch.float64)
+            self._leak_step, self._leak = self._leak[0], None
+        return out
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         steps, classes = self._window
@@ -167,3 +196,7 @@ class DataLabelsProbe(Probe):
             i = int(np.argmax(same))
             record.scalars["diag/data/target_is_input"] = float(same[i])
             record.tables["diag/data/target_is_input"] = {"step": float(steps[i])}
+        leak = values.get("leak")
+        if leak is not None:
+            copy, nxt, loss = (float(v) for v in leak.reshape(-1))
+            record.tables["diag/data/leak_ce"] = {"copy": copy, "next": nxt, "loss": loss, "step": float(self._leak_step)}

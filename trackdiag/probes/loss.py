@@ -5,11 +5,15 @@ Emits, per loss name (``loss`` or ``<component>/loss``):
   ``diag/[<c>/]loss/ema``: EMA of the finite values;
   ``diag/[<c>/]loss/nonfinite_steps``: non-finite values in the window since the last log;
   ``diag/data/num_classes`` at the first logging steps, when ``step(outputs=..., batch=...)`` shows a
-  classification-shaped output (class scores and integer targets that pair up): the chance-level
-  loss ln(C) the ``initial_loss`` rule compares the first losses with.
+  classification-shaped output (class scores and integer targets that pair up);
+  ``diag/task/kind`` (1 classification, 2 regression, 0 not shown), ``diag/task/chance_loss`` (the loss
+  of a model that ignores its input: ln C, or the targets' variance for MSE; times the targets for a
+  summed loss) and ``diag/task/shift`` (1: the loss compares position t with target t+1), once the
+  task is shown (see :mod:`trackdiag.task`): the first steps' loss equals the outputs'
+  cross-entropy (or MSE) against the batch's targets. Task-specific rules read these.
 Cost: one ``detach`` per step and loss (a reference is kept, nothing is copied); at the logging
-step the window is stacked and copied to the host with every other diagnostic. The class count is
-read from shapes (host only) during the first 3 steps.
+step the window is stacked and copied to the host with every other diagnostic. During the first 3
+steps only: the class count from shapes and one cross-entropy (or MSE) of the outputs on the device.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.stats import Ema
+from trackdiag.task import STEPS, Task, decide, terms
 from trackdiag.tensors import class_dim, logits_of, targets_of
 
 
@@ -67,10 +72,24 @@ class LossProbe(Probe):
         self._rings: dict[str, _Ring] = {}
         self._emas: dict[str, Ema] = {}
         self._classes = -1
+        self.task = Task()
+        self._task_seen: list[tuple[bool, Any, list[str], list[Any]]] = []  # (accumulated, loss, names, terms)
+        self._task_taken: list[tuple[bool, list[str]]] = []
+        self._task_steps = 0
+        self._task_classes = -1
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
-        if ctx.step < 3 and self._classes < 0 and inputs.outputs is not None and inputs.batch is not None:
-            self._classes = classes_of(inputs.outputs, inputs.batch)
+        if self._task_steps < STEPS and inputs.outputs is not None and inputs.batch is not None:
+            self._task_steps += 1
+            if self._classes < 0:
+                self._classes = classes_of(inputs.outputs, inputs.batch)
+            loss = inputs.losses.get("") if len(inputs.losses) == 1 else None
+            got = terms(inputs.outputs, inputs.batch) if isinstance(loss, torch.Tensor) and self.task.kind == "unknown" else None
+            if got:
+                names = list(got)
+                accumulated = max(ctx.passes.values(), default=1) > 1
+                self._task_seen.append((accumulated, loss.detach(), names, [got[k] for k in names]))
+                self._task_classes = classes_of(inputs.outputs, inputs.batch)
         for name, value in inputs.losses.items():
             if value is None:
                 continue
@@ -86,9 +105,24 @@ class LossProbe(Probe):
         for name, ring in self._rings.items():
             if ring.steps:
                 self._steps[name], out[name] = ring.take()
+        self._task_taken = []
+        for i, (acc, loss, names, vals) in enumerate(self._task_seen):
+            out[f"\ttask{i}"] = stack_scalars([loss, *vals], torch.float64)
+            self._task_taken.append((acc, names))
+        self._task_seen = []
         return out
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
+        for i, (acc, names) in enumerate(self._task_taken):
+            got = values.pop(f"\ttask{i}", None)
+            if got is not None and self.task.kind == "unknown":
+                host = got.reshape(-1).tolist()
+                self.task = decide(host[0], dict(zip(names, host[1:])), self._task_classes, acc)
+        self._task_taken = []
+        if self.task.kind != "unknown":
+            record.scalars["diag/task/kind"] = 1.0 if self.task.kind == "classification" else 2.0
+            record.scalars["diag/task/chance_loss"] = self.task.chance
+            record.scalars["diag/task/shift"] = float(self.task.shift)
         for name, vals in values.items():
             key = f"diag/{name}/loss" if name else "diag/loss"
             steps = self._steps[name]
@@ -98,14 +132,17 @@ class LossProbe(Probe):
                 ema.update(v)
             record.series[key] = points
             record.scalars[f"{key}/ema"] = ema.value
+            record.scalars[f"{key}/nonfinite_steps"] = float(sum(not math.isfinite(v) for _, v in points))
         if self._classes >= 2 and ctx.step < 20:
             record.scalars.setdefault("diag/data/num_classes", float(self._classes))
-            record.scalars[f"{key}/nonfinite_steps"] = float(sum(not math.isfinite(v) for _, v in points))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"emas": {k: e.state_dict() for k, e in self._emas.items()}}
+        return {"emas": {k: e.state_dict() for k, e in self._emas.items()}, "task": vars(self.task)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "task" in state:
+            self.task = Task(**state["task"])
+            self._task_steps = STEPS
         for k, s in state.get("emas", {}).items():
             self._emas.setdefault(k, Ema(self.ema_beta)).load_state_dict(s)
             self._rings.setdefault(k, _Ring())

@@ -9,6 +9,7 @@ emits, on the first ``max_samples`` (256) rows of the batch:
       on at most ``max_features`` (1024) evenly strided features;
   ``diag/[<c>/]out/pairwise_dist``: mean L2 distance between distinct samples (``torch.cdist`` on the
       first 64 rows, same features);
+  ``diag/[<c>/]out/scale``: the mean absolute output (what ``batch_std`` is judged against);
   ``diag/[<c>/]out/samples``: the number of rows the statistics saw;
   for classifiers (``classifier: true``, or auto: 2-D logits with >= 2 columns while the ``batch``
   passed to ``step`` holds an integer label tensor of shape (N,); auto-detection stays off for
@@ -104,7 +105,7 @@ def output_stats(x: torch.Tensor, classifier: bool, max_samples: int, max_featur
     rows = rows.reshape(m, -1)  # a view, or a copy of at most max_samples rows
     stride = max(1, -(-rows.shape[1] // max_features))
     sub = rows[:, ::stride].float()
-    out: dict[str, Any] = {"batch_std": sub.std(dim=0).mean(), "samples": float(m)}
+    out: dict[str, Any] = {"batch_std": sub.std(dim=0).mean(), "scale": sub.abs().mean(), "samples": float(m)}
     pts = sub[:_PAIR_ROWS]
     out["pairwise_dist"] = torch.cdist(pts, pts).sum() / (pts.shape[0] * (pts.shape[0] - 1))
     if classifier and rows.shape[1] >= 2:

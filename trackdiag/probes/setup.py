@@ -2,8 +2,8 @@
 optimizer holds that are frozen.
 
 At the first step (and whenever a component is re-indexed: a param group added, layers unfrozen)
-it lists, per component with an optimizer, the model's parameters that require a gradient but are
-in none of the component's optimizers' param groups: a head replaced after the optimizer was
+it lists, per component with an optimizer, the model's parameters that require a gradient, received
+one, but are in none of the component's optimizers' param groups: a head replaced after the optimizer was
 built, a layer forgotten in a hand-built param group list. A layer frozen on purpose
 (``requires_grad=False``) is not listed. Emits the table ``diag/[<c>/]setup/unoptimized`` =
 ``{layer: number of values}`` at the next logging step (only when some are found), and
@@ -35,14 +35,17 @@ def frozen(comp: Component) -> dict[str, float]:
     return out
 
 
-def unoptimized(comp: Component) -> dict[str, float]:
-    """``{layer: values}`` of ``comp``'s trainable model parameters that no optimizer of it steps."""
+def unoptimized(comp: Component, graded: set[int] | None = None) -> dict[str, float]:
+    """``{layer: values}`` of ``comp``'s trainable model parameters that no optimizer of it steps and
+    that received a gradient (in ``graded``, or holding one now): a parameter that gets no gradient
+    (a later phase's layer, an unused module) loses nothing by not being in an optimizer."""
     if comp.model is None or not comp.optimizers:
         return {}
     stepped = {id(p) for p in comp.index.params}
     out: dict[str, float] = {}
     for name, p in comp.model.named_parameters():
-        if p.requires_grad and id(p) not in stepped:
+        got = p.grad is not None or (graded is not None and id(p) in graded)
+        if p.requires_grad and id(p) not in stepped and got:
             layer = layer_of(name)
             out[layer] = out.get(layer, 0.0) + float(p.numel())
     return out
@@ -59,6 +62,7 @@ class SetupProbe(Probe):
         self._due: set[str] = set()
         self._found: dict[str, dict[str, float]] = {}
         self._frozen: dict[str, dict[str, float]] = {}
+        self._graded: dict[str, set[int]] = {}  # parameters holding a gradient at the first optimizer step
 
     def bind(self, default_every: int) -> None:
         from trackdiag.schedule import Never
@@ -71,12 +75,17 @@ class SetupProbe(Probe):
     def reindexed(self, ctx: ProbeContext, comp: Component) -> None:
         self._due.add(comp.name)
 
+    def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
+        """The gradients as the backward pass left them (a loop may zero them before ``step()``)."""
+        if comp.name in self._due and comp.model is not None:
+            self._graded[comp.name] = {id(p) for p in comp.model.parameters() if p.grad is not None}
+
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         """After the step's optimizers ran (late ones were adopted by now)."""
         for comp in ctx.components:
             if comp.name in self._due and comp.optimizers:
                 self._due.discard(comp.name)
-                found = unoptimized(comp)
+                found = unoptimized(comp, self._graded.pop(comp.name, None))
                 if found:
                     self._found[comp.name] = found
                 cold = frozen(comp)

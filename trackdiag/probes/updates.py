@@ -68,7 +68,9 @@ class UpdateProbe(Probe):
     @torch.no_grad()
     def _copy(self, comp: Component) -> tuple[int, Sequence[torch.Tensor], torch.Tensor]:
         params = comp.index.params  # under no_grad: no detach() per tensor (2.8 us each on the CPU)
-        return comp.generation, self._copy_of(comp, params), tensor_norms(params).float()
+        # fp16/bf16 weights: accumulate the norms in fp32 (their squares overflow fp16 above ~256)
+        wide = torch.float32 if comp.index.low_precision else None
+        return comp.generation, self._copy_of(comp, params), tensor_norms(params, dtype=wide).float()
 
     def _copy_of(self, comp: Component, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """A copy of ``params``. CPU parameters of at most ``KEEP_BYTES`` are copied into buffers kept
@@ -137,7 +139,7 @@ class UpdateProbe(Probe):
 
     def _diff(self, comp: Component, old: Sequence[torch.Tensor], w_norms: torch.Tensor) -> dict[str, torch.Tensor]:
         torch._foreach_sub_(list(old), comp.index.params)  # old := w_old - w_new (under no_grad)
-        d_norms = tensor_norms(list(old)).float()
+        d_norms = tensor_norms(list(old), dtype=torch.float32 if comp.index.low_precision else None).float()
         del old
         idx = comp.index
         lw, ld = idx.per_layer_norm(w_norms), idx.per_layer_norm(d_norms)

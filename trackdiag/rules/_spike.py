@@ -40,7 +40,8 @@ class SpikeDetector:
             mean = self._sum / n
             std = math.sqrt(max(self._sq / n - mean * mean, 0.0))
             ref = max(mean, self.floor)
-            spike = v - mean >= self.z * std and v >= self.factor * ref and v > 0
+            # ref > 0: a series that sat at exactly 0 (a layer not training yet) has no level to be a multiple of
+            spike = ref > 0 and v - mean >= self.z * std and v >= self.factor * ref
         if spike:
             return True, ref  # a spike does not join the baseline it is judged against
         if n == self.recent.maxlen:

@@ -20,7 +20,6 @@ class DeadUnits(Rule):
     ``where`` is the module; ``step`` the first measurement of the streak."""
 
     kind = "dead_units"
-    severity = "warning"
     hint = ("Dead ReLUs: lower the learning rate, check the init and the bias before the activation (a large negative "
             "bias kills units), use LeakyReLU/GELU, add normalisation (BatchNorm/LayerNorm) before the activation. "
             "Saturated sigmoid/tanh: normalise the inputs, use Xavier init, prefer ReLU-family activations.")
@@ -41,7 +40,7 @@ class DeadUnits(Rule):
                     where = layer_label(comp, module)
                     msg = (f"{frac:.0%} of the units of {where} {what} over every sampled batch, for "
                            f"{self.patience} consecutive measurements.")
-                    out.append(self.make(self._streaks.start(key), msg, frac, self.threshold, where))
+                    out.append(self.make(self._streaks.start(key), msg, frac, self.threshold, where, ["persistent"]))
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -18,7 +18,6 @@ class AmpScaleCollapse(Rule):
     backoff of the streak."""
 
     kind = "amp_scale_collapse"
-    severity = "critical"
     hint = ("Gradients overflow at any scale: the model itself produces Inf/NaN. Run a step in fp32 to confirm, lower "
             "the LR, clip gradients after scaler.unscale_(optimizer), keep softmax/log/exp/normalisation in fp32 "
             "(autocast does most), prefer bf16 over fp16, look for a bad batch or a log(0)/division by zero.")
@@ -41,9 +40,9 @@ class AmpScaleCollapse(Rule):
         step = int(events.get("streak_start", record.step))
         if low < self.min_scale:
             return [self.make(step, f"AMP loss scale collapsed to {low:.3g} (< {self.min_scale:g}) after {int(streak)} "
-                                    f"back-to-back backoffs.", low, self.min_scale)]
+                                    f"back-to-back backoffs.", low, self.min_scale, evidence=["unambiguous"])]
         return [self.make(step, f"AMP loss scale backed off {int(streak)} times in a row from step {step} (now {low:.3g}): "
-                                f"every step overflows.", streak, self.max_backoff_streak)]
+                                f"every step overflows.", streak, self.max_backoff_streak, evidence=["unambiguous"])]
 
     def state_dict(self) -> dict[str, Any]:
         return {"active": self._active}
@@ -58,7 +57,6 @@ class AmpOverflow(Rule):
     so the scaler's calibration in the first steps (a few back-to-back backoffs) stays quiet."""
 
     kind = "amp_overflow"
-    severity = "warning"
     hint = ("Too many optimizer steps are skipped: lower the LR or add warm-up, clip gradients after "
             "scaler.unscale_(optimizer), lower init_scale or growth_factor / raise growth_interval, check for ops "
             "that overflow fp16 (use bf16, keep reductions in fp32).")
@@ -81,7 +79,8 @@ class AmpOverflow(Rule):
             return []
         frac = skips / steps
         return [self.make(record.step, f"{int(skips)} of the last {int(steps)} steps were skipped for Inf/NaN gradients "
-                                       f"({frac:.0%} > {self.max_skip_fraction:.0%}).", frac, self.max_skip_fraction)]
+                                       f"({frac:.0%} > {self.max_skip_fraction:.0%}).", frac, self.max_skip_fraction,
+                          evidence=["persistent"])]
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": [list(w) for w in self._win]}

@@ -4,35 +4,46 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar, Sequence
 
+from trackdiag import policy
 from trackdiag.alert import Alert
 from trackdiag.context import Component
+from trackdiag.objectives import Objectives
 from trackdiag.record import Record
 
 
 class Rule:
-    """Judges each logging step's record against thresholds.
+    """Turns each logging step's record into findings: what crossed which line, since when, and the
+    evidence that it matters for training (:mod:`trackdiag.policy` turns the evidence into the
+    severity; the rule never picks it).
 
     ``check`` sees the new record, the recent history (oldest first) and the components; it
-    returns the alerts to raise (the session applies cooldown and actions). Rules may keep small
-    host-side state (EMAs, streaks) and expose it through ``state_dict``.
+    returns the findings as :class:`Alert` objects (the session folds repeats into incidents and
+    applies actions). Rules may keep small host-side state (EMAs, streaks) and expose it through
+    ``state_dict``.
 
     Args:
         enabled: switch the rule off.
-        action: what the session does when it fires: ``log`` | ``warn`` | ``stop`` | ``raise``.
-        cooldown: steps during which a repeat of the same kind at the same place is counted
-            but not emitted again.
-        severity: override the rule's default severity (``info`` | ``warning`` | ``critical``).
+        action: what the session does when it fires: ``log`` | ``warn`` | ``stop`` | ``raise``
+            (``stop``/``raise`` act on findings of warning or worse).
+        cooldown: steps without a new finding after which an incident counts as over: a finding
+            of the same kind and place within them is folded into the open incident.
+        severity: pin the severity (``info`` | ``warning`` | ``critical``) instead of the policy's.
     """
 
     kind: ClassVar[str] = ""
-    severity: ClassVar[str] = "warning"
     hint: ClassVar[str] = ""
-
     def __init__(self, *, enabled: bool = True, action: str = "warn", cooldown: int = 100, severity: str | None = None) -> None:
         self.enabled = enabled
         self.action = action
         self.cooldown = cooldown
-        self.level = severity or type(self).severity
+        self.pinned = severity
+        self.objectives = Objectives("minimize")  # the session's, shared by every rule
+        #: a finding waits for the next steps to be judged: the session logs every step up to this one
+        self.follow_until = -1
+
+    def minimised(self, component: str) -> bool:
+        """Whether the loss of ``component`` (``""``: the model) is an objective that should fall."""
+        return self.objectives.minimised(component)
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         """Alerts for ``record``. Default: none."""
@@ -42,8 +53,21 @@ class Rule:
         """Alerts for an evaluation record from ``log_eval``. Default: none."""
         return []
 
-    def make(self, step: int, message: str, value: float = math.nan, threshold: float = math.nan, where: str = "") -> Alert:
-        return Alert(self.kind, int(step), self.level, message, float(value), float(threshold), where, self.hint)
+    def at_close(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        """Findings still pending when the run ends (judged on what there is). Default: none."""
+        return []
+
+    def make(self, step: int, message: str, value: float = math.nan, threshold: float = math.nan, where: str = "",
+             evidence: Sequence[str] = ()) -> Alert:
+        """A finding at ``step``; its severity is the policy's verdict on ``evidence`` (unless pinned)."""
+        ev = tuple(e for e in policy.EVIDENCE if e in set(evidence))
+        level = self.pinned or policy.severity(ev)
+        return Alert(self.kind, int(step), level, message, float(value), float(threshold), where, self.hint, ev,
+                     1, int(step))
+
+    def incident_key(self, alert: Alert) -> str:
+        """What makes two findings of this rule the same incident: by default their ``where``."""
+        return alert.where
 
     def state_dict(self) -> dict[str, Any]:
         return {}

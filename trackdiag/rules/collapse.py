@@ -18,9 +18,11 @@ class ModeCollapse(Rule):
     logged steps:
 
     - constant outputs: the batch std (mean over features of the std across the batch) is below
-      ``std_threshold`` (1e-3, the guides' value; absolute, so it assumes outputs of order 1);
+      ``std_threshold`` (1e-3, the guides' value) x the outputs' own scale (their mean absolute
+      value, so outputs of any magnitude are judged alike);
     - classifiers: at least ``class_fraction`` (0.99) of a batch of at least ``min_samples`` (16)
-      predicts the same class.
+      predicts the same class, once the task is shown to be a classification of the loss
+      (``diag/task/kind``: a VAE's reconstruction beside digit labels is not a classifier).
 
     The streak must also span ``min_steps`` (100) optimizer steps: early in training a model often
     predicts one class, and a zero-initialised head outputs a constant, for a few dozen steps.
@@ -28,7 +30,6 @@ class ModeCollapse(Rule):
     """
 
     kind = "mode_collapse"
-    severity = "warning"
     hint = ("Check the output head: its init, a ReLU/saturated sigmoid or a zeroed/frozen layer right before it, "
             "and the loss for a trivial minimum (class imbalance, targets not normalised). Lower the learning "
             "rate, add input noise or a diversity term to the loss; restart from an earlier checkpoint if it persists.")
@@ -39,30 +40,34 @@ class ModeCollapse(Rule):
         self.std_threshold, self.class_fraction, self.min_samples = std_threshold, class_fraction, min_samples
         self.patience, self.min_steps = patience, min_steps
         self._streaks = Streaks(patience)
+        self._classification = False
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
+        self._classification = self._classification or record.scalars.get("diag/task/kind") == 1.0
         for key, std in record.scalars.items():
             if not key.endswith(_SUFFIX) or not math.isfinite(std):
                 continue
             base = key[: -len(_SUFFIX)]  # "diag" or "diag/<component>"
+            scale = record.scalars.get(f"{base}/out/scale", 1.0)
+            limit = self.std_threshold * (scale if math.isfinite(scale) and scale > 0 else 1.0)
             where = base.partition("/")[2]  # the streaks' key: the component
             place = f"{where} outputs" if where else "model outputs"
             dist, top, n, ent = (record.scalars.get(f"{base}/out/{s}", math.nan)
                                  for s in ("pairwise_dist", "top_class_fraction", "samples", "pred_entropy"))
-            if self._streaks.bump(f"{where}|std", std < self.std_threshold, record.step, self.min_steps):
+            if self._streaks.bump(f"{where}|std", std < limit, record.step, self.min_steps):
                 out.append(self.make(
                     self._streaks.start(f"{where}|std"),
-                    f"outputs are constant across the batch: batch std {std:.3g} < {self.std_threshold:g} "
-                    f"(mean pairwise distance {dist:.3g}) since step {self._streaks.start(where + '|std')}.",
-                    std, self.std_threshold, place))
-            single = math.isfinite(top) and n >= self.min_samples and top >= self.class_fraction
+                    f"outputs are constant across the batch: batch std {std:.3g} < {self.std_threshold:g} x their scale "
+                    f"{scale:.3g} (mean pairwise distance {dist:.3g}) since step {self._streaks.start(where + '|std')}.",
+                    std, limit, place, ["persistent"]))
+            single = self._classification and math.isfinite(top) and n >= self.min_samples and top >= self.class_fraction
             if self._streaks.bump(f"{where}|class", single, record.step, self.min_steps):
                 out.append(self.make(
                     self._streaks.start(f"{where}|class"),
                     f"{top:.0%} of the batch predicts a single class (prediction entropy {ent:.3g} nats) "
                     f"since step {self._streaks.start(where + '|class')}.",
-                    top, self.class_fraction, place))
+                    top, self.class_fraction, place, ["persistent"]))
         return out
 
     def state_dict(self) -> dict[str, Any]:

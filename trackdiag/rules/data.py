@@ -3,6 +3,8 @@
 They read the keys of the ``data_finite``, ``data_labels`` and ``data_wait`` probes."""
 from __future__ import annotations
 
+import math
+
 from typing import Any, Sequence
 
 from trackdiag.alert import Alert
@@ -16,7 +18,6 @@ class NonfiniteInput(Rule):
     (``input batch[0]``, ``input batch['image']``)."""
 
     kind = "nonfinite_input"
-    severity = "critical"
     hint = ("The data itself holds NaN/Inf: check the preprocessing (division by a zero std, log of 0, "
             "corrupt files, missing values), add a dataset-level assert or torch.nan_to_num, and drop the bad samples.")
 
@@ -29,7 +30,7 @@ class NonfiniteInput(Rule):
         n = record.scalars.get("diag/data/nonfinite_tensors", 1.0)
         what = "the batch" if entry == "batch" else entry
         msg = f"{what} passed to step() holds NaN/Inf at step {int(first)} ({int(n)} tensor-step(s) with NaN/Inf in this window)."
-        return [self.make(int(first), msg, n, 0, f"input {entry}")]
+        return [self.make(int(first), msg, n, 0, f"input {entry}", ["unambiguous"])]
 
 
 class LabelRange(Rule):
@@ -38,7 +39,6 @@ class LabelRange(Rule):
     on CPU into an IndexError, or silently into wrong training when the labels are shifted."""
 
     kind = "label_range"
-    severity = "critical"
     hint = ("Labels must be class indices 0..C-1: remap 1-based labels (y - 1), make the output layer as wide "
             "as the number of classes, or set ignore_index for padding labels.")
 
@@ -51,31 +51,46 @@ class LabelRange(Rule):
         value, limit = (lo, 0) if lo < 0 else (hi, c - 1)
         msg = (f"class targets range over [{int(lo)}, {int(hi)}] but the output has {c} classes (valid: 0..{c - 1}); "
                f"{int(record.scalars.get('diag/data/label_bad_steps', 1))} step(s) in this window.")
-        return [self.make(int(first), msg, value, limit, "targets")]
+        return [self.make(int(first), msg, value, limit, "targets", ["unambiguous"])]
 
 
 class LabelLeak(Rule):
-    """Fires when the targets equal the inputs at ``threshold`` (0.99) of their positions
-    (``diag/data/target_is_input``, from integer inputs and targets of one shape): a language
-    model's targets not shifted by one, a copy-paste ``y = x``. The task is then trivial, the loss
-    falls to ~0, and nothing learnt transfers. ``step`` is the first such step."""
+    """The targets equal the inputs (``diag/data/target_is_input`` >= ``threshold``, 0.99) AND the
+    loss is the one of copying them: it follows the cross-entropy of the outputs against the targets
+    as they are (``copy``: within a quarter of the gap) rather than against the targets one position
+    on (``next``), with ``copy`` below ``next`` by at least ``margin`` (0.05) x ln(C). Targets equal
+    to the inputs alone are no leak: models that shift labels inside ``forward`` take them so
+    (Hugging Face's ``model(input_ids, labels=input_ids)``), and their loss is ``next``.
+    ``unambiguous`` once shown; ``step`` is the first step the targets equalled the inputs."""
 
     kind = "label_leak"
-    severity = "critical"
-    hint = ("The targets are the inputs. For next-token prediction take x = tokens[:, :-1], y = tokens[:, 1:] (or "
-            "shift inside the loss); check that the label column is not the input column.")
+    hint = ("The targets are the inputs and the model learns to copy them. For next-token prediction take "
+            "x = tokens[:, :-1], y = tokens[:, 1:] (or shift inside the loss); check that the label column is "
+            "not the input column.")
 
-    def __init__(self, *, threshold: float = 0.99, **kw: Any) -> None:
+    def __init__(self, *, threshold: float = 0.99, margin: float = 0.05, **kw: Any) -> None:
         super().__init__(**kw)
-        self.threshold = threshold
+        self.threshold, self.margin = threshold, margin
+        self._first = -1
+        self._done = False
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         share = record.scalars.get("diag/data/target_is_input", -1.0)
-        if share < self.threshold:
+        if share >= self.threshold and self._first < 0:
+            self._first = int(record.tables.get("diag/data/target_is_input", {}).get("step", record.step))
+        ce = record.tables.get("diag/data/leak_ce")
+        classes = record.scalars.get("diag/data/num_classes", -1.0)
+        if self._done or self._first < 0 or not ce or classes < 2:
             return []
-        step = int(record.tables.get("diag/data/target_is_input", {}).get("step", record.step))
-        msg = f"the targets equal the inputs at {100 * share:.1f}% of positions (step {step}): the labels leak the answer."
-        return [self.make(step, msg, share, self.threshold, "targets")]
+        copy, nxt, loss = ce["copy"], ce["next"], ce["loss"]
+        gap = nxt - copy
+        if not (gap >= self.margin * math.log(classes) and abs(loss - copy) < 0.25 * gap):
+            return []
+        self._done = True
+        msg = (f"the targets equal the inputs (from step {self._first}) and the model learns to copy them: at step "
+               f"{int(ce['step'])} its loss {loss:.3g} follows the cross-entropy against the inputs themselves "
+               f"({copy:.3g}), not against the next token ({nxt:.3g}).")
+        return [self.make(self._first, msg, copy, nxt - self.margin * math.log(classes), "targets", ["unambiguous"])]
 
 
 class DataBottleneck(Rule):
@@ -84,7 +99,6 @@ class DataBottleneck(Rule):
     window. Needs ``diag.wrap_loader(loader)``."""
 
     kind = "data_bottleneck"
-    severity = "warning"
     hint = ("The GPU/CPU waits for data: raise DataLoader num_workers, set pin_memory=True and "
             "persistent_workers=True, prefetch_factor, move decoding/augmentation off the main process or to the GPU, "
             "cache decoded samples.")
@@ -105,4 +119,4 @@ class DataBottleneck(Rule):
             return []
         msg = (f"{100 * share:.0f}% of the wall time is spent waiting for the next batch "
                f"({1e3 * wait / batches:.1f} ms per batch over the last {int(batches)} batches).")
-        return [self.make(record.step, msg, share, self.threshold, "data loader")]
+        return [self.make(record.step, msg, share, self.threshold, "data loader", ["persistent"])]

@@ -66,7 +66,6 @@ class Overfitting(Rule):
     """
 
     kind = "overfitting"
-    severity = "warning"
     hint = ("Regularise: dropout (0.3-0.5), weight decay (AdamW 0.01-0.05), data augmentation, more data or a "
             "smaller model; use early stopping on the validation loss and keep the best checkpoint.")
 
@@ -108,7 +107,7 @@ class Overfitting(Rule):
                f"and above its best {best:.4g}")
         leak = (" The train loss is ~0 while the validation loss is far higher: also check for label/data leakage "
                 "(targets visible in the training inputs, duplicates across the split)." if ratio > self.leak_ratio else "")
-        return [self.make(onset, f"{why} (rising since step {onset}).{leak}", ratio, self.ratio, f"eval/{self.metric}")]
+        return [self.make(onset, f"{why} (rising since step {onset}).{leak}", ratio, self.ratio, f"eval/{self.metric}", ["persistent"])]
 
     def state_dict(self) -> dict[str, Any]:
         return {"evals": [list(e) for e in self._evals], "active": self._active}
@@ -131,7 +130,6 @@ class Plateau(Rule):
     """
 
     kind = "plateau"
-    severity = "info"
     hint = ("If not converged: raise or lower the LR (check diag/update/ratio_median, ~1e-3 is healthy), use an LR "
             "schedule (ReduceLROnPlateau, warm restarts), look for dead units, vanishing gradients or a frozen "
             "layer; if converged: stop early and keep the best checkpoint.")

@@ -20,7 +20,6 @@ class GradFlow(Rule):
     first layer; ``step`` the first measurement of the streak."""
 
     kind = "grad_flow"
-    severity = "warning"
     hint = ("Gradients do not flow through depth: use ReLU-family activations instead of sigmoid/tanh, Kaiming/Xavier "
             "init, residual connections and normalisation layers (BatchNorm/LayerNorm); for growth towards the input, "
             "clip gradients and check the init scale.")
@@ -46,7 +45,7 @@ class GradFlow(Rule):
                     msg = (f"the gradient {what} towards the input: the gradient norm of the first layer, {first}, is "
                            f"{r:.3g} x that of the last, {last} ({'<' if low else '>'} {thr:g}), for {self.patience} "
                            f"measurements.")
-                    out.append(self.make(self._streaks.start(key), msg, r, thr, where))
+                    out.append(self.make(self._streaks.start(key), msg, r, thr, where, ["persistent"]))
         return out
 
     def state_dict(self) -> dict[str, Any]:

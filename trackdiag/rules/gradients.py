@@ -1,119 +1,262 @@
-"""Gradient magnitude rules: ``grad_explosion`` and ``grad_vanishing`` (global and per layer)."""
+"""Gradient magnitude rules: ``grad_explosion`` and ``grad_vanishing``, relative to the run's own history.
+
+No absolute number decides by default: a VAE whose loss is a per-batch sum has healthy gradient
+norms in the thousands, a fine-tuned model's in the thousandths. A jump is measured against the
+run's own recent norms (:class:`~trackdiag.rules._spike.SpikeDetector`), and how loud it is comes
+from what followed it (:mod:`trackdiag.policy`): a one-step spike after which the loss and the
+norms are back where they were is an ``info`` finding; one that persists, moves the loss or the
+weights is a warning or critical. ``threshold`` / ``layer_threshold`` add the user's own absolute lines.
+"""
 from __future__ import annotations
 
 import math
+import statistics
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from trackdiag.alert import Alert
 from trackdiag.context import Component
-from trackdiag.record import Record
-from trackdiag.rules.base import Rule, latest, layer_values, points_of
 from trackdiag.modnames import layer_label
+from trackdiag.record import Record
+from trackdiag.rules._recent import Recent, reacted
 from trackdiag.rules._spike import SpikeDetector
+from trackdiag.rules._streak import Streaks
+from trackdiag.rules.base import Rule, layer_values, points_of
 
 
-def _qualified(comp: Component, layer: str) -> str:
-    """``<component>.<layer>``, with the module type of a bare index (``0 (Linear)``)."""
-    return layer_label(comp, layer)
+def loss_points(record: Record, comp: Component) -> list[tuple[int, float]]:
+    """The every-step loss of ``comp``: its own series, else the run's single loss."""
+    return record.series.get(comp.key("loss")) or record.series.get("diag/loss", [])
+
+
+def weights_moved(history: Sequence[Record], comp: Component, lo: int, hi: int, limit: float = 1.0) -> bool:
+    """Whether an update-to-weight ratio above ``limit`` was measured in ``comp`` between steps ``lo`` and ``hi``."""
+    for rec in history:
+        if lo <= rec.step <= hi and any(v > limit for v in layer_values(rec, comp.key("update/ratio")).values()):
+            return True
+    return False
+
+
+def largest_layer(records: Sequence[Record], comp: Component, lo: int, hi: int) -> tuple[str, int]:
+    """The layer with the largest gradient norm at the first step in ``lo..hi`` whose per-layer norms
+    were measured, and that step; ``("", -1)`` when none was (they are measured on logging steps)."""
+    for rec in records:
+        if lo <= rec.step <= hi:
+            layers = {k: v for k, v in layer_values(rec, comp.key("grad/norm")).items() if math.isfinite(v)}
+            if layers:
+                return layer_label(comp, max(layers, key=layers.__getitem__)), rec.step
+    return "", -1
+
+
+@dataclass
+class _Comp:
+    det: SpikeDetector
+    grad: Recent = field(default_factory=Recent)
+    loss: Recent = field(default_factory=Recent)
+    pending: list[tuple[int, float, float, str]] = field(default_factory=list)  # (step, value, ref, where)
 
 
 class GradExplosion(Rule):
-    """Fires when the pre-clip global gradient norm (every step) exceeds ``threshold`` (100, as the
-    guides suggest), when it spikes (more than ``spike_z``, 6, standard deviations above the mean of
-    the last ``window``, 128, norms AND more than ``spike_factor``, 10, x that mean, floored at
-    ``floor_fraction``, 0.1, of the first ``warmup``, 20, norms: see
-    :class:`~trackdiag.rules._spike.SpikeDetector`), or when a layer's norm exceeds
-    ``layer_threshold`` (100) at a logging step. ``step`` is the exact step; ``where`` names the
-    layer with the largest norm at the logging step."""
+    """A jump of the pre-clip global gradient norm (every step) against the run's own history: more
+    than ``spike_z`` (6) standard deviations above the mean of the last ``window`` (128) norms AND
+    more than ``spike_factor`` (10) x that mean (floored at ``floor_fraction``, 0.1, of the first
+    ``warmup``, 20, norms). Judged ``settle`` (5) steps later: ``persistent`` when at least 3 of them
+    stay above ``persist_factor`` (3) x the old level; ``loss`` when the loss rose or went non-finite
+    meanwhile (:func:`~trackdiag.rules._recent.reacted`); ``weights`` when an update-to-weight ratio
+    above 1 was measured. ``threshold`` / ``layer_threshold`` (default none): absolute lines of your
+    own, crossing them counts as ``corroborated``. ``step`` is the exact step; ``where`` names the
+    largest layer only when per-layer norms were measured at that step."""
 
     kind = "grad_explosion"
-    severity = "critical"
     hint = ("Clip gradients (torch.nn.utils.clip_grad_norm_(params, 1.0)), lower the learning rate or add "
-            "warm-up, check the initialisation, add normalisation layers (BatchNorm/LayerNorm).")
+            "warm-up, check the initialisation, add normalisation layers (BatchNorm/LayerNorm). A lone spike "
+            "the loss shrugged off is usually one unusual batch.")
 
-    def __init__(self, *, threshold: float = 100.0, layer_threshold: float = 100.0, spike_factor: float = 10.0,
+    def __init__(self, *, threshold: float | None = None, layer_threshold: float | None = None, spike_factor: float = 10.0,
                  spike_z: float = 6.0, window: int = 128, warmup: int = 20, floor_fraction: float = 0.1,
-                 **kw: Any) -> None:
+                 settle: int = 5, persist_factor: float = 3.0, **kw: Any) -> None:
         super().__init__(**kw)
         self.threshold, self.layer_threshold = threshold, layer_threshold
         self.spike = dict(z=spike_z, factor=spike_factor, window=window, warmup=warmup, floor_fraction=floor_fraction)
-        self.spike_factor = spike_factor
-        self._spikes: dict[str, SpikeDetector] = {}
+        self.settle, self.persist_factor = max(1, settle), persist_factor
+        self._c: dict[str, _Comp] = {}
+        self._keys: dict[tuple[int, str], str] = {}
+        self.follow_until = -1  # the session logs every step up to here: a pending spike is judged sooner
+
+    def incident_key(self, alert: Alert) -> str:
+        """Spikes of one component are one incident, whichever layer each names."""
+        return self._keys.get((alert.step, alert.where), alert.where)
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
-        out = []
+        return self._judge(record, history, components, final=False)
+
+    def at_close(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        return self._judge(record, history, components, final=True)
+
+    def _judge(self, record: Record, history: Sequence[Record], components: Sequence[Component], final: bool) -> list[Alert]:
+        out: list[Alert] = []
         for comp in components:
-            layers = layer_values(record, comp.key("grad/norm"))
-            worst, worst_v = max(layers.items(), key=lambda kv: kv[1] if math.isfinite(kv[1]) else -1.0, default=("", math.nan))
-            where = _qualified(comp, worst)
-            det = self._spikes.setdefault(comp.name, SpikeDetector(**self.spike))
-            fired = False
-
-            def largest(step: int) -> str:
-                """Where the per-layer norms (measured on logging steps only) put the largest gradient."""
-                if not worst or not math.isfinite(worst_v):
-                    return ""
-                return (f"; largest in {where} ({worst_v:.3g})" if step == record.step
-                        else f"; at step {record.step} the largest is in {where} ({worst_v:.3g})")
-
-            for step, gn in points_of(record, comp.key("grad/global_norm")):  # every step, pre-clip
-                spike, ref = det.feed(gn)
-                if fired or not math.isfinite(gn):
-                    continue
-                if gn > self.threshold:
-                    out.append(self.make(step, f"global gradient norm {gn:.3g} exceeds {self.threshold:g}{largest(step)}.", gn, self.threshold, where))
-                    fired = True
-                elif spike:
-                    out.append(self.make(step, f"global gradient norm {gn:.3g} jumped to {gn / ref:.1f}x its recent average {ref:.3g}{largest(step)}.", gn, self.spike_factor * ref, where))
-                    fired = True
-            if not fired and worst_v > self.layer_threshold:
-                out.append(self.make(record.step, f"gradient norm of {where} is {worst_v:.3g} (> {self.layer_threshold:g}).", worst_v, self.layer_threshold, where))
+            st = self._c.get(comp.name)
+            if st is None:
+                st = self._c[comp.name] = _Comp(SpikeDetector(**self.spike))
+            points = points_of(record, comp.key("grad/global_norm"))
+            st.grad.extend(points)
+            st.loss.extend(loss_points(record, comp))
+            for step, gn in points:
+                spike, ref = st.det.feed(gn)
+                user = self.threshold is not None and math.isfinite(gn) and gn > self.threshold
+                if (spike or user) and not (st.pending and step <= st.pending[-1][0] + self.settle):
+                    st.pending.append((step, gn, ref if math.isfinite(ref) else gn, ""))
+            while st.pending and (final or st.pending[0][0] + self.settle <= st.grad.last_step):
+                out.append(self._verdict(st, st.pending.pop(0), history, record, comp))
+            out += self._layers(record, comp)
+        self.follow_until = max((p[0] + self.settle for st in self._c.values() for p in st.pending), default=-1)
         return out
 
+    def _verdict(self, st: _Comp, spike: tuple[int, float, float, str], history: Sequence[Record], record: Record,
+                 comp: Component) -> Alert:
+        step, gn, ref, where = spike
+        after = st.grad.between(step + 1, step + self.settle)
+        high = sum(v >= self.persist_factor * ref or not math.isfinite(v) for v in after)
+        evidence = []
+        if high >= min(3, max(len(after), 1)) and after:
+            evidence.append("persistent")
+        if reacted(st.loss, step, self.settle):
+            evidence.append("loss")
+        if weights_moved([*history, record], comp, step, step + self.settle):
+            evidence.append("weights")
+        if self.threshold is not None and gn > self.threshold:
+            evidence.append("corroborated")
+        jump = f"{gn / ref:.1f}x its recent level {ref:.3g}" if ref > 0 else f"{gn:.3g}"
+        records = [*history, record]
+        # a lasting explosion is located at the first step its layers were measured; a lone spike only at its own step
+        where, at = largest_layer(records, comp, step, record.step if "persistent" in evidence else step)
+        if evidence:
+            what = ", ".join(w for w, e in (("it stayed high", "persistent"), ("the loss reacted", "loss"),
+                                           ("the weights moved more than their size", "weights"),
+                                           (f"above your threshold {self.threshold}", "corroborated")) if e in evidence)
+            msg = f"the pre-clip global gradient norm jumped to {gn:.3g} ({jump}); {what}."
+            if where and at != step:
+                msg += f" At step {at} the largest gradient is in {where}."
+        else:
+            msg = (f"a one-step spike of the pre-clip global gradient norm to {gn:.3g} ({jump}); the loss and the "
+                   f"next {self.settle} steps were unaffected.")
+        alert = self.make(step, msg, gn, self.spike["factor"] * ref, where or comp.name, evidence)
+        if len(self._keys) > 1024:
+            self._keys.clear()
+        self._keys[(alert.step, alert.where)] = f"component:{comp.name}"
+        return alert
+
+
+    def _layers(self, record: Record, comp: Component) -> list[Alert]:
+        if self.layer_threshold is None:
+            return []
+        layers = layer_values(record, comp.key("grad/norm"))
+        over = {k: v for k, v in layers.items() if math.isfinite(v) and v > self.layer_threshold}
+        if not over:
+            return []
+        worst = max(over, key=over.__getitem__)
+        where = layer_label(comp, worst)
+        return [self.make(record.step, f"gradient norm of {where} is {over[worst]:.3g} (> your limit {self.layer_threshold:g}).",
+                          over[worst], self.layer_threshold, where, ["corroborated"])]
+
     def state_dict(self) -> dict[str, Any]:
-        return {k: d.state_dict() for k, d in self._spikes.items()}
+        return {k: st.det.state_dict() for k, st in self._c.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, s in state.items():
             if isinstance(s, dict) and "recent" in s:
-                self._spikes.setdefault(k, SpikeDetector(**self.spike)).load_state_dict(s)
+                self._c.setdefault(k, _Comp(SpikeDetector(**self.spike))).det.load_state_dict(s)
 
 
 class GradVanishing(Rule):
-    """Fires when the global gradient norm stays in (0, ``threshold``) (1e-7), or a layer's norm stays
-    in (0, ``layer_threshold``) (1e-7), for ``patience`` consecutive logging steps (3). Layers whose
-    gradient is exactly zero are left to the ``stale_params`` detector."""
+    """Gradients that vanish, judged against the run itself:
+
+    - **collapse**: the pre-clip global norm's median over the last ``span`` (10) steps fell below
+      1/``factor`` (30) of its median over the ``span`` x 4 steps before those (a fall that fast is
+      not convergence), while the loss did not fall with it (its median stayed above
+      ``loss_kept``, 0.8, of what it was): the model is stuck, e.g. weights grown under a learning
+      rate far too high so that normalisation layers scale their gradients away. ``persistent``
+      (the window's median), ``loss`` (the loss stayed); ``weights`` when an update ratio above 1
+      was measured meanwhile.
+    - **per layer**: a layer's norm stays below ``layer_ratio`` (1e-6) x the largest layer's norm for
+      ``patience`` (3) logged steps (``persistent``): its gradient vanished on the way back.
+      Layers whose gradient is exactly zero are ``stale_params``' business.
+    ``threshold`` (default none): your own absolute floor for the global norm, ``patience`` logs.
+    """
 
     kind = "grad_vanishing"
-    severity = "warning"
     hint = ("Use ReLU-family activations instead of sigmoid/tanh, Kaiming/Xavier initialisation, residual "
-            "connections or normalisation layers; check for accidental detach(); consider a larger LR.")
+            "connections or normalisation layers; check for accidental detach(). A collapse right after a "
+            "learning-rate change means the weights grew: lower the learning rate, add weight decay.")
 
-    def __init__(self, *, threshold: float = 1e-7, layer_threshold: float = 1e-7, patience: int = 3, **kw: Any) -> None:
+    def __init__(self, *, threshold: float | None = None, layer_threshold: float | None = None, layer_ratio: float = 1e-6,
+                 patience: int = 3, factor: float = 30.0, span: int = 10, loss_kept: float = 0.8, **kw: Any) -> None:
         super().__init__(**kw)
-        self.threshold, self.layer_threshold, self.patience = threshold, layer_threshold, patience
-        self._streak: dict[str, int] = {}
-
-    def _bump(self, key: str, low: bool) -> bool:
-        self._streak[key] = self._streak.get(key, 0) + 1 if low else 0
-        return self._streak[key] == self.patience
+        self.threshold, self.layer_threshold, self.layer_ratio = threshold, layer_threshold, layer_ratio
+        self.patience, self.factor, self.span, self.loss_kept = patience, factor, max(3, span), loss_kept
+        self._streaks = Streaks(patience)
+        self._grad: dict[str, Recent] = {}
+        self._loss: dict[str, Recent] = {}
+        self._fired: dict[str, int] = {}
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for comp in components:
-            gn = latest(record, comp.key("grad/global_norm"))
-            if gn is None or not math.isfinite(gn):
-                continue
-            if self._bump(f"{comp.name}|", 0.0 < gn < self.threshold):  # exactly 0 (all frozen): stale_params
-                out.append(self.make(record.step, f"global gradient norm {gn:.3g} below {self.threshold:g} for {self.patience} logged steps.", gn, self.threshold, comp.name))
-            for layer, v in layer_values(record, comp.key("grad/norm")).items():
-                if self._bump(f"{comp.name}|{layer}", 0.0 < v < self.layer_threshold):
-                    where = _qualified(comp, layer)
-                    out.append(self.make(record.step, f"gradient norm of {where} is {v:.3g}, below {self.layer_threshold:g} for {self.patience} logged steps.", v, self.layer_threshold, where))
+            g = self._grad.setdefault(comp.name, Recent())
+            lo = self._loss.setdefault(comp.name, Recent())
+            g.extend(points_of(record, comp.key("grad/global_norm")))
+            lo.extend(loss_points(record, comp))
+            out += self._collapse(comp, g, lo, history, record)
+            gn = points_of(record, comp.key("grad/global_norm"))
+            if self.threshold is not None and gn and self._streaks.bump(f"{comp.name}|", 0.0 < gn[-1][1] < self.threshold, record.step):
+                out.append(self.make(record.step, f"global gradient norm {gn[-1][1]:.3g} below your floor {self.threshold:g} for "
+                                                  f"{self.patience} logged steps.", gn[-1][1], self.threshold, comp.name,
+                                     ["persistent", "corroborated"]))
+            out += self._layers(record, comp)
+        return out
+
+    def _collapse(self, comp: Component, g: Recent, lo: Recent, history: Sequence[Record], record: Record) -> list[Alert]:
+        now = g.last_step
+        if now < 0 or now - self._fired.get(comp.name, -10**9) < 4 * self.span:
+            return []
+        post = [v for v in g.between(now - self.span + 1, now) if math.isfinite(v)]
+        pre = [v for v in g.between(now - 5 * self.span + 1, now - self.span) if math.isfinite(v)]
+        if len(post) < self.span or len(pre) < 2 * self.span:
+            return []
+        p_now, p_before = statistics.median(post), statistics.median(pre)
+        if not (p_before > 0 and p_now < p_before / self.factor):
+            return []
+        l_post = [v for v in lo.between(now - self.span + 1, now) if math.isfinite(v)]
+        l_pre = [v for v in lo.between(now - 5 * self.span + 1, now - self.span) if math.isfinite(v)]
+        if l_post and l_pre:
+            a, b = statistics.median(l_post), statistics.median(l_pre)
+            if b > 0 and a < self.loss_kept * b:  # the loss fell with it: converging, not stuck
+                return []
+        evidence = ["persistent", "loss"] if l_post and l_pre else ["persistent"]
+        start = next((s for s, v in g.points if s > now - self.span - 1 and v < p_before / self.factor), now - self.span + 1)
+        if weights_moved([*history, record], comp, start - self.span, now):
+            evidence.append("weights")
+        self._fired[comp.name] = now
+        msg = (f"the pre-clip global gradient norm collapsed {p_before / max(p_now, 1e-30):.0f}-fold in a few steps "
+               f"(median {p_before:.3g} -> {p_now:.3g}) while the loss did not fall with it.")
+        return [self.make(start, msg, p_now, p_before / self.factor, comp.name, evidence)]
+
+    def _layers(self, record: Record, comp: Component) -> list[Alert]:
+        layers = {k: v for k, v in layer_values(record, comp.key("grad/norm")).items() if math.isfinite(v)}
+        top = max(layers.values(), default=0.0)
+        out = []
+        for layer, v in layers.items():
+            low = 0.0 < v < self.layer_ratio * top or (self.layer_threshold is not None and 0.0 < v < self.layer_threshold)
+            if self._streaks.bump(f"{comp.name}|{layer}", low, record.step):
+                where = layer_label(comp, layer)
+                out.append(self.make(self._streaks.start(f"{comp.name}|{layer}"),
+                                     f"gradient norm of {where} is {v:.3g}, {v / top:.1e} of the largest layer's, for "
+                                     f"{self.patience} logged steps.", v, self.layer_ratio * top, where, ["persistent"]))
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self._streak)
+        return self._streaks.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._streak = dict(state)
+        self._streaks.load_state_dict(state)

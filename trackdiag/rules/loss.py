@@ -1,4 +1,11 @@
-"""Loss behaviour rules: ``loss_spike`` and ``loss_divergence``, judged on every step's loss."""
+"""Loss behaviour rules: ``loss_spike``, ``loss_divergence`` and ``initial_loss``.
+
+The loss going up is only half a story: a GAN generator's loss rises by design, an actor-critic's
+summed loss grows as the agent gets better, a VAE's loss rises while its KL weight anneals. So a
+rise is a finding; warning and critical need more (:mod:`trackdiag.policy`): the rise persists
+and the gradients or the weights went unstable with it. Losses whose objective is not minimised
+(:mod:`trackdiag.objectives`) are not judged here at all.
+"""
 from __future__ import annotations
 
 import math
@@ -8,47 +15,91 @@ from typing import Any, Sequence
 from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
-from trackdiag.rules.base import Rule, loss_series, loss_where
+from trackdiag.rules._recent import Recent
 from trackdiag.rules._spike import SpikeDetector
+from trackdiag.rules.base import Rule, layer_values, loss_series, loss_where, where_of
+
+
+def grad_key(loss_key: str) -> str:
+    """The gradient-norm series beside a loss series: ``diag/G/loss`` -> ``diag/G/grad/global_norm``."""
+    return loss_key[: -len("loss")] + "grad/global_norm"
+
+
+def ratio_above(history: Sequence[Record], comp: str, lo: int, hi: int, limit: float = 1.0) -> bool:
+    """An update-to-weight ratio above ``limit`` measured in component ``comp`` between ``lo`` and ``hi``."""
+    key = f"diag/{comp}/update/ratio" if comp else "diag/update/ratio"
+    return any(lo <= r.step <= hi and any(v > limit for v in layer_values(r, key).values()) for r in history)
+
+
+class _Series:
+    """One loss series' recent values and those of its gradient norm."""
+
+    def __init__(self) -> None:
+        self.loss, self.grad = Recent(), Recent()
 
 
 class LossSpike(Rule):
-    """Fires at the step whose loss is a spike of the every-step loss series (see
-    :class:`~trackdiag.rules._spike.SpikeDetector`): more than ``z`` (6) standard deviations above
-    the mean of the last ``window`` (128) losses AND more than ``factor`` (10) x that mean (never less
-    than ``floor_fraction``, 0.1, of the loss level of the first ``warmup``, 20, steps). Judged at
-    every step of the series, at the logging step; one alert per window."""
+    """A step whose loss is a spike of the every-step loss series (see
+    :class:`~trackdiag.rules._spike.SpikeDetector`: more than ``z``, 6, standard deviations above the
+    mean of the last ``window``, 128, losses AND more than ``factor``, 10, x that mean, floored at
+    ``floor_fraction``, 0.1, of the first ``warmup``, 20, losses). Judged ``settle`` (5) steps later:
+    ``persistent`` when at least 3 of them stay above 3x the old level; ``corroborated`` when the
+    gradient norm jumped at the same step (5x its level). A lone spike the run shrugged off is an
+    ``info`` finding (one odd batch)."""
 
     kind = "loss_spike"
-    severity = "warning"
     hint = ("Lower the learning rate or add warm-up, clip gradients, inspect the samples of this step's "
             "batch (outliers, bad labels), rebalance multi-task losses.")
 
     def __init__(self, *, factor: float = 10.0, z: float = 6.0, window: int = 128, warmup: int = 20,
-                 floor_fraction: float = 0.1, **kw: Any) -> None:
+                 floor_fraction: float = 0.1, settle: int = 5, **kw: Any) -> None:
         super().__init__(**kw)
-        self.factor, self.z, self.window, self.warmup, self.floor_fraction = factor, z, window, warmup, floor_fraction
+        self.spike = dict(z=z, factor=factor, window=window, warmup=warmup, floor_fraction=floor_fraction)
+        self.factor, self.settle = factor, max(1, settle)
         self._spikes: dict[str, SpikeDetector] = {}
-
-    def _detector(self, key: str) -> SpikeDetector:
-        det = self._spikes.get(key)
-        if det is None:
-            det = self._spikes[key] = SpikeDetector(z=self.z, factor=self.factor, window=self.window,
-                                                    warmup=self.warmup, floor_fraction=self.floor_fraction)
-        return det
+        self._series: dict[str, _Series] = {}
+        self._pending: dict[str, list[tuple[int, float, float]]] = {}
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        return self._judge(record, final=False)
+
+    def at_close(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        return self._judge(record, final=True)
+
+    def _judge(self, record: Record, final: bool) -> list[Alert]:
         out = []
         for key, points in loss_series(record).items():
-            det = self._detector(key)
-            fired = False
+            if not self.minimised(where_of(key)):
+                continue
+            det = self._spikes.setdefault(key, SpikeDetector(**self.spike))
+            ser = self._series.setdefault(key, _Series())
+            ser.loss.extend(points)
+            ser.grad.extend(record.series.get(grad_key(key), []))
+            pend = self._pending.setdefault(key, [])
             for step, v in points:
                 spike, ref = det.feed(v)
-                if spike and not fired:
-                    out.append(self.make(step, f"loss {v:.4g} is {v / ref:.1f}x its recent average {ref:.4g} and far "
-                                               f"outside its recent spread.", v, self.factor * ref, loss_where(key)))
-                    fired = True
+                if spike and not (pend and step <= pend[-1][0] + self.settle):
+                    pend.append((step, v, ref))
+            while pend and (final or pend[0][0] + self.settle <= ser.loss.last_step):
+                out.append(self._verdict(key, ser, *pend.pop(0)))
+        self.follow_until = max((p[0] + self.settle for pend in self._pending.values() for p in pend), default=-1)
         return out
+
+    def _verdict(self, key: str, ser: _Series, step: int, v: float, ref: float) -> Alert:
+        after = ser.loss.between(step + 1, step + self.settle)
+        evidence = []
+        if after and sum(x >= 3 * ref or not math.isfinite(x) for x in after) >= min(3, len(after)):
+            evidence.append("persistent")
+        g_at, g_level = ser.grad.between(step, step), ser.grad.level(step)
+        if g_at and math.isfinite(g_level) and g_level > 0 and (g_at[0] >= 5 * g_level or not math.isfinite(g_at[0])):
+            evidence.append("corroborated")
+        tail = {"persistent": "it stayed high", "corroborated": "the gradient norm jumped with it"}
+        how = ("; " + ", ".join(tail[e] for e in evidence)) if evidence else f"; the next {self.settle} steps were back to normal"
+        msg = f"loss {v:.4g} is {v / ref:.1f}x its recent average {ref:.4g}{how}."
+        return self.make(step, msg, v, self.factor * ref, loss_where(key), evidence)
+
+    def incident_key(self, alert: Alert) -> str:
+        return alert.where
 
     def state_dict(self) -> dict[str, Any]:
         return {k: d.state_dict() for k, d in self._spikes.items()}
@@ -56,65 +107,108 @@ class LossSpike(Rule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, s in state.items():
             if isinstance(s, dict) and "recent" in s:
-                self._detector(k).load_state_dict(s)
+                self._spikes.setdefault(k, SpikeDetector(**self.spike)).load_state_dict(s)
 
 
 class LossDivergence(Rule):
-    """Fires when the rolling median of the loss (last ``window`` steps, 20) climbs above ``factor``
-    (2) x its best value AND has given back more than ``giveback`` (0.5) of the progress made since
-    the first full window: the run is going backwards, not just noisy. The median makes single
-    spikes (``loss_spike``'s business) invisible here. In the first ``early_steps`` (50) it also
-    fires when the median of the last 5 losses exceeds ``early_factor`` (3) x the lowest of the first
-    three: a loss that rises from the very start (a learning rate far too high from step 0) has no
-    progress to give back."""
+    """The run going backwards: the rolling median of the loss (last ``window`` steps, 20) climbs above
+    ``factor`` (2) x its best value AND has given back more than ``giveback`` (0.5) of the progress
+    made since the first full window; or, in the first ``early_steps`` (50), the median of the last 5
+    losses exceeds ``early_factor`` (3) x the lowest of the first three (a loss rising from the very
+    start has no progress to give back). The rise alone is an ``info`` finding (curricula, annealed
+    loss weights and growing episodes raise a loss too); it is ``corroborated`` when the gradient norm
+    grew out of proportion with it (its median ``grad_factor``, 5, x what it was at the best loss, and
+    3x more than the loss grew), ``weights`` when an update-to-weight ratio above 1 was measured, and
+    then ``persistent`` when it held ``window`` more steps."""
 
     kind = "loss_divergence"
-    severity = "critical"
     hint = ("The learning rate is probably too high: lower it (e.g. 10x), add warm-up or LR decay, clip "
             "gradients; check that the data or loss weighting did not change mid-run.")
 
     def __init__(self, *, factor: float = 2.0, giveback: float = 0.5, window: int = 20, early_steps: int = 50,
-                 early_factor: float = 3.0, **kw: Any) -> None:
+                 early_factor: float = 3.0, grad_factor: float = 5.0, **kw: Any) -> None:
         super().__init__(**kw)
         self.factor, self.giveback, self.window = factor, giveback, window
-        self.early_steps, self.early_factor = early_steps, early_factor
+        self.early_steps, self.early_factor, self.grad_factor = early_steps, early_factor, grad_factor
         self._state: dict[str, dict[str, Any]] = {}
+        self._grad: dict[str, Recent] = {}
+        self._loss: dict[str, Recent] = {}
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for key, points in loss_series(record).items():
-            st = self._state.setdefault(key, {"recent": [], "start": math.nan, "best": math.inf, "first": []})
-            recent: list[float] = st["recent"]
-            fired = False
-            for step, v in points:
-                if not math.isfinite(v):
-                    continue
-                recent.append(v)
-                if len(recent) > self.window:
-                    recent.pop(0)
-                first: list[float] = st.setdefault("first", [])
-                if len(first) < 3:
-                    first.append(v)
-                elif not fired and step < self.early_steps and not st.get("early_fired"):
-                    now = statistics.median(recent[-5:])
-                    base = min(first)
-                    if now > self.early_factor * abs(base) and now - base > 1e-6:
-                        out.append(self.make(step, f"the loss rises from the very start: the median of the last 5 steps is "
-                                                   f"{now:.4g}, {now / base:.1f}x the first losses ({base:.4g}).",
-                                             now, self.early_factor * base, loss_where(key)))
-                        fired = st["early_fired"] = True
-                if len(recent) < self.window:
-                    continue
-                cur = statistics.median(recent)
-                if math.isnan(st["start"]):
-                    st["start"] = cur
-                st["best"] = min(st["best"], cur)
-                best, start = st["best"], st["start"]
-                progress = max(start - best, abs(best) * 1e-3, 1e-12)
-                if not fired and cur - best > (self.factor - 1.0) * abs(best) and (cur - best) > self.giveback * progress:
-                    out.append(self.make(step, f"the median loss of the last {self.window} steps rose to {cur:.4g} from a best of {best:.4g}.", cur, self.factor * best, loss_where(key)))
-                    fired = True
+            comp = where_of(key)
+            if not self.minimised(comp):
+                continue
+            grad, loss = self._grad.setdefault(key, Recent(1024)), self._loss.setdefault(key, Recent(1024))
+            grad.extend(record.series.get(grad_key(key), []))
+            loss.extend(points)
+            st = self._state.setdefault(key, {"recent": [], "start": math.nan, "best": math.inf, "best_step": -1,
+                                              "first": [], "since": -1})
+            found = self._scan(st, points)
+            if found is not None:
+                out.append(self._verdict(key, comp, st, found, grad, [*history, record]))
         return out
+
+    def _scan(self, st: dict[str, Any], points: list[tuple[int, float]]) -> tuple[str, int, float, float] | None:
+        """Feed the new losses; the first divergence they show, as (why, step, now, base)."""
+        found = None
+        recent: list[float] = st["recent"]
+        for step, v in points:
+            if not math.isfinite(v):
+                continue
+            recent.append(v)
+            del recent[:-self.window]
+            first: list[float] = st["first"]
+            if len(first) < 3:
+                first.append(v)
+            elif found is None and step < self.early_steps and not st.get("early_fired"):
+                now, base = statistics.median(recent[-5:]), min(first)
+                if now > self.early_factor * abs(base) and now - base > 1e-6:
+                    found, st["early_fired"] = ("early", step, now, base), True
+            if len(recent) < self.window:
+                continue
+            cur = statistics.median(recent)
+            if math.isnan(st["start"]):
+                st["start"] = cur
+            if cur < st["best"]:
+                st["best"], st["best_step"] = cur, step
+            best, start = st["best"], st["start"]
+            progress = max(start - best, abs(best) * 1e-3, 1e-12)
+            diverged = cur - best > (self.factor - 1.0) * abs(best) and (cur - best) > self.giveback * progress
+            if not diverged:
+                st["since"] = -1
+                st["fired"] = False
+            elif st["since"] < 0:
+                st["since"] = step
+            if diverged and found is None and not st.get("fired"):
+                found, st["fired"] = ("late", step, cur, best), True
+        return found
+
+    def _verdict(self, key: str, comp: str, st: dict[str, Any], found: tuple[str, int, float, float], grad: Recent,
+                 records: Sequence[Record]) -> Alert:
+        why, step, now, base = found
+        ref_step = st["best_step"] if why == "late" and st["best_step"] >= 0 else 3
+        g_then = statistics.median(grad.between(max(0, ref_step - self.window), ref_step) or [math.nan])
+        g_now = statistics.median(grad.between(step - self.window + 1, step) or [math.nan])
+        loss_growth = now / base if base > 0 else math.inf
+        evidence = []
+        if g_then > 0 and g_now >= self.grad_factor * g_then and g_now / g_then >= 3 * loss_growth:
+            evidence.append("corroborated")
+        if ratio_above(records, comp, ref_step, step):
+            evidence.append("weights")
+        if evidence and st["since"] >= 0 and step - st["since"] >= self.window:
+            evidence.append("persistent")
+        if why == "early":
+            msg = f"the loss rises from the very start: the median of the last 5 steps is {now:.4g}, {now / base:.1f}x the first losses ({base:.4g})"
+        else:
+            msg = f"the median loss of the last {self.window} steps rose to {now:.4g} from a best of {base:.4g}"
+        if "corroborated" in evidence:
+            msg += f"; the gradient norm grew {g_now / g_then:.0f}x meanwhile"
+        elif not evidence:
+            msg += "; the gradients and the weights stayed stable (a changing objective, or a rise to watch)"
+        return self.make(step, msg + ".", now, (self.early_factor if why == "early" else self.factor) * base,
+                         loss_where(key), evidence)
 
     def state_dict(self) -> dict[str, Any]:
         return {k: dict(s, recent=list(s["recent"])) for k, s in self._state.items()}
@@ -124,43 +218,50 @@ class LossDivergence(Rule):
 
 
 class InitialLoss(Rule):
-    """Fires at the first logging step when the loss of the first steps is far above chance level:
-    for classification-shaped outputs with ``C`` classes (``diag/data/num_classes``, from the output
-    and the class targets), a well-initialised model starts near ln(C) (uniform predictions). The
-    median of the first ``steps`` (3) losses above ``factor`` (3) x ln(C) means the logits start
-    huge: weights initialised far too large (x100 init), a missing normalisation or scale, or a loss
-    summed instead of averaged. ``where`` is the loss."""
+    """The first losses far above chance level, once the task is shown to be a classification of
+    that loss (``diag/task/kind`` = 1: the loss equals the outputs' cross-entropy against the targets,
+    see :mod:`trackdiag.task`): a well-initialised classifier starts near ln(C) (``diag/task/chance_loss``,
+    scaled for a summed loss). The first loss above ``unambiguous`` (10) x chance is ``unambiguous``
+    (logits that large at step 0 are a broken init or a missing scale); the median of the first
+    ``steps`` (3) above ``factor`` (3) x chance is a ``loss`` finding. ``where`` is the loss."""
 
     kind = "initial_loss"
-    severity = "warning"
     hint = ("Check the initialisation (default PyTorch inits or std ~ 1/sqrt(fan_in); a final layer initialised "
             "near zero starts at ln(C)), input normalisation, and that the loss averages (reduction='mean').")
 
-    def __init__(self, *, factor: float = 3.0, steps: int = 3, **kw: Any) -> None:
+    def __init__(self, *, factor: float = 3.0, unambiguous: float = 10.0, steps: int = 3, **kw: Any) -> None:
         super().__init__(**kw)
-        self.factor, self.steps = factor, max(1, steps)
+        self.factor, self.unambiguous, self.steps = factor, unambiguous, max(1, steps)
         self._first: dict[str, list[tuple[int, float]]] = {}
         self._done: set[str] = set()
+        self._chance = math.nan
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
-        classes = record.scalars.get("diag/data/num_classes", -1.0)
+        if record.scalars.get("diag/task/kind") == 1.0:
+            self._chance = record.scalars.get("diag/task/chance_loss", math.nan)
         out: list[Alert] = []
         for key, points in loss_series(record).items():
-            if key in self._done:
+            if key in self._done or not self.minimised(where_of(key)):
                 continue
             first = self._first.setdefault(key, [])
-            for s, v in points:
-                if len(first) < self.steps and math.isfinite(v):
-                    first.append((s, v))
-            if len(first) < self.steps:
+            first += [(s, v) for s, v in points if math.isfinite(v)][: self.steps - len(first)]
+            chance = self._chance
+            if not first or not (chance > 0):
+                if len(first) >= self.steps and record.step >= 20:
+                    self._done.add(key)  # the task was never shown: nothing to compare with
+                continue
+            start = statistics.median(v for _, v in first)
+            if first[0][1] > self.unambiguous * chance:
+                evidence, start = ["unambiguous"], first[0][1]
+            elif len(first) >= self.steps and start > self.factor * chance:
+                evidence = ["loss"]
+            elif len(first) >= self.steps:
+                self._done.add(key)
+                continue
+            else:
                 continue
             self._done.add(key)
-            if classes < 2:
-                continue
-            chance = math.log(classes)
-            start = statistics.median(v for _, v in first)
-            if start > self.factor * chance:
-                msg = (f"the first losses (median {start:.4g}) are {start / chance:.1f}x the chance level ln({int(classes)}) "
-                       f"= {chance:.3g} of a {int(classes)}-class output: the model starts far from uniform predictions.")
-                out.append(self.make(first[0][0], msg, start, self.factor * chance, loss_where(key)))
+            msg = (f"the first losses ({start:.4g}) are {start / chance:.1f}x the chance level {chance:.3g} of this "
+                   f"classification (ln C): the model starts far from uniform predictions.")
+            out.append(self.make(first[0][0], msg, start, self.factor * chance, loss_where(key), evidence))
         return out

@@ -43,7 +43,6 @@ class MemoryLeak(Rule):
     (anomaly windows read every step); a leak is a ramp."""
 
     kind = "memory_leak"
-    severity = "warning"
     hint = ("Something keeps tensors alive across steps. The classic: storing the loss with its graph "
             "(losses.append(loss)) — store loss.item() or loss.detach(); also metrics lists of outputs, caches "
             "keyed by step, hooks that save activations, retain_graph=True.")
@@ -70,7 +69,7 @@ class MemoryLeak(Rule):
             what = "CUDA allocated memory" if "cuda" in key else "process RSS"
             msg = (f"{what} grew {growth:.0f} MB over the last {int(xs[-1] - xs[0])} steps ({slope:.2f} MB/step, "
                    f"R²={r2:.2f}, {100 * rising:.0f}% of readings rising).{self._eta(record, key, slope)}")
-            out.append(self.make(record.step, msg, growth, self.min_growth_mb, self._where(key)))
+            out.append(self.make(record.step, msg, growth, self.min_growth_mb, self._where(key), ["persistent"]))
         return out
 
     @staticmethod
@@ -93,7 +92,6 @@ class MemoryPressure(Rule):
     ``threshold`` of the memory it may use (cgroup limit or RAM)."""
 
     kind = "memory_pressure"
-    severity = "warning"
     hint = ("Close to out-of-memory: lower the batch size and use gradient accumulation, enable mixed "
             "precision (bf16), activation checkpointing, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
             "against fragmentation; on the host, fewer/lighter DataLoader workers.")
@@ -112,7 +110,7 @@ class MemoryPressure(Rule):
             what = {"cuda_peak_frac": "peak reserved CUDA memory", "cuda_device_used_frac": "memory in use on the CUDA device",
                     "rss_frac": "process RSS"}[key.split("/")[2]]
             where = "host" if key == "diag/mem/rss_frac" else "cuda" + ("" if key.count("/") == 2 else ":" + key.rsplit("/", 1)[1])
-            out.append(self.make(record.step, f"{what} is {100 * v:.1f}% of capacity.", v, self.threshold, where))
+            out.append(self.make(record.step, f"{what} is {100 * v:.1f}% of capacity.", v, self.threshold, where, ["persistent"]))
         return out
 
 

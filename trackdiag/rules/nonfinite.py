@@ -15,7 +15,6 @@ class NonfiniteLoss(Rule):
     """Fires at the first step whose loss is NaN or Inf (exact step: the loss is kept every step)."""
 
     kind = "nonfinite_loss"
-    severity = "critical"
     hint = ("Find where it starts (the NaN replay names the module when diag.probes.nan_replay is on). Usual causes: "
             "NaN/Inf in the batch (fix the data); log/div/sqrt without an eps (log(x + 1e-8)); weights blown up by a "
             "learning rate too high (lower it, clip gradients with clip_grad_norm_); fp16 overflow (GradScaler or bf16).")
@@ -31,7 +30,7 @@ class NonfiniteLoss(Rule):
                         rank = f"rank {int(ranks[key])}"
                         comp = where_of(key)
                         where, msg = f"{comp}, {rank}" if comp else rank, f"the loss is {v} at step {step} (first on {rank})."
-                    out.append(self.make(step, msg, v, math.nan, where))
+                    out.append(self.make(step, msg, v, math.nan, where, ["unambiguous"]))
                     break
         return out
 
@@ -48,7 +47,7 @@ class _NonfiniteTensors(Rule):
                 first = next(iter(layers), "")
                 where = layer_label(comp, first) if first else comp.name
                 what = "gradient" if self.family == "grad" else "parameter"
-                out.append(self.make(record.step, f"{int(n)} {what} tensor(s) hold NaN/Inf; first in {where or 'the model'}.", n, 0, where))
+                out.append(self.make(record.step, f"{int(n)} {what} tensor(s) hold NaN/Inf; first in {where or 'the model'}.", n, 0, where, ["unambiguous"]))
         return out
 
 
@@ -56,7 +55,6 @@ class NonfiniteGrad(_NonfiniteTensors):
     """Fires when any gradient tensor holds NaN/Inf at the optimizer step; ``where`` is the first layer."""
 
     kind = "nonfinite_grad"
-    severity = "critical"
     family = "grad"
     hint = ("Find the op that produces it (trackdiag's NaN replay or torch.autograd.set_detect_anomaly), guard "
             "log/sqrt/div with an eps, clip gradients, lower the learning rate.")
@@ -66,7 +64,6 @@ class NonfiniteParam(_NonfiniteTensors):
     """Fires when any parameter holds NaN/Inf after the optimizer step; ``where`` is the first layer."""
 
     kind = "nonfinite_param"
-    severity = "critical"
     family = "param"
     hint = ("The optimizer wrote NaN/Inf into the weights: restore the last good checkpoint, lower the "
             "learning rate, clip gradients, check the optimizer's eps.")

@@ -16,7 +16,6 @@ class Preflight(Rule):
     (callable or dotted path, ``fn(outputs, batch) -> loss``) for the automatic run."""
 
     kind = "preflight"
-    severity = "warning"
     hint = ("Fix the set-up before training: model.train(), one device for model and data, pass every "
             "trainable parameter to the optimizer, remove .detach()/.data/no_grad from the loss path, check labels and loss.")
 

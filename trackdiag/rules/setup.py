@@ -11,13 +11,12 @@ from trackdiag.rules.base import Rule
 
 
 class ParamNotOptimized(Rule):
-    """Fires once per component when the model has parameters that require a gradient but are in
-    none of its optimizers (the ``setup`` probe's table ``setup/unoptimized``): they get gradients
-    and never learn. ``where`` names the layers (the largest first); a layer frozen on purpose
-    (``requires_grad=False``) is not reported."""
+    """Once per component when the model has parameters that require a gradient and receive one but
+    are in none of its optimizers (the ``setup`` probe's table ``setup/unoptimized``): they never
+    learn (``unambiguous``). ``where`` names the layers (the largest first); a layer frozen on purpose
+    (``requires_grad=False``) or one that gets no gradient (a later phase) is not reported."""
 
     kind = "param_not_optimized"
-    severity = "critical"
     hint = ("Build the optimizer after the final model (after replacing a head or adding layers), pass "
             "model.parameters() (or every param group you meant), or call optimizer.add_param_group({...}) for "
             "the new layers. If they should not train, set requires_grad_(False) on them.")
@@ -31,5 +30,5 @@ class ParamNotOptimized(Rule):
             where, total = layers_named(comp, table), sum(table.values())
             msg = (f"{len(table)} layer(s) with {total:.0f} trainable values are in no optimizer: {where}. They receive "
                    f"gradients but are never updated.")
-            out.append(self.make(record.step, msg, total, 0.0, where))
+            out.append(self.make(record.step, msg, total, 0.0, where, ["unambiguous"]))
         return out

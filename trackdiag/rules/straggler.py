@@ -26,7 +26,6 @@ class Straggler(Rule):
     """
 
     kind = "straggler"
-    severity = "warning"
     hint = ("One rank is slower than the rest, and every rank waits for it at each collective: look for a "
             "slower device or host (thermal throttling, another job), an unbalanced data shard or longer "
             "sequences on that rank, or data loading on that rank (diag/dist/per_rank/*).")
@@ -53,7 +52,7 @@ class Straggler(Rule):
         self._slow = (slow, self._slow[1] + 1 if self._slow[0] == slow else 1)
         if self._slow[1] >= self.patience:
             msg = f"rank {slow} takes {value:.1f} ms per step, {value / max(others, 1e-9):.1f}x the other ranks' median ({others:.1f} ms)."
-            return [self.make(record.step, msg, value, self.factor * others, f"rank {slow}")]
+            return [self.make(record.step, msg, value, self.factor * others, f"rank {slow}", ["persistent"])]
         return []
 
     def state_dict(self) -> dict[str, Any]:

@@ -26,7 +26,6 @@ class GradsNotZeroed(Rule):
     accumulated gradients; ``where`` the component (``""`` for one model)."""
 
     kind = "grads_not_zeroed"
-    severity = "critical"
     hint = ("Call optimizer.zero_grad(set_to_none=True) once per optimizer step (after optimizer.step(), or before "
             "the next backward). To accumulate over micro-batches, zero only after each optimizer step; if you "
             "deliberately carry gradients across k optimizer steps, set diag.probes.zerograd.accumulation_steps=k (Python: probes={'zerograd': {'accumulation_steps': k}}).")
@@ -39,7 +38,7 @@ class GradsNotZeroed(Rule):
         for comp, step, n in flagged(record, components, "grad/not_zeroed", "grad/zero_check"):
             msg = (f"gradients were not zeroed before optimizer step {step}: after {n} backward pass(es) they still "
                    f"held the previous step's gradients, so the step used their sum.")
-            out.append(self.make(step, msg, 1.0, 0.0, comp.name or "optimizer"))
+            out.append(self.make(step, msg, 1.0, 0.0, comp.name or "optimizer", ["unambiguous"]))
         return out
 
 
@@ -50,7 +49,6 @@ class AccumulationReset(Rule):
     whose window lost gradients; ``where`` the component."""
 
     kind = "accumulation_reset"
-    severity = "critical"
     hint = ("Gradients were zeroed inside the accumulation window. Zero them only after the optimizer step: with "
             "accelerate, call the prepared optimizer's optimizer.zero_grad() (it waits for the sync step) instead of "
             "model.zero_grad(); in a hand-written loop, move zero_grad() under the `if (i + 1) % accum == 0` branch.")
@@ -60,5 +58,5 @@ class AccumulationReset(Rule):
         for comp, step, n in flagged(record, components, "grad/accum_reset", "grad/accum_check"):
             msg = (f"gradients were reset between the {n} backward passes of optimizer step {step}: only the last "
                    f"pass's gradients reached the update.")
-            out.append(self.make(step, msg, 1.0, 0.0, comp.name or "optimizer"))
+            out.append(self.make(step, msg, 1.0, 0.0, comp.name or "optimizer", ["unambiguous"]))
         return out

@@ -1,0 +1,104 @@
+"""Which task the loss measures, shown rather than guessed from the batch's shapes.
+
+A batch ``(x, y)`` with integer ``y`` and an output whose shape pairs with it looks like a
+classification, but a VAE's 784-wide reconstruction next to unused digit labels looks the same, and
+a language model shifts its labels inside ``forward``. So task-specific rules (chance level,
+single-class collapse, label leak, pre-flight fitting) run only once the task is *shown*: at one of
+the first steps, the loss the user passed equals the cross-entropy of the outputs against the
+targets (mean or summed over the targets, padding ignored; the targets shifted by one position as
+a language model does, or not), or the mean squared error against float targets of the output's
+shape (a regression, whose chance level is the targets' variance).
+
+Cost: on the first ``STEPS`` steps only, one cross-entropy (or MSE) of the step's outputs, on the
+device, kept by reference and read with the logging step's one host copy; nothing afterwards.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trackdiag.tensors import TARGET_KEYS, class_dim, logits_of, pick, targets_of
+
+STEPS = 3  # the first steps whose loss is compared with the outputs' cross-entropy / MSE
+TOL = 0.02  # relative: an autocast loss and our fp32 recomputation agree to ~1e-3
+TOL_ACCUM = 0.35  # several backward passes in the step: the loss is over micro-batches, the outputs the last one's
+
+
+@dataclass
+class Task:
+    """``kind``: ``classification`` | ``regression`` | ``unknown``; ``chance``: the loss a model
+    that ignores its input gets (ln C for C classes, the targets' variance for MSE; times the number
+    of targets for a summed loss); ``classes``; ``reduction`` (``mean`` | ``sum``); ``shift``: the
+    loss compares position t with target t+1 (a causal language model shifting its labels)."""
+
+    kind: str = "unknown"
+    chance: float = math.nan
+    classes: int = -1
+    reduction: str = "mean"
+    shift: bool = False
+
+
+def masked_ce(scores: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy of ``scores`` (``(..., C)``) against class targets ``t`` (``(...)``) over the
+    targets inside ``[0, C)`` (padding values such as -100 or -1 are left out, as ``ignore_index``
+    does), and their count. No host read and no out-of-range index (a device assert on CUDA)."""
+    c = scores.shape[-1]
+    valid = (t >= 0) & (t < c)
+    lse = torch.logsumexp(scores, dim=-1)
+    picked = scores.gather(-1, t.clamp(0, c - 1).unsqueeze(-1)).squeeze(-1)
+    n = valid.sum()
+    return torch.where(valid, lse - picked, 0.0).sum() / n.clamp_min(1), n.float()
+
+
+@torch.no_grad()
+def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
+    """Device scalars that tell the task of one step: ``ce`` / ``ce_shift`` (class targets, mean over
+    the non-padding targets) with ``n`` (their count); or ``mse`` and ``var`` (float
+    targets of the output's shape) with ``n``. None when the batch and outputs pair up as neither.
+    Shapes are read on the host; no value is."""
+    logits = logits_of(outputs)
+    if logits is None or logits.dim() < 2:
+        return None
+    t = targets_of(batch)
+    if t is not None:
+        dim = class_dim(logits, t)
+        if dim is None or t.numel() == 0:
+            return None
+        scores = logits.detach().float() if dim == -1 else logits.detach().float().movedim(1, -1)
+        ce, n = masked_ce(scores, t)
+        out = {"ce": ce, "n": n}
+        if scores.dim() == 3 and scores.shape[1] > 1:  # (B, T, C): the target of position t is token t+1
+            out["ce_shift"] = masked_ce(scores[:, :-1], t[:, 1:])[0]
+        return out
+    y = pick(batch, None, TARGET_KEYS, 1)
+    if isinstance(y, torch.Tensor) and y.is_floating_point() and y.shape == logits.shape and y.numel() > 1:
+        yf, out_f = y.detach().float(), logits.detach().float()
+        return {"mse": F.mse_loss(out_f, yf), "var": yf.var(unbiased=False), "n": (yf == yf).sum().float()}
+    return None
+
+
+def _close(a: float, b: float, tol: float) -> bool:
+    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= tol * max(abs(a), abs(b), 1e-12)
+
+
+def decide(loss: float, got: dict[str, float], classes: int, accumulated: bool = False) -> Task:
+    """The task one step shows: its ``loss`` against the host values of :func:`terms` (``classes``:
+    the output's class count, from its shape)."""
+    tol = TOL_ACCUM if accumulated else TOL
+    n = got.get("n", 1.0)
+    if "ce" in got:
+        c = classes
+        for shift, ce in ((False, got["ce"]), (True, got.get("ce_shift", math.nan))):
+            for red, scale in (("mean", 1.0), ("sum", n)):
+                if _close(loss, ce * scale, tol):
+                    return Task("classification", math.log(c) * scale, c, red, shift)
+        return Task()
+    if "mse" in got:
+        for red, scale in (("mean", 1.0), ("sum", n)):
+            if _close(loss, got["mse"] * scale, tol):
+                return Task("regression", got["var"] * scale, -1, red)
+    return Task()
