@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from trackdiag.context import Component, ProbeContext
-from trackdiag.norms import global_norm, grad_norms, max_abs
+from trackdiag.norms import global_norm, grad_norms, max_abs, plain
 
 log = logging.getLogger("trackdiag")
 
@@ -46,6 +46,8 @@ class Tap:
     max_abs: the largest gradient magnitude (0-d, unscaled), on detail steps, else None.
     versions / ids: the gradients' version counters and identities, on detail steps, else None.
     step: the optimizer step in progress; number: the backward pass's running number.
+    sentinel: the L2 norm of the sentinel parameter's gradient (0-d fp32, unscaled), or None: what
+        the step's optimizer finds left of it tells whether the gradients were wiped before it ran.
     """
 
     total: torch.Tensor
@@ -56,6 +58,7 @@ class Tap:
     max_abs: torch.Tensor | None = None
     versions: list[int] | None = None
     ids: list[int] | None = None
+    sentinel: torch.Tensor | None = None
 
 
 @dataclass
@@ -217,6 +220,7 @@ class GradTap:
                 if self.refresh is not None:
                     self.refresh(st.comp)
                 tap = self.measure(st.comp, st.count)
+                tap.sentinel = self.sentinel_norm(st.sentinel)
             except Exception as exc:  # noqa: BLE001 - never raise into the user's backward
                 log.warning("trackdiag: gradient tap failed (%s: %s): reading at the optimizer step instead",
                             type(exc).__name__, exc)
@@ -248,6 +252,22 @@ class GradTap:
             tap.versions = [g._version for g in grads]
             tap.ids = [id(g) for g in grads]
         return tap
+
+    @torch.no_grad()
+    def sentinel_norm(self, p: torch.Tensor | None, unscale: bool = True) -> torch.Tensor | None:
+        """The L2 norm of ``p``'s gradient (fp32, divided by the scaler's scale when ``unscale``):
+        one small kernel (the sentinel is the smallest tensor of the first or last layer)."""
+        g = None if p is None else p.grad
+        if g is None:
+            return None
+        norm = torch.linalg.vector_norm(plain(g), dtype=torch.float32)
+        scale = self.scale() if unscale else None
+        return norm / scale if scale is not None else norm
+
+    def sentinel_of(self, name: str) -> torch.Tensor | None:
+        """The sentinel parameter of component ``name``, or None."""
+        st = self.states.get(name)
+        return st.sentinel if st is not None else None
 
     def scale(self) -> torch.Tensor | None:
         """The ``GradScaler``'s current scale (device tensor), or None without an enabled scaler."""
@@ -312,6 +332,7 @@ class GradView:
     source: str
     stepped: bool
     passes: list[Pass] = field(default_factory=list)
+    sentinel: torch.Tensor | None = None  # the parameter whose gradient ``tap.sentinel`` measured
     _now: torch.Tensor | None = None
 
     @property

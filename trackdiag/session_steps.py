@@ -193,7 +193,7 @@ class OptimizerEvents:
         source = "backward"
         if tap is None:  # no backward reached the component since the last step, or the tap is off
             tap, source = self._tap.measure(comp, unscale=False), "step"
-        view = GradView(comp, tap, source, st.stepped, passes)
+        view = GradView(comp, tap, source, st.stepped, passes, self._tap.sentinel_of(comp.name))
         if source == "backward":
             self._ctx.backward_seen.add(comp.name)
         self._ctx.passes[comp.name] = len(passes)

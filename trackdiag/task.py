@@ -102,3 +102,50 @@ def decide(loss: float, got: dict[str, float], classes: int, accumulated: bool =
             if _close(loss, got["mse"] * scale, tol):
                 return Task("regression", got["var"] * scale, -1, red)
     return Task()
+
+
+class Marginal:
+    """The class frequencies of the targets over the first ``steps`` (20) steps, accumulated on the
+    device (one ``bincount`` of the step's targets per step, then nothing): a model that ignores
+    its input reaches the entropy of these frequencies, not ln C, when classes are imbalanced."""
+
+    def __init__(self, steps: int = 20) -> None:
+        self.steps, self.seen = steps, 0
+        self.counts: torch.Tensor | None = None
+        self.done = False
+
+    @torch.no_grad()
+    def add(self, outputs: Any, batch: Any) -> None:
+        if self.done or self.seen >= self.steps:
+            return
+        logits, t = logits_of(outputs), targets_of(batch)
+        dim = class_dim(logits, t) if logits is not None and t is not None else None
+        if dim is None or t is None or logits is None:
+            return
+        c = int(logits.shape[dim])
+        flat = t.reshape(-1)
+        counts = torch.bincount(flat.clamp(0, c - 1), weights=((flat >= 0) & (flat < c)).float(), minlength=c)
+        if self.counts is None or self.counts.numel() != c:
+            self.counts = counts
+        else:
+            self.counts = self.counts + counts
+        self.seen += 1
+
+    def take(self) -> torch.Tensor | None:
+        """The counts once ``steps`` steps were seen (once), else None."""
+        if self.done or self.seen < self.steps or self.counts is None:
+            return None
+        self.done = True
+        return self.counts
+
+
+def entropy(counts: Any) -> tuple[float, float]:
+    """The Miller-Madow entropy (nats) of class ``counts`` and the largest class's share."""
+    import numpy as np
+
+    n = float(np.sum(counts))
+    if n <= 0:
+        return math.nan, math.nan
+    p = np.asarray(counts, dtype=np.float64) / n
+    nz = p[p > 0]
+    return float(-(nz * np.log(nz)).sum() + (len(nz) - 1) / (2 * n)), float(p.max())

@@ -11,8 +11,15 @@ Emits per component (``diag/`` or ``diag/<component>/``):
       (``clip_grad_norm_``; under AMP also ``unscale_``, coef 1), and, with ``per_layer``,
       ``grad/norm/<layer>`` (pre-clip; layers coarsened to the session's ``max_layer_metrics``
       budget, the full table in ``record.tables`` when coarsened).
-Cost: per step, nothing beyond the global norm the tap took (see :mod:`trackdiag.gradtap`: one pass
-over the gradients); on due steps the per-tensor norms, a few reductions, and one more
+  ``grad/wiped_steps`` (every logging step, when some step of the window had them): optimizer steps
+      that found the gradients wiped after the backward pass (the sentinel parameter's gradient,
+      non-zero when the pass ended, zero or ``None`` when the optimizer ran: ``clip_grad_norm_`` with
+      ``max_norm=0``, a ``zero_grad`` between ``backward`` and ``step``), with the table
+      ``grad/wiped`` = ``{"first": step, "run": n, "of": steps}``: the run of consecutive wiped steps
+      going on at the window's end (carried across windows) and where it began.
+Cost: per step, the global norm the tap took (see :mod:`trackdiag.gradtap`: one pass over the
+gradients) and two norms of one small tensor (the sentinel, at the end of the backward pass and when
+the optimizer steps); on due steps the per-tensor norms, a few reductions, and one more
 ``_foreach_norm`` only when the gradients were clipped. Host reads: none off logging steps.
 """
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch
 
 from trackdiag.context import Component, ProbeContext
 from trackdiag.gradtap import GradView
-from trackdiag.norms import max_abs, stack_scalars, tensor_norms  # noqa: F401  (re-exported for user probes)
+from trackdiag.norms import max_abs, plain, stack_scalars, tensor_norms  # noqa: F401  (re-exported for user probes)
 from trackdiag.probes.base import Probe, take_pending
 from trackdiag.record import Record
 
@@ -72,6 +79,9 @@ class GradProbe(Probe):
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._ring: dict[str, list[tuple[int, torch.Tensor]]] = {}
         self._steps: dict[str, list[int]] = {}
+        self._kept: dict[str, list[tuple[int, torch.Tensor]]] = {}  # per step: sentinel norm at the step / at backward
+        self._kept_steps: dict[str, list[int]] = {}
+        self._run: dict[str, tuple[int, int]] = {}  # component -> (first step, length) of the current wiped run
 
     @torch.no_grad()
     def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
@@ -80,6 +90,7 @@ class GradProbe(Probe):
         total = view.total
         if not scaler_skipped(ctx, comp, view):
             self._ring.setdefault(comp.name, []).append((ctx.step, total))
+            self._watch_wipe(ctx, comp, view)
         if not ctx.is_due(self.schedule):
             return
         norms = view.norms
@@ -97,8 +108,24 @@ class GradProbe(Probe):
                 out["group_norm"] = comp.index.per_group_norm(layer)
         self._pending[comp.name] = out
 
+    def _watch_wipe(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
+        """What the optimizer finds of the sentinel's gradient, as a share of what the backward left."""
+        pre = view.tap.sentinel
+        if not view.stepped or view.source != "backward" or pre is None or view.sentinel is None:
+            return
+        g = view.sentinel.grad
+        now = pre.new_zeros(()) if g is None else torch.linalg.vector_norm(plain(g), dtype=torch.float32)
+        wiped = (now <= 1e-6 * pre) & (pre > 0)
+        self._kept.setdefault(comp.name, []).append((ctx.step, wiped))
+
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         out = take_pending(self._pending)
+        self._kept_steps = {}
+        for name, kept in self._kept.items():
+            if kept:
+                self._kept_steps[name] = [s for s, _ in kept]
+                out[f"{name}|wiped"] = stack_scalars([w for _, w in kept])
+                kept.clear()
         self._steps = {}
         for name, ring in self._ring.items():
             if ring:
@@ -110,6 +137,9 @@ class GradProbe(Probe):
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         for comp in ctx.components:
             get = lambda k: values.get(f"{comp.name}|{k}")  # noqa: E731
+            wiped = get("wiped")
+            if wiped is not None:
+                self._publish_wiped(comp, wiped.tolist(), record)
             series = get("global_norm_series")
             if series is not None:
                 record.series[comp.key("grad/global_norm")] = list(zip(self._steps.get(comp.name, []), map(float, series.tolist())))
@@ -128,6 +158,19 @@ class GradProbe(Probe):
                 bad = first_bad_layer(comp, layer)
                 if bad:
                     record.tables.setdefault(comp.key("grad/nonfinite_layers"), {})[bad] = 1.0
+
+    def _publish_wiped(self, comp: Component, flags: list[float], record: Record) -> None:
+        """The run of consecutive wiped steps (carried across windows): its first step and length."""
+        start, run = self._run.get(comp.name, (-1, 0))
+        steps = self._kept_steps.get(comp.name, [])
+        for s, w in zip(steps, flags):
+            start, run = (start if run else s, run + 1) if w else (-1, 0)
+        self._run[comp.name] = (start, run)
+        n = sum(1 for w in flags if w)
+        if n:
+            record.scalars[comp.key("grad/wiped_steps")] = float(n)
+            record.tables[comp.key("grad/wiped")] = {"first": float(start if run else steps[flags.index(1.0)]),
+                                                     "run": float(run), "of": float(len(flags))}
 
     def reindexed(self, ctx: ProbeContext, comp: Component) -> None:
         self._pending.pop(comp.name, None)

@@ -28,7 +28,7 @@ from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.stats import Ema
-from trackdiag.task import STEPS, Task, decide, terms
+from trackdiag.task import STEPS, Marginal, Task, decide, entropy, terms
 from trackdiag.tensors import class_dim, logits_of, targets_of
 
 
@@ -77,8 +77,13 @@ class LossProbe(Probe):
         self._task_taken: list[tuple[bool, list[str]]] = []
         self._task_steps = 0
         self._task_classes = -1
+        self._marginal = Marginal()
+        self._entropy: tuple[float, float] | None = None
+        self._task_told = False
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        if not self._marginal.done and inputs.outputs is not None and inputs.batch is not None and len(inputs.losses) == 1:
+            self._marginal.add(inputs.outputs, inputs.batch)
         if self._task_steps < STEPS and inputs.outputs is not None and inputs.batch is not None:
             self._task_steps += 1
             if self._classes < 0:
@@ -110,6 +115,9 @@ class LossProbe(Probe):
             out[f"\ttask{i}"] = stack_scalars([loss, *vals], torch.float64)
             self._task_taken.append((acc, names))
         self._task_seen = []
+        counts = self._marginal.take()
+        if counts is not None:
+            out["\tmarginal"] = counts
         return out
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
@@ -119,10 +127,18 @@ class LossProbe(Probe):
                 host = got.reshape(-1).tolist()
                 self.task = decide(host[0], dict(zip(names, host[1:])), self._task_classes, acc)
         self._task_taken = []
-        if self.task.kind != "unknown":
+        counts = values.pop("\tmarginal", None)
+        if counts is not None:
+            self._entropy = entropy(counts.reshape(-1))
+        if self.task.kind == "classification" and self._entropy is not None:  # once: rules keep it
+            record.scalars["diag/task/marginal_entropy"], record.scalars["diag/task/majority_share"] = self._entropy
+            self._entropy = None
+        if self.task.kind != "unknown" and not self._task_told:
+            self._task_told = True
             record.scalars["diag/task/kind"] = 1.0 if self.task.kind == "classification" else 2.0
             record.scalars["diag/task/chance_loss"] = self.task.chance
             record.scalars["diag/task/shift"] = float(self.task.shift)
+            record.scalars["diag/task/summed"] = float(self.task.reduction == "sum")
         for name, vals in values.items():
             key = f"diag/{name}/loss" if name else "diag/loss"
             steps = self._steps[name]

@@ -47,9 +47,10 @@ class Overfitting(Rule):
     """Fires at an evaluation where the validation loss has turned upward while the train loss
     (the newest ``diag/loss/ema``) did not:
 
-    - **trend**: each of the last ``patience`` (3) evaluations sits above the best validation loss by
-      more than ``min_rise`` (5%) of it, ``giveback`` (10%) of the improvement since the first
-      evaluation and ``noise`` (1.5) times the evaluation-to-evaluation noise (robust: from the
+    - **trend**: each of the last ``patience`` (2) evaluations sits above the best validation loss by
+      more than ``min_rise`` (5%) of it, ``giveback`` (0: off; a share of the improvement since the
+      first evaluation, which counts a step-0 evaluation at chance level) and ``noise`` (1.5) times
+      the evaluation-to-evaluation noise (robust: from the
       median successive change), the newest is ``min_rise`` above the one ``patience``
       evaluations earlier and above the train loss, and the train loss fell meanwhile. A lone low
       reading between two higher ones is not the best (each evaluation counts as the median of it
@@ -60,7 +61,7 @@ class Overfitting(Rule):
       noisy reading, with the validation loss still improving, is not overfitting).
 
     ``step`` is the onset: the evaluation right after the best validation loss. Fires once per
-    episode (again after the conditions cleared). When the train loss is ~0 while the validation
+    episode (again once the validation loss came back to within the margin of its best). When the train loss is ~0 while the validation
     loss is many times larger (``leak_ratio``, 20x), the message names label/data leakage as well.
     ``where`` is ``eval/<metric>``.
     """
@@ -69,7 +70,7 @@ class Overfitting(Rule):
     hint = ("Regularise: dropout (0.3-0.5), weight decay (AdamW 0.01-0.05), data augmentation, more data or a "
             "smaller model; use early stopping on the validation loss and keep the best checkpoint.")
 
-    def __init__(self, *, ratio: float = 2.0, patience: int = 3, min_rise: float = 0.05, giveback: float = 0.1,
+    def __init__(self, *, ratio: float = 2.0, patience: int = 2, min_rise: float = 0.05, giveback: float = 0.0,
                  noise: float = 1.5, leak_ratio: float = 20.0, metric: str = "loss", **kw: Any) -> None:
         super().__init__(**kw)
         self.ratio, self.patience, self.metric = ratio, max(1, patience), metric
@@ -98,7 +99,9 @@ class Overfitting(Rule):
             trend = above and val > v0 * (1 + self.min_rise) and train < t0 and val > train
         ratio = val / train
         hit = trend or (above and ratio > self.ratio)
-        fire, self._active = hit and not self._active, hit
+        fire = hit and not self._active
+        # an episode ends when the validation loss is back near its best, not at one softer reading
+        self._active = hit or (self._active and val > best + margin)
         if not fire:
             return []
         onset = self._evals[min(best_i + 1, len(self._evals) - 1)][0]

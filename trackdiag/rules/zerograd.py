@@ -60,3 +60,36 @@ class AccumulationReset(Rule):
                    f"pass's gradients reached the update.")
             out.append(self.make(step, msg, 1.0, 0.0, comp.name or "optimizer", ["unambiguous"]))
         return out
+
+
+class GradsWiped(Rule):
+    """Fires when the optimizer stepped on gradients wiped after the backward pass at ``patience`` (3)
+    steps in a row (the run in ``grad/wiped``, from the grads probe): the backward pass
+    left a non-zero gradient and the optimizer found zero or ``None`` (``clip_grad_norm_`` with
+    ``max_norm=0``, a ``zero_grad()`` between ``backward()`` and ``step()``). The pre-clip norm
+    looks healthy and the loss simply stops moving. ``unambiguous`` and ``persistent``; ``step`` is
+    the first such step, ``where`` the component."""
+
+    kind = "grads_wiped"
+    hint = ("Something zeroes the gradients between loss.backward() and optimizer.step(): a clip_grad_norm_ "
+            "with max_norm=0 (a config default turned to 0?), optimizer.zero_grad() or model.zero_grad() placed "
+            "after backward(), a hook or a gradient mask that multiplies by 0.")
+
+    def __init__(self, *, patience: int = 3, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.patience = max(1, patience)
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        for comp in components:
+            meta = record.tables.get(comp.key("grad/wiped"), {})
+            run = int(meta.get("run", 0))
+            if run < self.patience:
+                continue
+            first = int(meta["first"])
+            msg = (f"the optimizer stepped on gradients wiped after the backward pass at {run} steps in a row (from step "
+                   f"{first}): the backward pass left non-zero gradients, the optimizer found zeros, so the weights do "
+                   f"not learn.")
+            out.append(self.make(first, msg, float(run), float(self.patience), comp.name or "optimizer",
+                                 ["unambiguous", "persistent"]))
+        return out

@@ -1,0 +1,145 @@
+"""``not_learning``: a run whose loss does not move below where a model that ignores its input sits.
+
+Labels shuffled against their inputs, a learning rate far too low, a graph detached before the
+model: training runs, nothing fires, and the loss sits where it started. Judged once the warm-up
+is over (``warmup`` steps, 100, counted from the last step the learning rate still rose, so a
+long warm-up schedule is waited for), on the medians of the first ``start_steps`` (20) and the last
+``recent_steps`` (50) losses:
+
+- **at chance** (``loss``): the task is shown (:mod:`trackdiag.task`) and the recent loss is within
+  ``margin`` (5%) of the chance level: for a classification, the entropy of the targets' class
+  frequencies (what predicting the label frequencies scores; ln C for balanced classes), for an
+  MSE regression, the targets' variance;
+- **flat** (``persistent``, counted only with one of the others): the recent loss is less than
+  ``min_drop`` (5%) below the start;
+- **accuracy at chance** (``corroborated``): the last ``patience`` evaluations' accuracy
+  (``log_eval(accuracy=...)``, any key with ``acc``) within 2 points (or 10%) of the majority
+  class's share (1/C without it).
+A flat loss of a task that is not shown is an ``info`` finding (a resumed, converged run is flat
+too). Held at ``patience`` (2) consecutive logging steps; ``step`` is the first of them.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Sequence
+
+from trackdiag.alert import Alert
+from trackdiag.context import Component
+from trackdiag.record import Record
+from trackdiag.rules._recent import Recent
+from trackdiag.rules._streak import Streaks
+from trackdiag.rules.base import Rule, loss_series, loss_where, where_of
+
+
+class NotLearning(Rule):
+    """See module docstring."""
+
+    kind = "not_learning"
+    hint = ("The model is not learning from its inputs. Check that inputs and targets stay aligned (a shuffle or "
+            "sort applied to one and not the other, a wrong label column), that the learning rate is not far too "
+            "low (and the schedule not stuck at 0), that nothing detaches the graph (.detach(), .data, no_grad, "
+            "a tensor rebuilt from .item()), and that the model gets the real inputs.")
+
+    def __init__(self, *, warmup: int = 100, start_steps: int = 20, recent_steps: int = 50, min_drop: float = 0.05,
+                 margin: float = 0.05, patience: int = 2, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.warmup, self.start_steps, self.recent_steps = warmup, start_steps, recent_steps
+        self.min_drop, self.margin, self.patience = min_drop, margin, max(1, patience)
+        self._loss: dict[str, Recent] = {}
+        self._first: dict[str, list[float]] = {}
+        self._streaks = Streaks(self.patience)
+        self._task: dict[str, float] = {}
+        self._lr_rose = 0  # the last step the learning rate was still rising
+        self._lr_top = 0.0
+        self._acc: list[tuple[int, float]] = []
+
+    def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
+        for k, v in record.scalars.items():
+            if "acc" in k.rsplit("/", 1)[-1] and math.isfinite(v):
+                self._acc.append((record.step, v / 100.0 if v > 1.0 else v))
+                del self._acc[:-20]
+                break
+        return []
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        self._note_context(record)
+        out = []
+        for key, points in loss_series(record).items():
+            if not self.minimised(where_of(key)):
+                continue
+            rec = self._loss.setdefault(key, Recent(1024))
+            rec.extend(points)
+            first = self._first.setdefault(key, [])
+            first += [v for _, v in points if math.isfinite(v)][: self.start_steps - len(first)]
+            found = self._judge(key, rec, first, record.step)
+            if found is not None:
+                out.append(found)
+        return out
+
+    def _note_context(self, record: Record) -> None:
+        for k in ("kind", "chance_loss", "marginal_entropy", "majority_share", "summed"):
+            v = record.scalars.get(f"diag/task/{k}")
+            if v is not None:
+                self._task[k] = v
+        if "diag/data/num_classes" in record.scalars:
+            self._task["classes"] = record.scalars["diag/data/num_classes"]
+        lrs = [v for k, v in record.scalars.items() if "/opt/lr" in k and math.isfinite(v)]
+        if lrs:
+            lr = max(lrs)
+            if lr > self._lr_top * 1.01:
+                self._lr_top, self._lr_rose = lr, record.step
+
+    def _judge(self, key: str, rec: Recent, first: list[float], step: int) -> Alert | None:
+        recent = [v for v in rec.between(step - self.recent_steps + 1, step) if math.isfinite(v)]
+        due = step - self._lr_rose >= self.warmup and len(first) >= self.start_steps and len(recent) >= self.recent_steps // 2
+        if not due:
+            self._streaks.bump(key, False, step)
+            return None
+        start, now = statistics.median(first), statistics.median(recent)
+        flat = start - now < self.min_drop * max(abs(start), 1e-12)
+        chance, what = self._chance()
+        at_chance = math.isfinite(chance) and now >= (1 - self.margin) * chance
+        acc = self._acc_at_chance()
+        evidence = (["loss"] if at_chance else []) + (["corroborated"] if acc else [])
+        if evidence and flat:
+            evidence.append("persistent")
+        if not self._streaks.bump(key, bool(evidence) or flat, step):
+            return None
+        since = self._streaks.start(key)
+        parts = [f"the loss went from {start:.4g} (first {self.start_steps} steps) to {now:.4g} (last {self.recent_steps})"]
+        if at_chance:
+            parts.append(f"which is {what} ({chance:.4g}): no better than a model that ignores its input")
+        elif flat:
+            parts.append(f"less than {self.min_drop:.0%} lower")
+        if acc:
+            parts.append(f"validation accuracy {self._acc[-1][1]:.1%} is at chance")
+        return self.make(since, ", ".join(parts) + ".", now, chance if at_chance else start, loss_where(key), evidence)
+
+    def _chance(self) -> tuple[float, str]:
+        kind = self._task.get("kind")
+        if kind == 1.0 and not self._task.get("summed"):
+            h = self._task.get("marginal_entropy", math.nan)
+            if math.isfinite(h):
+                return h, "the entropy of the label frequencies"
+            return self._task.get("chance_loss", math.nan), "the chance level ln C"
+        if kind == 2.0 and not self._task.get("summed"):
+            return self._task.get("chance_loss", math.nan), "the targets' variance"
+        return math.nan, ""
+
+    def _acc_at_chance(self) -> bool:
+        recent = [a for s, a in self._acc if s >= self._lr_rose + self.warmup][-self.patience:]
+        if len(recent) < self.patience:
+            return False
+        classes = self._task.get("classes", 0.0)
+        base = self._task.get("majority_share", 1.0 / classes if classes >= 2 else math.nan)
+        return math.isfinite(base) and max(recent) <= base + max(0.02, 0.1 * base)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first": {k: list(v) for k, v in self._first.items()}, "task": dict(self._task),
+                "lr": [self._lr_rose, self._lr_top]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._first = {k: list(v) for k, v in state.get("first", {}).items()}
+        self._task = dict(state.get("task", {}))
+        self._lr_rose, self._lr_top = state.get("lr", [0, 0.0])

@@ -1,0 +1,40 @@
+"""``eval_mode``: the optimizer steps a model left in eval mode (the ``modes`` probe)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from trackdiag.alert import Alert
+from trackdiag.context import Component
+from trackdiag.modnames import layers_named
+from trackdiag.record import Record
+from trackdiag.rules.base import Rule
+
+
+class EvalMode(Rule):
+    """At the first optimizer step taken while the model (its root module) is in eval mode and has
+    modules whose behaviour depends on it (dropout with ``p > 0``, BatchNorm with running statistics):
+    dropout is off and the normalisation statistics are frozen while the weights train. No healthy
+    run does this on purpose with the whole model (``unambiguous``); BatchNorm layers put in eval
+    inside a model in train mode (a fine-tuned backbone's frozen statistics) are a choice and are
+    not reported. ``step`` is that step, ``where`` the modules."""
+
+    kind = "eval_mode"
+    hint = ("Call model.train() before the training loop and again after every validation pass (model.eval() "
+            "for validation, then model.train()). To freeze only BatchNorm statistics, put those layers in eval "
+            "mode after model.train().")
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        for comp in components:
+            modules = record.tables.get(comp.key("model/eval_modules"))
+            if not modules:
+                continue
+            step = int(record.tables.get(comp.key("model/eval_mode_step"), {}).get("step", record.step))
+            dropout = sum(1 for v in modules.values() if v == 1.0)
+            norm = len(modules) - dropout
+            what = ", ".join(x for x in (f"{dropout} dropout" if dropout else "", f"{norm} normalisation" if norm else "") if x)
+            model = f"component {comp.name!r}" if comp.name else "the model"
+            msg = (f"the optimizer stepped {model} while it was in eval mode ({what} module(s) behave as at inference: "
+                   f"{layers_named(comp, modules)}).")
+            out.append(self.make(step, msg, float(len(modules)), 0.0, layers_named(comp, modules), ["unambiguous"]))
+        return out
