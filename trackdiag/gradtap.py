@@ -86,6 +86,7 @@ class CompTap:
     handles: list[Any] = field(default_factory=list)
     sentinel: torch.Tensor | None = None
     pending: Pass | None = None  # seen by the sentinel's tensor hook, kept once accumulated into .grad
+    params_of: dict[int, tuple[int, ...]] = field(default_factory=dict)  # generation -> the ids it measured, in order
 
     def fire(self, _grad: torch.Tensor) -> None:
         """Tensor hook on every parameter: note that this backward reaches the component."""
@@ -183,6 +184,8 @@ class GradTap:
             return
         self._unhook(st)
         st.generation = comp.generation
+        st.params_of = {g: ids for g, ids in st.params_of.items() if g >= comp.generation - 1}
+        st.params_of[comp.generation] = tuple(id(p) for p in comp.index.params)
         params = [p for p in comp.index.params if p.requires_grad]
         st.sentinel = pick_sentinel(comp)
         try:
@@ -292,11 +295,25 @@ class GradTap:
             return None, []
         tap = st.first_in_step if st.in_closure and st.first_in_step is not None else st.latest
         if tap is not None and tap.generation != st.comp.generation:
-            tap = None  # measured over the parameter list before a re-index: read again
+            tap = self._carry(st, tap)
         st.latest = st.first_in_step = None
         st.in_closure = False
         passes, st.passes = st.passes, []
         return tap, passes
+
+    @staticmethod
+    def _carry(st: CompTap, tap: Tap) -> Tap | None:
+        """A measurement taken before the component was re-indexed (an optimizer adopted at its first
+        step, after the backward pass and the user's clipping): still the step's pre-clip gradient when
+        it covered the same parameters; its per-tensor values only if in the same order. None when the
+        parameters differ (then the gradients are read again as they are now)."""
+        before, now = st.params_of.get(tap.generation), st.params_of.get(st.comp.generation)
+        if before is None or now is None or set(before) != set(now):
+            return None
+        if before != now:
+            tap.norms = tap.versions = tap.ids = None
+        tap.generation = st.comp.generation
+        return tap
 
     def hooked(self, name: str) -> bool:
         st = self.states.get(name)

@@ -146,6 +146,9 @@ class NanReplayProbe(Probe):
                 self._ring.popitem(last=False)
         calls: list[Call] = entry["calls"].setdefault(comp, [])
         if len(calls) < self.max_calls:
+            if device_type == "meta":  # built on the meta device, materialised after the session began
+                device_type = next((p.device.type for p in module.parameters()), "cpu")
+                device_type = "cpu" if device_type == "meta" else device_type
             amp = (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
             calls.append((_detached(args), _detached(kwargs), amp))
         self._ctx.hook_seconds += time.perf_counter() - t0
