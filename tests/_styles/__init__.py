@@ -1,0 +1,30 @@
+"""The breadth corpus: training loops in many public styles, with trackdiag wired in as the README
+shows, each runnable healthy or with planted faults (see ``_common`` for the contract).
+
+``STYLE_NAMES`` lists the style modules; ``load(name)`` imports one (heavy dependencies such as
+transformers and Lightning are imported inside each style's ``run``), ``all_styles()`` all of them.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+STYLE_NAMES: tuple[str, ...] = (
+    "vae_sum",
+    "gan",
+    "actor_critic",
+    "reinforce",
+    "greedy_layerwise",
+    "finetune_frozen",
+    "two_opt_disjoint",
+)
+
+
+def load(name: str) -> ModuleType:
+    if name not in STYLE_NAMES:
+        raise KeyError(f"unknown style {name!r}; known: {', '.join(STYLE_NAMES)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def all_styles() -> dict[str, ModuleType]:
+    return {n: load(n) for n in STYLE_NAMES}
