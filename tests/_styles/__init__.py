@@ -17,6 +17,10 @@ STYLE_NAMES: tuple[str, ...] = (
     "greedy_layerwise",
     "finetune_frozen",
     "two_opt_disjoint",
+    "hf_causal_lm",
+    "mixup_ema",
+    "regression_mse",
+    "full_batch",
 )
 
 
