@@ -21,6 +21,12 @@ STYLE_NAMES: tuple[str, ...] = (
     "mixup_ema",
     "regression_mse",
     "full_batch",
+    "ddpm",
+    "recommender_sparse",
+    "seq2seq_per_example",
+    "contrastive_infonce",
+    "triplet_metric",
+    "normalizing_flow",
 )
 
 
