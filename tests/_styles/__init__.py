@@ -27,6 +27,9 @@ STYLE_NAMES: tuple[str, ...] = (
     "contrastive_infonce",
     "triplet_metric",
     "normalizing_flow",
+    "distillation",
+    "lbfgs_closure",
+    "trainer_owned_optimizer",
 )
 
 
