@@ -1,0 +1,221 @@
+"""Shared pieces of the breadth corpus: the run result, the session a README user would build, the
+NaN gate, data helpers and the fault switches every style plants the same way.
+
+Each style module exposes ``NAME``, ``DESCRIPTION``, ``FAULTS`` and
+``run(out, *, level, seed, steps, fault, onset, **diag_overrides) -> StyleRun``. Faults:
+
+- ``nan``: a NaN made inside a named module (``NanGate``: log(0) - log(0)) from ``onset``;
+  ``StyleRun.culprit`` is that module's name as trackdiag names layers.
+- ``lr1000`` / ``lr_start``: every learning rate x1000 from ``onset`` / from step 0.
+- ``no_zero``: ``zero_grad`` dropped from ``onset``.
+- ``shuffled_labels``: targets shuffled within each batch from step 0 (the run cannot learn).
+- ``eval_mode``: ``model.eval()`` left on before the loop (a model with Dropout/BatchNorm).
+- ``wiped_grads``: gradients wiped between backward and step from ``onset``
+  (``clip_grad_norm_(..., max_norm=0)``).
+- ``tiny_subset``: one or two batches trained on from step 0 (overfitting), ``log_eval`` every 20.
+- ``crash_nan``: a NaN from ``onset`` that makes the script itself raise before ``diag.step``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+import trackdiag  # noqa: E402
+from _zoo_a import digits, one_thread, quiet_probes  # noqa: E402,F401  (re-exported for the styles)
+
+SEVERITY = {"info": 0, "warning": 1, "critical": 2}
+#: faults that are present from step 0 (their onset is 0 whatever ``onset`` says)
+START_FAULTS = frozenset({"lr_start", "shuffled_labels", "eval_mode", "tiny_subset"})
+ALL_FAULTS = ("nan", "lr1000", "no_zero", "lr_start", "shuffled_labels", "eval_mode", "wiped_grads",
+              "tiny_subset", "crash_nan")
+
+
+@dataclasses.dataclass
+class Progress:
+    """Evidence that the run learned: ``metric`` early vs late (``end`` beats ``start`` by more than
+    ``min_gain`` in the right direction)."""
+
+    metric: str
+    start: float
+    end: float
+    higher_is_better: bool = False
+    min_gain: float = 0.0
+
+    @property
+    def learned(self) -> bool:
+        gain = (self.end - self.start) if self.higher_is_better else (self.start - self.end)
+        return gain > self.min_gain
+
+
+@dataclasses.dataclass
+class StyleRun:
+    diag: Any                 # the session (or the Lightning callback): .alerts, .summary()
+    onset: int                # the step the fault starts (0 for START_FAULTS, -1 healthy)
+    steps: int
+    culprit: str = ""         # the module a ``nan`` fault is planted in
+    fault: str | None = None
+    progress: Progress | None = None
+    error: str | None = None  # what the script died of (crash faults, a blow-up), else None
+    seconds: float = 0.0
+
+    def alerts(self, min_severity: str = "warning") -> list[Any]:
+        return [a for a in self.diag.alerts if SEVERITY[a.severity] >= SEVERITY[min_severity]]
+
+    def first(self, min_severity: str = "warning", kinds: set[str] | None = None) -> Any:
+        found = [a for a in self.alerts(min_severity) if kinds is None or a.kind in kinds]
+        return min(found, key=lambda a: a.step) if found else None
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.diag.summary()["output_dir"])
+
+    def raised_at(self, alert: Any) -> int:
+        """The logging step whose record carried ``alert`` (when the user was told); -1 if none."""
+        from trackdiag.sinks.local import read_records
+
+        for rec in read_records(self.run_dir):
+            if any((a.kind, a.step, a.where) == (alert.kind, alert.step, alert.where) for a in rec.alerts):
+                return rec.step
+        return -1
+
+
+def session(model: Any, opt: Any, out: Path | str, level: str, **overrides: Any) -> trackdiag.Diagnostics:
+    """``Diagnostics`` as the README's quick start builds it, writing the local record only; the
+    end-of-run report, histograms and landscapes off (they cost seconds and judge nothing)."""
+    probes = quiet_probes(**overrides.pop("probes", {}))
+    sinks = overrides.pop("sinks", ["local"])
+    return trackdiag.Diagnostics(model, opt, level=level, sinks=sinks, output_dir=str(out), probes=probes,
+                                 **overrides)
+
+
+class NanGate(nn.Module):
+    """Wraps a module; while the ``fault`` buffer is 1 its output gets ``log(0) - log(0)`` (NaN)
+    added. A buffer, so a replay on earlier weights sees the same switch."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("fault", torch.zeros(()), persistent=False)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.inner(*args, **kwargs)
+        if not self.fault.item():  # one CPU read: keeps the healthy graph as the style wrote it
+            return out
+        bad = torch.log1p(-self.fault)  # log(1 - 1) = log(0) = -inf when armed
+        if isinstance(out, tuple):
+            return (out[0] + (bad - bad), *out[1:])
+        return out + (bad - bad)
+
+    def arm(self, on: bool) -> None:
+        self.fault.fill_(1.0 if on else 0.0)
+
+
+def check_fault(fault: str | None, faults: dict[str, str]) -> None:
+    if fault is not None and fault not in faults:
+        raise ValueError(f"fault {fault!r} is not supported here; supported: {sorted(faults)}")
+
+
+def fault_onset(fault: str | None, onset: int) -> int:
+    if fault is None:
+        return -1
+    return 0 if fault in START_FAULTS else onset
+
+
+def active(fault: str | None, name: str, step: int, onset: int) -> bool:
+    """Whether fault ``name`` is planted at ``step``."""
+    return fault == name and (step >= onset or name in START_FAULTS)
+
+
+def lr_scale(fault: str | None, step: int, onset: int) -> float:
+    """The learning-rate factor at ``step``: 1000 under ``lr_start`` and under ``lr1000`` from ``onset``."""
+    return 1000.0 if fault == "lr_start" or (fault == "lr1000" and step >= onset) else 1.0
+
+
+def bump_lr(opt: torch.optim.Optimizer, factor: float, scheduler: Any = None) -> None:
+    """Multiply every group's learning rate (and a scheduler's base rates, which it recomputes from)."""
+    for g in opt.param_groups:
+        g["lr"] *= factor
+        if "initial_lr" in g:
+            g["initial_lr"] *= factor
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [b * factor for b in scheduler.base_lrs]
+
+
+def wipe_grads(params: Iterable[torch.Tensor]) -> None:
+    """The ``wiped_grads`` fault: clipping configured with ``max_norm=0`` zeroes every gradient
+    (``clip_grad_norm_`` refuses sparse gradients: those are scaled by 0 the same way)."""
+    params = [p for p in params if p.grad is not None]
+    torch.nn.utils.clip_grad_norm_([p for p in params if not p.grad.is_sparse], max_norm=0.0)
+    for p in params:
+        if p.grad.is_sparse:
+            p.grad.mul_(0.0)
+
+
+def shuffle(y: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Targets permuted within the batch: inputs and targets no longer match."""
+    return y[torch.randperm(len(y), generator=gen)]
+
+
+@contextlib.contextmanager
+def crash_guard(fault: str | None) -> Iterator[dict[str, str | None]]:
+    """Outermost around ``with diag:``: a faulty script that dies is recorded (the session has already
+    closed FAILED by then); a healthy run that dies is a bug in the corpus and propagates."""
+    box: dict[str, str | None] = {"error": None}
+    try:
+        yield box
+    except Exception as exc:  # noqa: BLE001 - the script's own death, recorded
+        if fault is None:
+            raise
+        box["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return round(time.perf_counter() - self.t0, 3)
+
+
+def mean(xs: list[float]) -> float:
+    return float(sum(xs) / max(1, len(xs)))
+
+
+def batches(x: torch.Tensor, y: torch.Tensor, bsz: int, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless shuffled epochs of mini-batches (DataLoader(shuffle=True, drop_last=True))."""
+    while True:
+        perm = torch.randperm(len(x), generator=gen)
+        for i in range(0, len(x) - bsz + 1, bsz):
+            idx = perm[i : i + bsz]
+            yield x[idx], y[idx]
+
+
+@functools.lru_cache(maxsize=None)
+def sk_table(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A scikit-learn bundled table, features standardised on the train split, fixed 80/20 split:
+    (xtr, ytr, xva, yva); targets as loaded (class ids as long, regression targets as float)."""
+    from sklearn import datasets
+
+    x, y = getattr(datasets, f"load_{name}")(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32)
+    y = torch.tensor(y)
+    y = y.long() if not y.is_floating_point() else y.float()
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    cut = int(0.8 * len(x))
+    tr, va = perm[:cut], perm[cut:]
+    mu, sd = x[tr].mean(0), x[tr].std(0).clamp_min(1e-6)
+    x = (x - mu) / sd
+    return x[tr], y[tr], x[va], y[va]
