@@ -92,6 +92,9 @@ class ProbeContext:
     compiled: bool = False
     #: what a probe cannot measure in this loop, once each (``summary()["notes"]``)
     notes: dict[str, str] = field(default_factory=dict)
+    #: training phases so far (0: the first) and the step the newest began (see ``session_steps``)
+    phase: int = 0
+    phase_start: int = 0
 
     def is_due(self, schedule: Callable[[int], bool]) -> bool:
         return schedule(self.step) or (self.step <= self.anomaly_until and getattr(schedule, "anomaly", True))

@@ -73,10 +73,19 @@ class PreflightReport:
         mark = {True: "ok  ", False: "FAIL", None: "note"}
         return "\n".join(f"{mark[c.ok]} {c.name:<14} {c.detail}" for c in self.checks)
 
-    def alerts(self, step: int, severity: str, hint: str) -> list[Alert]:
-        """One ``preflight`` alert per failed check."""
-        return [Alert("preflight", step, "critical" if c.name in ("forward", "finite_state") else severity, c.detail,
-                      math.nan, math.nan, f"{c.name}:{c.where}" if c.where else c.name, hint) for c in self.failed]
+    def alerts(self, step: int, pinned: str | None, hint: str) -> list[Alert]:
+        """One ``preflight`` alert per failed check. A check that failed on the model itself (the forward
+        raised or gave NaN, NaN in the weights, tensors on several devices, trainable parameters in no
+        optimizer) is ``unambiguous``; one that failed in the pre-flight's experiment on a copy (no
+        gradient, no change, no fit on one batch) is one piece of evidence (``corroborated``)."""
+        from trackdiag.policy import severity
+
+        out = []
+        for c in self.failed:
+            ev = ("unambiguous",) if c.name in ("forward", "finite_state", "one_device", "optimizer") else ("corroborated",)
+            out.append(Alert("preflight", step, pinned or severity(ev), c.detail, math.nan, math.nan,
+                             f"{c.name}:{c.where}" if c.where else c.name, hint, ev, 1, step))
+        return out
 
 
 def _loss(outputs: Any, batch: Any, loss_fn: LossFn | None) -> tuple[torch.Tensor, bool]:
@@ -136,7 +145,7 @@ def _noop(*_: Any, **__: Any) -> None:
     return None
 
 
-def _static_checks(model: nn.Module, opt: torch.optim.Optimizer | None, batch: Any) -> list[Check]:
+def _static_checks(model: nn.Module, opt: Any, batch: Any) -> list[Check]:
     out = []
     evals = [n for n, m in model.named_modules() if n and not m.training]
     if not model.training:
@@ -158,31 +167,38 @@ def _static_checks(model: nn.Module, opt: torch.optim.Optimizer | None, batch: A
     named_bad = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
     out.append(Check("finite_state", not bad, f"{len(bad)} parameter/buffer tensor(s) hold NaN/Inf: {named_bad}." if bad
                      else "all finite (-inf attention masks allowed).", bad[0] if bad else ""))
-    if opt is None:
+    opts = [o for o in (opt if isinstance(opt, (list, tuple)) else [opt]) if o is not None]
+    if not opts:
         out.append(Check("optimizer", None, "no optimizer given."))
         return out
-    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    in_opt = {id(p) for o in opts for g in o.param_groups for p in g["params"]}  # every optimizer of the model
     named = list(model.named_parameters())
     missing = [n for n, p in named if p.requires_grad and id(p) not in in_opt]
     frozen = [n for n, p in named if not p.requires_grad and id(p) in in_opt]
-    if frozen:
-        out.append(Check("optimizer", False, f"{len(frozen)} parameter(s) are given to the optimizer but frozen "
-                                             f"(requires_grad=False), e.g. {frozen[0]}: they will not train until unfrozen.", frozen[0]))
-    elif missing:
+    if missing:
         out.append(Check("optimizer", False, f"{len(missing)} trainable parameter(s) are not in the optimizer, "
                                              f"e.g. {missing[0]}: they get gradients but never change.", missing[0]))
+    elif frozen:  # how fine-tuning freezes a backbone: a note, not a fault
+        out.append(Check("optimizer", None, f"{len(frozen)} parameter(s) in the optimizer are frozen (requires_grad="
+                                            f"False), e.g. {frozen[0]}: fine if on purpose (a frozen backbone)."))
     else:
         out.append(Check("optimizer", True, "every trainable parameter is in the optimizer."))
     return out
 
 
-def run_preflight(model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any, loss_fn: LossFn | None = None,
+def run_preflight(model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn | None = None,
                   forward: Forward | None = None, *, overfit_steps: int = 30, overfit_drop: float = 0.1,
-                  lenient: bool = False) -> PreflightReport:
+                  lenient: bool = False, reference: float | None = None) -> PreflightReport:
     """Run every check (see module docstring) and return the report. Never modifies its arguments.
-    ``lenient`` (the automatic pre-flight): a forward or loss that cannot be run is inconclusive, not a
-    failed check (the calling convention was guessed)."""
+    ``optimizer``: one, or a list (every optimizer of the model: the ``optimizer`` check covers them
+    all, the experiments use the first). ``lenient`` (the automatic pre-flight): a forward or loss that
+    cannot be run is inconclusive, not a failed check (the calling convention was guessed).
+    ``reference``: the loss the training step itself computed on this batch; a guessed loss (no
+    ``loss_fn``) that differs from it is not the task being trained (a VAE's reconstruction beside
+    digit labels is no 64-class classifier), so the checks built on it are inconclusive."""
     report = PreflightReport(_static_checks(model, optimizer, batch))
+    if isinstance(optimizer, (list, tuple)):
+        optimizer = next((o for o in optimizer if o is not None), None)
     call = forward or (lambda m, b: m(inputs_of(b)))
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
@@ -202,6 +218,11 @@ def run_preflight(model: nn.Module, optimizer: torch.optim.Optimizer | None, bat
         report.checks.append(Check("forward", math.isfinite(loss0), f"{what} = {loss0:.4g}."))
         if not math.isfinite(loss0):
             return report
+        if loss_fn is None and reference is not None and not (real and _same(loss0, reference)):
+            report.checks.append(Check("loss", None, f"the guessed {what} ({loss0:.4g}) is not the training step's "
+                                                     f"({reference:.4g}): pass forward=/loss_fn= to diag.preflight to "
+                                                     f"check the training itself."))
+            return report
         if not loss.requires_grad:
             report.checks.append(Check("grads", False, "the loss does not require grad: no trainable parameter is on its "
                                                        "path (all frozen, or the graph is cut by .detach()/no_grad)."))
@@ -213,6 +234,10 @@ def run_preflight(model: nn.Module, optimizer: torch.optim.Optimizer | None, bat
         report.checks.append(_change_check(model, clone, opt))
         report.checks.append(_overfit(clone, opt, batch, call, loss_fn, real, loss0, overfit_steps, overfit_drop))
     return report
+
+
+def _same(a: float, b: float, tol: float = 0.02) -> bool:
+    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= tol * max(abs(a), abs(b), 1e-12)
 
 
 def _grad_check(model: nn.Module, clone: nn.Module) -> Check:

@@ -212,6 +212,10 @@ class Diagnostics(OptimizerEvents, SetupChecks):
                     p.on_step(ctx, inputs)
                 except Exception as exc:
                     self._fail(p, "on_step", exc)
+        if self._phase_pending:
+            self._phase_pending = False
+            ctx.phase, ctx.phase_start = ctx.phase + 1, ctx.step
+        self._phase_ready = True
         raised = None
         if any(ctx.is_due(sched) for sched in self._schedules):  # a few distinct schedules, not every probe
             raised = self._log(ctx.step)
@@ -271,6 +275,9 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         if self._dist is not None:  # collective: every rank reduces, then judges the same record
             host, reduced = self._dist.reduce(host, self.probes)
         record = Record(step=step, time=time.time())
+        if ctx.phase and ctx.phase_start > self._last_logged:  # a training phase began in this window
+            record.tables["diag/phase"] = {"start": float(ctx.phase_start), "phase": float(ctx.phase)}
+            record.scalars["diag/phase"] = float(ctx.phase)
         by_probe: dict[int, dict[str, Any]] = collections.defaultdict(dict)
         for k, v in host.items():
             i, _, key = k.partition("\t")

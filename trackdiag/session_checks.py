@@ -3,8 +3,11 @@ sanity pre-flight. Mixed into :class:`trackdiag.Diagnostics`."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
+
+import torch
 
 from trackdiag.context import StepInputs
 from trackdiag.errors import AlertRaised
@@ -37,7 +40,7 @@ class SetupChecks:
         return lambda model, batch: model(*args, **kwargs)
 
     def preflight(self, batch: Any, loss_fn: Any = None, *, forward: Any = None, component: str | None = None,
-                  auto: bool = False) -> PreflightReport:
+                  auto: bool = False, reference: float | None = None) -> PreflightReport:
         """Sanity checks of the set-up on one batch (see :mod:`trackdiag.preflight`), on copies of the
         model and optimizer; each failed check is emitted as a ``preflight`` alert. ``loss_fn(outputs,
         batch)``; ``forward(model, batch)`` (default ``model(batch[0])``). Returns the report."""
@@ -48,10 +51,11 @@ class SetupChecks:
         comp = next((c for c in self.components if component in (None, c.name) and c.model is not None), None)
         if comp is None:
             return PreflightReport()
-        report = run_preflight(comp.model, comp.optimizer, batch, loss_fn or rule.loss_fn, forward,
-                               overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop, lenient=auto)
+        report = run_preflight(comp.model, comp.optimizers or comp.optimizer, batch, loss_fn or rule.loss_fn, forward,
+                               overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop, lenient=auto,
+                               reference=reference)
         record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(len(report.failed))})
-        raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.pinned or "warning", rule.hint)])
+        raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.pinned, rule.hint)])
         if raised is not None:
             raise AlertRaised(raised)
         return report
@@ -63,9 +67,16 @@ class SetupChecks:
         ``forward=``/``loss_fn=`` runs it for real)."""
         self._preflighted = True
         if inputs.batch is not None and any(isinstance(r, Preflight) and r.enabled and r.auto for r in self.rules):
+            forward = self._captured_forward()
+            loss = inputs.losses.get("") if len(inputs.losses) == 1 else None
+            # the step's own loss on this batch tells whether a guessed loss is the one being trained (a host
+            # read at the first step only); with the model called another way than the step did, no check of
+            # the training is possible without forward=/loss_fn=
+            reference = float(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 and forward is not None \
+                else (math.nan if forward is None else None)
             try:
-                log.info("trackdiag: pre-flight\n%s", self.preflight(inputs.batch, forward=self._captured_forward(),
-                                                                     auto=True))
+                log.info("trackdiag: pre-flight\n%s", self.preflight(inputs.batch, forward=forward, auto=True,
+                                                                     reference=reference))
             except AlertRaised:
                 raise
             except Exception as exc:  # noqa: BLE001

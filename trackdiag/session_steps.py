@@ -62,6 +62,12 @@ class OptimizerEvents:
         self._foreign: weakref.WeakSet[Any] = weakref.WeakSet()
         self._micro: list[Mapping[str, Any]] = []
         self._notes: dict[str, str] = {}
+        # training phases (greedy layer-wise training, progressive unfreezing): an optimizer stepping for the
+        # first time after step 0, or parameters joining/leaving training, start one; loss and gradient
+        # rules judge each phase against its own history
+        self._ever_stepped: set[int] = set()
+        self._phase_pending = False
+        self._phase_ready = False  # set after the first step: what happens during it is the set-up
         self._grad_probes = [p for p in self.probes if type(p).on_grads is not Probe.on_grads]
         self._pre_probes = [p for p in self.probes if type(p).before_optimizer_step is not Probe.before_optimizer_step]
         self._post_probes = [p for p in self.probes if type(p).after_optimizer_step is not Probe.after_optimizer_step]
@@ -117,6 +123,8 @@ class OptimizerEvents:
 
     def _reindex(self, comp: Component) -> None:
         if reindex(comp, self.config["max_layer_metrics"]):
+            if self._ctx.step > 0 and self._phase_ready:
+                self._phase_pending = True  # parameters joined or left training mid-run: a new phase
             self._tap.attach(comp)
             for p in self.probes:
                 if p.enabled:
@@ -148,6 +156,9 @@ class OptimizerEvents:
             return
         t0 = time.perf_counter()
         self._refresh_groups(comp)  # add_param_group: follow the new parameters from this step on
+        if id(opt) not in self._ever_stepped:  # an optimizer's first step after step 0: a new phase begins
+            self._ever_stepped.add(id(opt))
+            self._phase_pending = self._phase_pending or (self._ctx.step > 0 and self._phase_ready)
         st.stepped = True
         if not st.pre_done:
             st.pre_done = True

@@ -80,8 +80,12 @@ class LossProbe(Probe):
         self._marginal = Marginal()
         self._entropy: tuple[float, float] | None = None
         self._task_told = False
+        self._phase = 0
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        if ctx.phase != self._phase:  # a new training phase may train another task: show it again
+            self._phase, self.task, self._task_steps, self._task_told = ctx.phase, Task(), 0, False
+            self._marginal, self._entropy = Marginal(), None
         if not self._marginal.done and inputs.outputs is not None and inputs.batch is not None and len(inputs.losses) == 1:
             self._marginal.add(inputs.outputs, inputs.batch)
         if self._task_steps < STEPS and inputs.outputs is not None and inputs.batch is not None:

@@ -76,6 +76,13 @@ class Rule:
         """Restore ``state_dict``."""
 
 
+def phase_start(record: Record) -> int:
+    """The step a new training phase began at within ``record``'s window (an optimizer stepping for
+    the first time, parameters joining training: see :mod:`trackdiag.session_steps`), or -1. Rules
+    that judge a series against its own history start that history again there."""
+    return int(record.tables.get("diag/phase", {}).get("start", -1))
+
+
 def loss_series(record: Record) -> dict[str, list[tuple[int, float]]]:
     """The per-step loss series of a record: ``{key: [(step, value), ...]}``."""
     return {k: v for k, v in record.series.items() if k.endswith("/loss") or k == "diag/loss"}

@@ -21,7 +21,7 @@ from trackdiag.record import Record
 from trackdiag.rules._recent import Recent, reacted
 from trackdiag.rules._spike import SpikeDetector
 from trackdiag.rules._streak import Streaks
-from trackdiag.rules.base import Rule, layer_values, points_of
+from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
 
 
 def loss_points(record: Record, comp: Component) -> list[tuple[int, float]]:
@@ -99,14 +99,17 @@ class GradExplosion(Rule):
             st = self._c.get(comp.name)
             if st is None:
                 st = self._c[comp.name] = _Comp(SpikeDetector(**self.spike))
-            points = points_of(record, comp.key("grad/global_norm"))
+            ps = phase_start(record)
+            if ps >= 0:  # a new phase (a new optimizer, parameters joining): judged against its own history
+                st = self._c[comp.name] = _Comp(SpikeDetector(**self.spike))
+            points = [p for p in points_of(record, comp.key("grad/global_norm")) if p[0] >= ps]
             st.grad.extend(points)
-            st.loss.extend(loss_points(record, comp))
             for step, gn in points:
                 spike, ref = st.det.feed(gn)
                 user = self.threshold is not None and math.isfinite(gn) and gn > self.threshold
                 if (spike or user) and not (st.pending and step <= st.pending[-1][0] + self.settle):
                     st.pending.append((step, gn, ref if math.isfinite(ref) else gn, ""))
+            st.loss.extend(p for p in loss_points(record, comp) if p[0] >= ps)
             while st.pending and (final or st.pending[0][0] + self.settle <= st.grad.last_step):
                 out.append(self._verdict(st, st.pending.pop(0), history, record, comp))
             out += self._layers(record, comp)
@@ -203,10 +206,13 @@ class GradVanishing(Rule):
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for comp in components:
+            ps = phase_start(record)
+            if ps >= 0:  # a new phase: judged against its own history only
+                self._grad[comp.name], self._loss[comp.name] = Recent(), Recent()
             g = self._grad.setdefault(comp.name, Recent())
             lo = self._loss.setdefault(comp.name, Recent())
-            g.extend(points_of(record, comp.key("grad/global_norm")))
-            lo.extend(loss_points(record, comp))
+            g.extend(p for p in points_of(record, comp.key("grad/global_norm")) if p[0] >= ps)
+            lo.extend(p for p in loss_points(record, comp) if p[0] >= ps)
             out += self._collapse(comp, g, lo, history, record)
             gn = points_of(record, comp.key("grad/global_norm"))
             if self.threshold is not None and gn and self._streaks.bump(f"{comp.name}|", 0.0 < gn[-1][1] < self.threshold, record.step):

@@ -6,10 +6,11 @@ is over (``warmup`` steps, 100, counted from the last step the learning rate sti
 long warm-up schedule is waited for), on the medians of the first ``start_steps`` (20) and the last
 ``recent_steps`` (50) losses:
 
-- **at chance** (``loss``): the task is shown (:mod:`trackdiag.task`) and the recent loss is within
-  ``margin`` (5%) of the chance level: for a classification, the entropy of the targets' class
-  frequencies (what predicting the label frequencies scores; ln C for balanced classes), for an
-  MSE regression, the targets' variance;
+- **at chance** (``loss``): the task is shown (:mod:`trackdiag.task`), the recent loss is within
+  ``margin`` (5%) of the chance level and no longer falling (the ``recent_steps`` before were not
+  5% higher): for a classification, the entropy of the targets' class frequencies (what predicting
+  the label frequencies scores; ln C for balanced classes, and when the frequencies are degenerate),
+  for an MSE regression, the targets' variance;
 - **flat** (``persistent``, counted only with one of the others): the recent loss is less than
   ``min_drop`` (5%) below the start;
 - **accuracy at chance** (``corroborated``): the last ``patience`` evaluations' accuracy
@@ -29,7 +30,7 @@ from trackdiag.context import Component
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._streak import Streaks
-from trackdiag.rules.base import Rule, loss_series, loss_where, where_of
+from trackdiag.rules.base import Rule, loss_series, loss_where, phase_start, where_of
 
 
 class NotLearning(Rule):
@@ -68,6 +69,13 @@ class NotLearning(Rule):
         for key, points in loss_series(record).items():
             if not self.minimised(where_of(key)):
                 continue
+            ps = phase_start(record)
+            if ps >= 0:  # a new phase: its own start, its own warm-up
+                self._loss.pop(key, None), self._first.pop(key, None)
+                self._lr_rose = max(self._lr_rose, ps)
+                self._task = {k: v for k, v in self._task.items() if k == "classes"}  # the task is shown again
+                self._acc.clear()
+                points = [p for p in points if p[0] >= ps]
             rec = self._loss.setdefault(key, Recent(1024))
             rec.extend(points)
             first = self._first.setdefault(key, [])
@@ -99,7 +107,10 @@ class NotLearning(Rule):
         start, now = statistics.median(first), statistics.median(recent)
         flat = start - now < self.min_drop * max(abs(start), 1e-12)
         chance, what = self._chance()
-        at_chance = math.isfinite(chance) and now >= (1 - self.margin) * chance
+        # at chance and not improving any more: a slow learner still on its way down is left alone
+        before = [v for v in rec.between(step - 2 * self.recent_steps + 1, step - self.recent_steps) if math.isfinite(v)]
+        falling = len(before) >= self.recent_steps // 2 and statistics.median(before) - now > self.min_drop * abs(now)
+        at_chance = math.isfinite(chance) and now >= (1 - self.margin) * chance and not falling
         acc = self._acc_at_chance()
         evidence = (["loss"] if at_chance else []) + (["corroborated"] if acc else [])
         if evidence and flat:
@@ -119,10 +130,12 @@ class NotLearning(Rule):
     def _chance(self) -> tuple[float, str]:
         kind = self._task.get("kind")
         if kind == 1.0 and not self._task.get("summed"):
-            h = self._task.get("marginal_entropy", math.nan)
-            if math.isfinite(h):
+            h, ln_c = self._task.get("marginal_entropy", math.nan), self._task.get("chance_loss", math.nan)
+            # the label frequencies are what a model that ignores its input can learn (a bias), unless they
+            # are degenerate (InfoNCE's positives all at index 0): then uniform scores, ln C, are chance
+            if math.isfinite(h) and h >= 0.5 * ln_c:
                 return h, "the entropy of the label frequencies"
-            return self._task.get("chance_loss", math.nan), "the chance level ln C"
+            return ln_c, "the chance level ln C"
         if kind == 2.0 and not self._task.get("summed"):
             return self._task.get("chance_loss", math.nan), "the targets' variance"
         return math.nan, ""

@@ -17,7 +17,7 @@ from trackdiag.context import Component
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._spike import SpikeDetector
-from trackdiag.rules.base import Rule, layer_values, loss_series, loss_where, where_of
+from trackdiag.rules.base import Rule, layer_values, loss_series, loss_where, phase_start, where_of
 
 
 def grad_key(loss_key: str) -> str:
@@ -71,10 +71,14 @@ class LossSpike(Rule):
         for key, points in loss_series(record).items():
             if not self.minimised(where_of(key)):
                 continue
+            ps = phase_start(record)
+            if ps >= 0:  # a new phase: its loss is judged against its own history
+                self._spikes.pop(key, None), self._series.pop(key, None), self._pending.pop(key, None)
+                points = [p for p in points if p[0] >= ps]
             det = self._spikes.setdefault(key, SpikeDetector(**self.spike))
             ser = self._series.setdefault(key, _Series())
             ser.loss.extend(points)
-            ser.grad.extend(record.series.get(grad_key(key), []))
+            ser.grad.extend(p for p in record.series.get(grad_key(key), []) if p[0] >= ps)
             pend = self._pending.setdefault(key, [])
             for step, v in points:
                 spike, ref = det.feed(v)
@@ -140,8 +144,12 @@ class LossDivergence(Rule):
             comp = where_of(key)
             if not self.minimised(comp):
                 continue
+            ps = phase_start(record)
+            if ps >= 0:  # a new phase: a new best, a new start
+                self._grad.pop(key, None), self._loss.pop(key, None), self._state.pop(key, None)
+                points = [p for p in points if p[0] >= ps]
             grad, loss = self._grad.setdefault(key, Recent(1024)), self._loss.setdefault(key, Recent(1024))
-            grad.extend(record.series.get(grad_key(key), []))
+            grad.extend(p for p in record.series.get(grad_key(key), []) if p[0] >= ps)
             loss.extend(points)
             st = self._state.setdefault(key, {"recent": [], "start": math.nan, "best": math.inf, "best_step": -1,
                                               "first": [], "since": -1})
