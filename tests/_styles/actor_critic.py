@@ -92,7 +92,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     model.action_head = NanGate(model.action_head)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-2 * (1000 if fault == "lr_start" else 1))
     ep_rewards: list[float] = []
-    diag = session(model, optimizer, out, level, **diag_overrides)
+    diag = session(model, optimizer, out, level, **{"objective": "rl", **diag_overrides})  # README: RL losses are not minimised
     with crash_guard(fault) as crash, one_thread(), diag:
         state, _ = env.reset(seed=seed)
         for i_episode in range(steps):

@@ -80,7 +80,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     policy.affine2 = NanGate(policy.affine2)
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2 * (1000 if fault == "lr_start" else 1))
     ep_rewards: list[float] = []
-    diag = session(policy, optimizer, out, level, **diag_overrides)
+    diag = session(policy, optimizer, out, level, **{"objective": "rl", **diag_overrides})  # README: RL losses are not minimised
     with crash_guard(fault) as crash, one_thread(), diag:
         if fault == "eval_mode":
             policy.eval()

@@ -1,7 +1,7 @@
 """A scale-free spike test for an every-step series (the loss, the pre-clip gradient norm).
 
 A value is a spike when it is both far outside the recent spread and many times the recent
-level: ``v - mean >= z * std`` over the last ``window`` (128) values (OLMo-core's test) AND
+level: ``v - mean >= z * std`` over the last ``window`` (128) non-zero values (OLMo-core's test) AND
 ``v >= factor * max(mean, floor)`` (the guides' "10x the recent mean"), where ``floor`` is
 ``floor_fraction`` (0.1) of the series' median over its first ``warmup`` (20) values, so a loss
 that has converged near zero does not turn every slightly worse batch into a "10x spike".
@@ -32,7 +32,9 @@ class SpikeDetector:
         self._fed = 0
 
     def feed(self, v: float) -> tuple[bool, float]:
-        if not math.isfinite(v):
+        # exactly 0 is "no gradient" (a layer not training yet) or a hinge loss at rest, not a level: a
+        # baseline of zeros would make the first real value a "spike"
+        if not math.isfinite(v) or v == 0.0:
             return False, math.nan
         spike, ref = False, math.nan
         n = len(self.recent)

@@ -54,6 +54,7 @@ class _Comp:
     grad: Recent = field(default_factory=Recent)
     loss: Recent = field(default_factory=Recent)
     pending: list[tuple[int, float, float, str]] = field(default_factory=list)  # (step, value, ref, where)
+    episode: float = 0.0  # the level before the jump being followed (0: none): later values above it are the same jump
 
 
 class GradExplosion(Rule):
@@ -107,7 +108,10 @@ class GradExplosion(Rule):
             for step, gn in points:
                 spike, ref = st.det.feed(gn)
                 user = self.threshold is not None and math.isfinite(gn) and gn > self.threshold
-                if (spike or user) and not (st.pending and step <= st.pending[-1][0] + self.settle):
+                if st.episode > 0 and math.isfinite(gn) and gn < self.persist_factor * st.episode and not user:
+                    st.episode = 0.0  # back to its level: the next jump is a new incident
+                if (spike or user) and st.episode == 0.0:
+                    st.episode = ref if math.isfinite(ref) and ref > 0 else gn
                     st.pending.append((step, gn, ref if math.isfinite(ref) else gn, ""))
             st.loss.extend(p for p in loss_points(record, comp) if p[0] >= ps)
             while st.pending and (final or st.pending[0][0] + self.settle <= st.grad.last_step):

@@ -1,0 +1,390 @@
+"""Alerts users can trust (issue 26): each mechanism that made healthy public scripts raise warnings,
+as a small real loop or the rule on a real-shaped series. Every test here fails on 54000e6.
+
+1 absolute thresholds on scale-dependent numbers; 2 one-step spikes and where they are located;
+3 classifier assumptions on models that are not classifiers; 4 objectives that are not minimised;
+5/6 phases and frozen backbones; 7 several optimizers over one model; 8 the smaller ones (meta device,
+rarely touched embeddings, fp16); 9 bugs (a norm that starts at 0, a trainer-owned optimizer).
+"""
+from __future__ import annotations
+
+import io
+import logging
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import trackdiag
+from _loops import CharGPT, char_batches, char_data, gpt_optimizer
+from _zoo_a import digits, one_thread, quiet_probes
+from trackdiag.record import Record
+from trackdiag.sinks.local import read_records
+
+
+def session(model: Any, opt: Any, tmp_path: Any, level: str = "advanced", **kw: Any) -> trackdiag.Diagnostics:
+    return trackdiag.Diagnostics(model, opt, level=level, sinks=["local"], output_dir=str(tmp_path),
+                                 probes=quiet_probes(**kw.pop("probes", {})), **kw)
+
+
+def loud(diag: Any) -> list[tuple[str, int, str]]:
+    return [(a.kind, a.step, a.severity) for a in diag.alerts if a.severity != "info"]
+
+
+def series(diag: Any, key: str) -> list[tuple[int, float]]:
+    return [p for r in read_records(diag.run.output_dir) for p in r.series.get(key, [])]
+
+
+# ----------------------------------------------------------------------------- 1 + 3: a VAE, summed loss
+class VAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mu, self.logvar = nn.Linear(64, 128), nn.Linear(128, 8), nn.Linear(128, 8)
+        self.dec1, self.dec2 = nn.Linear(8, 128), nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = F.relu(self.enc(x))
+        mu, logvar = self.mu(h), self.logvar(h)
+        z = mu + torch.randn_like(mu) * (0.5 * logvar).exp()
+        return torch.sigmoid(self.dec2(F.relu(self.dec1(z)))), mu, logvar
+
+
+@pytest.mark.parametrize("level", ["basic", "extreme"])
+def test_summed_vae_loss_with_unused_labels_is_not_an_alarm(tmp_path, level: str) -> None:
+    """pytorch/examples' VAE: BCE summed over the batch, norms in the hundreds at every step, and the
+    digit labels passed as the README shows: no explosion (no absolute 100), no classifier rules
+    (a 64-wide sigmoid beside labels 0-9 is not a 64-class classifier), no failed pre-flight fit."""
+    xtr, ytr, _, _ = digits()
+    torch.manual_seed(0)
+    model = VAE()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    diag = session(model, opt, tmp_path, level, probes={"landscape": {"enabled": False}})
+    with one_thread(), diag:
+        for _ in range(150):
+            idx = torch.randint(len(xtr), (64,), generator=gen)
+            x, y = xtr[idx], ytr[idx]
+            recon, mu, logvar = model(x)
+            loss = F.binary_cross_entropy(recon, x, reduction="sum") - 0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=recon, batch=(x, y))
+    norms = [v for _, v in series(diag, "diag/grad/global_norm")]
+    assert min(norms) > 100  # the old absolute threshold would have fired at every step
+    assert loud(diag) == []
+    assert not any(k.startswith("diag/task/") for r in read_records(diag.run.output_dir) for k in r.scalars)
+
+
+# ----------------------------------------------------------------------------- 2: spikes judged by what followed
+def _norms(values: dict[int, float], loss: dict[int, float] | None = None, layers: dict[int, dict[str, float]] | None = None,
+           every: int = 10) -> list[Record]:
+    """Records of an every-step grad norm (and loss) series, logged every ``every`` steps."""
+    out, steps = [], sorted(values)
+    for end in range(every - 1, steps[-1] + 1, every):
+        window = [s for s in steps if end - every < s <= end]
+        rec = Record(step=end, series={"diag/grad/global_norm": [(s, values[s]) for s in window]})
+        if loss is not None:
+            rec.series["diag/loss"] = [(s, loss[s]) for s in window]
+        for s, table in (layers or {}).items():
+            if s == end:
+                rec.scalars.update({f"diag/grad/norm/{k}": v for k, v in table.items()})
+        out.append(rec)
+    return out
+
+
+def _judge(rule: Any, records: list[Record]) -> list[Any]:
+    from trackdiag.components import build_components
+
+    comps = build_components(nn.Linear(2, 2), None, 64)
+    found, history = [], []
+    for rec in records:
+        found += rule.check(rec, history, comps)
+        history.append(rec)
+    return found + rule.at_close(records[-1], history, comps)
+
+
+def test_one_step_gradient_spike_the_loss_ignores_is_info() -> None:
+    """An Accelerate GPT-2 run's healthy spike (26 vs ~0.6 around it, loss unaffected): a finding, not
+    critical; where it cannot be located at the spike step, ``where`` names no layer."""
+    from trackdiag.rules.gradients import GradExplosion
+
+    gen = torch.Generator().manual_seed(0)
+    norms = {s: 0.6 + 0.05 * float(torch.randn((), generator=gen)) for s in range(300)}
+    loss = {s: 3.0 - s / 300 + 0.05 * float(torch.randn((), generator=gen)) for s in range(300)}
+    norms[155] = 26.0
+    found = _judge(GradExplosion(), _norms(norms, loss, layers={159: {"h.0": 0.5, "h.1": 0.3}}))
+    assert [(a.step, a.severity, a.where, a.evidence) for a in found] == [(155, "info", "", ())]
+    assert "one-step spike" in found[0].message
+
+
+def test_lasting_explosion_with_a_loss_reaction_is_critical_and_located() -> None:
+    from trackdiag.rules.gradients import GradExplosion
+
+    norms = {s: 0.6 for s in range(200)}
+    loss = {s: 2.0 for s in range(200)}
+    for s in range(121, 200):
+        norms[s], loss[s] = 40.0 + s, 6.0 + s / 10
+    found = _judge(GradExplosion(), _norms(norms, loss, layers={129: {"h.0": 5.0, "h.1": 90.0}}))
+    assert [(a.step, a.severity) for a in found] == [(121, "critical")]
+    assert set(found[0].evidence) == {"persistent", "loss"} and found[0].where == "h.1"
+    assert "At step 129 the largest gradient is in h.1" in found[0].message
+
+
+def test_gradient_norm_starting_at_zero_is_not_a_division_by_zero() -> None:
+    """A component whose gradient is exactly 0 until its phase starts (greedy layer-wise): the rule
+    raised ZeroDivisionError and was switched off for every component."""
+    from trackdiag.rules.gradients import GradExplosion
+
+    norms = {s: (0.0 if s < 100 else 1.0 + 0.01 * (s % 7)) for s in range(200)}
+    found = _judge(GradExplosion(), _norms(norms, {s: 1.0 for s in range(200)}))
+    assert [a for a in found if a.severity != "info"] == []
+
+
+# ----------------------------------------------------------------------------- 3: labels a model shifts inside forward
+class TinyCausalLM(nn.Module):
+    """A causal LM that, like Hugging Face's, takes ``labels`` and shifts them inside ``forward``
+    (``shift=True``), or, like a nanoGPT fed ``y = x`` by mistake, compares position t with token t."""
+
+    def __init__(self, vocab: int, shift: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gpt, self.shift = CharGPT(vocab, block=32), shift
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, _ = self.gpt(input_ids)
+        if self.shift:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        else:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return logits, loss
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_labels_equal_to_inputs_are_a_leak_only_when_the_model_copies(tmp_path, shift: bool) -> None:
+    data, vocab = char_data()
+    model = TinyCausalLM(vocab, shift)
+    opt = gpt_optimizer(model, 3e-3)
+    diag = session(model, opt, tmp_path)
+    batches = char_batches(data, 32, 8)
+    with one_thread(), diag:
+        for _ in range(60):
+            x, _ = next(batches)
+            logits, loss = model(x, labels=x)  # the Hugging Face convention: labels=input_ids
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=logits, batch=(x, x))
+    leaks = [a for a in diag.alerts if a.kind == "label_leak"]
+    if shift:
+        assert leaks == [] and loud(diag) == []
+    else:
+        assert [(a.step, a.severity) for a in leaks] == [(0, "critical")]
+
+
+# ----------------------------------------------------------------------------- 4: objectives
+def test_two_losses_of_two_components_are_an_adversarial_set() -> None:
+    from trackdiag.objectives import Objectives
+
+    obj = Objectives("auto")
+    obj.observe({"": 1})
+    assert obj.of("") == "minimize"
+    obj.observe({"G": 1, "D": 2})
+    assert (obj.of("G"), obj.of("D")) == ("adversarial", "adversarial")
+    assert Objectives({"G": "minimize", "D": "auto"}).of("G") == "minimize"
+    assert Objectives("rl").of("") == "rl"
+
+
+def test_a_rising_loss_is_judged_only_where_it_should_fall() -> None:
+    """The same rising loss (a GAN generator's, an actor-critic's growing episodes): loss rules stay
+    silent under ``adversarial``/``rl``; minimised, the rise alone is an info finding."""
+    from trackdiag.objectives import Objectives
+    from trackdiag.rules.loss import LossDivergence
+
+    loss = {s: (2.0 - s / 100 if s < 60 else 1.4 + (s - 60) / 20) for s in range(300)}
+    norms = {s: 1.0 for s in range(300)}
+    for objective, expected in (("rl", []), ("adversarial", []), ("minimize", ["info"])):
+        rule = LossDivergence()
+        rule.objectives = Objectives(objective)
+        assert [a.severity for a in _judge(rule, _norms(norms, loss))] == expected, objective
+
+
+def test_objective_is_validated() -> None:
+    from trackdiag.config import resolve
+    from trackdiag.errors import ConfigError
+
+    assert resolve({"objective": {"G": "adversarial", "D": "adversarial"}})["objective"]["G"] == "adversarial"
+    with pytest.raises(ConfigError, match=r"diag.objective.G: 'adverserial' is not one of"):
+        resolve({"objective": {"G": "adverserial"}})
+
+
+# ----------------------------------------------------------------------------- 5 + 6 + 7: phases, frozen backbones, optimizers
+def test_greedy_phases_and_a_frozen_backbone_are_not_stale(tmp_path) -> None:
+    """Layer 2 waits (own optimizer, trained from step 60); layer 1 stops there; a frozen layer is in
+    an optimizer: phases and choices, recorded as info, nothing louder; the phase is recorded."""
+    xtr, ytr, _, _ = digits()
+    torch.manual_seed(0)
+    l1, l2, frozen, head = nn.Linear(64, 32), nn.Linear(32, 32), nn.Linear(64, 64), nn.Linear(32, 10)
+    frozen.requires_grad_(False)
+    model = nn.ModuleDict({"frozen": frozen, "l1": l1, "l2": l2, "head": head})
+    opt1 = torch.optim.AdamW([*frozen.parameters(), *l1.parameters(), *head.parameters()], lr=3e-3)
+    opt2 = torch.optim.AdamW([*l2.parameters(), *head.parameters()], lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    diag = session(model, [opt1, opt2], tmp_path)
+    with one_thread(), diag:
+        for step in range(160):
+            idx = torch.randint(len(xtr), (64,), generator=gen)
+            x, y = frozen(xtr[idx]), ytr[idx]
+            if step < 60:
+                out, opt = head(F.relu(l1(x))), opt1
+            else:
+                with torch.no_grad():
+                    h = F.relu(l1(x))
+                out, opt = head(F.relu(l2(h))), opt2
+            loss = F.cross_entropy(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=out, batch=(x, y))
+    assert loud(diag) == [], diag.alerts
+    stale = {a.where: a.severity for a in diag.alerts if a.kind == "stale_params"}
+    assert stale.get("frozen") == "info" and set(stale.values()) <= {"info"}
+    assert any(r.tables.get("diag/phase", {}).get("start") == 60.0 for r in read_records(diag.run.output_dir))
+
+
+def test_two_optimizers_over_one_model_are_one_component(tmp_path) -> None:
+    """SparseAdam for a sparse embedding + Adam for the rest, passed as a dict with one model: both
+    halves are optimized, no ``param_not_optimized``, no "no optimizer" note."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(50, 16, sparse=True), nn.Linear(16, 5)
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    opts = {"sparse": torch.optim.SparseAdam(list(emb.parameters()), lr=1e-2),
+            "dense": torch.optim.Adam(head.parameters(), lr=1e-2)}
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logging.getLogger("trackdiag").addHandler(handler)
+    try:
+        diag = session(model, opts, tmp_path)
+        with one_thread(), diag:
+            for _ in range(60):
+                idx = torch.randint(0, 50, (32,))
+                out = head(emb(idx))
+                loss = F.cross_entropy(out, idx % 5)
+                for o in opts.values():
+                    o.zero_grad()
+                loss.backward()
+                for o in opts.values():
+                    o.step()
+                diag.step(loss, outputs=out, batch=(idx, idx % 5))
+    finally:
+        logging.getLogger("trackdiag").removeHandler(handler)
+    assert [c.name for c in diag.components] == [""] and len(diag.components[0].optimizers) == 2
+    assert "param_not_optimized" not in {a.kind for a in diag.alerts} and loud(diag) == []
+    assert "no optimizer steps" not in stream.getvalue() and diag.summary()["notes"] == []
+
+
+# ----------------------------------------------------------------------------- 8: the smaller ones
+def test_model_built_on_meta_and_materialised_later_is_quiet(tmp_path) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logging.getLogger("trackdiag").addHandler(handler)
+    try:
+        diag = session(model, None, tmp_path)
+        model.to_empty(device="cpu")
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with diag:
+            for _ in range(40):
+                x = torch.randn(32, 8)
+                out = model(x)
+                loss = F.cross_entropy(out, x[:, :4].argmax(1))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                diag.step(loss, outputs=out, batch=(x, x[:, :4].argmax(1)))
+    finally:
+        logging.getLogger("trackdiag").removeHandler(handler)
+    assert "forward watcher failed" not in stream.getvalue()
+    assert loud(diag) == [] and diag.summary()["disabled_probes"] == {}
+
+
+class LayerScale(nn.Module):
+    """CaiT/ConvNeXt's LayerScale: a per-channel gain initialised at 1e-6 that training grows."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(1e-6 * torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+def test_rarely_touched_embedding_and_tiny_initialised_gain_are_not_update_alarms(tmp_path) -> None:
+    """Rows of a big embedding move <1e-6 of its norm per step (a Lightning run's healthy embedding);
+    a LayerScale gain initialised at 1e-6 moves by ~1000x its size at its first step: neither is an
+    alarm (the first is an info finding, the second is how such gains start)."""
+    torch.manual_seed(0)
+    emb, scale, head = nn.Embedding(100000, 32), LayerScale(32), nn.Linear(32, 5)
+    model = nn.ModuleDict({"emb": emb, "scale": scale, "head": head})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    diag = session(model, opt, tmp_path, level="extreme", probes={"landscape": {"enabled": False}})
+    with one_thread(), diag:
+        for _ in range(80):
+            idx = torch.randint(0, 8, (8,))
+            h = emb(idx)
+            out = head(h + scale(h))
+            loss = F.cross_entropy(out, idx % 5)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss)
+    ratios = [r.scalars for r in read_records(diag.run.output_dir) if "diag/update/ratio/emb" in r.scalars]
+    assert max(s["diag/update/ratio/emb"] for s in ratios[3:]) < 1e-6  # the old rule's "barely learning" line
+    assert max(s["diag/update/ratio/scale"] for s in ratios) > 10  # the old rule's "at once" line
+    assert "update_ratio" not in {k for k, _, _ in loud(diag)}
+    assert all(a.severity == "info" for a in diag.alerts if a.kind == "update_ratio")
+
+
+def test_host_memory_that_grows_unevenly_is_a_finding_a_steady_ramp_a_leak() -> None:
+    """Full-batch training's RSS (369 -> 475 MB, up and down: the allocator's arenas) against a kept
+    graph's (+5 MB at every reading, like the zoo's leak): only the steady ramp is a warning."""
+    from trackdiag.rules.memory import MemoryLeak
+
+    noisy = [369, 380, 375, 392, 400, 395, 410, 422, 418, 435, 445, 440, 458, 475]
+    steady = [475 + 5.0 * i for i in range(14)]
+    for rss, expected in ((noisy, "info"), (steady, "warning")):
+        rule, history, found = MemoryLeak(), [], []
+        for i, v in enumerate(rss):
+            rec = Record(step=20 + 10 * i, scalars={"diag/mem/rss_mb": float(v)})
+            found += rule.check(rec, history, [])
+            history.append(rec)
+        assert found and {a.severity for a in found} == {expected}, (expected, found)
+
+
+# ----------------------------------------------------------------------------- 9: a trainer that owns its optimizer
+def test_trainer_building_its_optimizer_in_run_gets_the_pre_clip_norm_at_step_0(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    returned = []
+    with session(model, None, tmp_path) as diag:
+        params = list(model.parameters())
+        opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=1e-3)
+        for _ in range(20):
+            x = torch.randn(32, 8) * 3
+            loss = F.cross_entropy(model(x), x[:, :4].argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            returned.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            opt.step()
+            diag.step(loss)
+    got = dict(series(diag, "diag/grad/global_norm"))
+    assert returned[0] > 1.5
+    assert all(got[s] == pytest.approx(v, rel=1e-5) for s, v in enumerate(returned))
