@@ -110,8 +110,8 @@ class AlertBook:
     def absorbing(self, alert: Alert) -> Incident | None:
         """The open critical dynamics incident ``alert`` is a consequence of, if any: it began at or
         before ``alert``'s step, is about another kind, and ``alert`` is not independent of it."""
-        if alert.kind in INDEPENDENT:
-            return None
+        if alert.kind in INDEPENDENT or alert.kind.startswith("nonfinite_"):
+            return None  # NaN/Inf is always told (the replay names its module); its own incident folds repeats
         for inc in reversed(self.incidents):
             a = inc.alert
             if (a.severity == "critical" and a.kind not in INDEPENDENT and a.kind != alert.kind

@@ -2,7 +2,9 @@
 
 A value is a spike when it is both far outside the recent spread and many times the recent
 level: ``v - mean >= z * std`` over the last ``window`` (128) non-zero values (OLMo-core's test) AND
-``v >= factor * max(mean, floor)`` (the guides' "10x the recent mean"), where ``floor`` is
+``v >= factor * max(level, floor)`` (the guides' "10x the recent mean"), where ``level`` is the median
+of the last 20 values (the window's mean early in training still holds the first, higher losses)
+and ``floor`` is
 ``floor_fraction`` (0.1) of the series' median over its first ``warmup`` (20) values, so a loss
 that has converged near zero does not turn every slightly worse batch into a "10x spike".
 
@@ -13,6 +15,7 @@ the logging step only: a deque of floats per series and running sums (O(1) per v
 """
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -23,8 +26,9 @@ class SpikeDetector:
     """See module docstring. ``feed(v)`` returns ``(is_spike, reference level)``."""
 
     def __init__(self, *, z: float = 6.0, factor: float = 10.0, window: int = 128, warmup: int = 20,
-                 floor_fraction: float = 0.1) -> None:
+                 floor_fraction: float = 0.1, level_of: int = 20) -> None:
         self.z, self.factor, self.warmup, self.floor_fraction = z, factor, max(2, warmup), floor_fraction
+        self.level_of = max(1, level_of)
         self.recent: deque[float] = deque(maxlen=max(window, self.warmup))
         self.first: list[float] = []
         self.floor = 0.0
@@ -41,7 +45,9 @@ class SpikeDetector:
         if n >= self.warmup:
             mean = self._sum / n
             std = math.sqrt(max(self._sq / n - mean * mean, 0.0))
-            ref = max(mean, self.floor)
+            # the level a jump is measured against: the median of the last ``level_of`` values (early in
+            # training the window's mean still holds the first, higher losses and hides a 30x jump)
+            ref = max(statistics.median(itertools.islice(reversed(self.recent), self.level_of)), self.floor)
             # ref > 0: a series that sat at exactly 0 (a layer not training yet) has no level to be a multiple of
             spike = ref > 0 and v - mean >= self.z * std and v >= self.factor * ref
         if spike:

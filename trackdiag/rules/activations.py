@@ -15,18 +15,20 @@ _FAMILIES = {"dead": "never activate (output <= 0)", "saturated": "sit saturated
 
 
 class DeadUnits(Rule):
-    """Fires when more than ``threshold`` (0.5) of an activation module's units were inactive on every
-    sample of the ``activations`` probe's window, at ``patience`` (2) consecutive measurements.
-    ``where`` is the module; ``step`` the first measurement of the streak."""
+    """More than ``threshold`` (0.5) of an activation module's units inactive (or saturated) on every
+    sample of the ``activations`` probe's window, at ``patience`` (2) consecutive measurements: an
+    ``info`` finding (healthy ReLU networks, regression heads above all, often run half their units
+    dead). More than ``severe`` (0.9) at ``patience`` measurements is ``persistent``: the layer has
+    all but stopped passing signal. ``where`` is the module; ``step`` the first measurement."""
 
     kind = "dead_units"
     hint = ("Dead ReLUs: lower the learning rate, check the init and the bias before the activation (a large negative "
             "bias kills units), use LeakyReLU/GELU, add normalisation (BatchNorm/LayerNorm) before the activation. "
             "Saturated sigmoid/tanh: normalise the inputs, use Xavier init, prefer ReLU-family activations.")
 
-    def __init__(self, *, threshold: float = 0.5, patience: int = 2, **kw: Any) -> None:
+    def __init__(self, *, threshold: float = 0.5, severe: float = 0.9, patience: int = 2, **kw: Any) -> None:
         super().__init__(**kw)
-        self.threshold, self.patience = threshold, patience
+        self.threshold, self.severe, self.patience = threshold, severe, patience
         self._streaks = Streaks(patience)
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
@@ -34,13 +36,14 @@ class DeadUnits(Rule):
         for comp in components:
             for fam, what in _FAMILIES.items():
                 for module, frac in layer_values(record, comp.key(f"act/{fam}_fraction")).items():
-                    key = f"{comp.name}|{fam}|{module}"
-                    if not self._streaks.bump(key, math.isfinite(frac) and frac > self.threshold, record.step):
-                        continue
-                    where = layer_label(comp, module)
-                    msg = (f"{frac:.0%} of the units of {where} {what} over every sampled batch, for "
-                           f"{self.patience} consecutive measurements.")
-                    out.append(self.make(self._streaks.start(key), msg, frac, self.threshold, where, ["persistent"]))
+                    for level, line, ev in ((1, self.threshold, []), (2, self.severe, ["persistent"])):
+                        key = f"{comp.name}|{fam}|{module}|{level}"
+                        if not self._streaks.bump(key, math.isfinite(frac) and frac > line, record.step):
+                            continue
+                        where = layer_label(comp, module)
+                        msg = (f"{frac:.0%} of the units of {where} {what} over every sampled batch, for "
+                               f"{self.patience} consecutive measurements.")
+                        out.append(self.make(self._streaks.start(key), msg, frac, line, where, ev))
         return out
 
     def state_dict(self) -> dict[str, Any]:

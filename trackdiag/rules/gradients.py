@@ -62,8 +62,9 @@ class GradExplosion(Rule):
     than ``spike_z`` (6) standard deviations above the mean of the last ``window`` (128) norms AND
     more than ``spike_factor`` (10) x that mean (floored at ``floor_fraction``, 0.1, of the first
     ``warmup``, 20, norms). Judged ``settle`` (5) steps later: ``persistent`` when at least 3 of them
-    stay above ``persist_factor`` (3) x the old level; ``loss`` when the loss rose or went non-finite
-    meanwhile (:func:`~trackdiag.rules._recent.reacted`); ``weights`` when an update-to-weight ratio
+    stay above ``persist_factor`` (3) x the old level; ``loss`` when the loss of the following
+    steps rose or went non-finite (:func:`~trackdiag.rules._recent.reacted`; the spike step's own loss
+    does not count: an unusual batch has a high loss and a high gradient at once); ``weights`` when an update-to-weight ratio
     above 1 was measured. ``threshold`` / ``layer_threshold`` (default none): absolute lines of your
     own, crossing them counts as ``corroborated``. ``step`` is the exact step; ``where`` names the
     largest layer only when per-layer norms were measured at that step."""
@@ -128,7 +129,7 @@ class GradExplosion(Rule):
         evidence = []
         if high >= min(3, max(len(after), 1)) and after:
             evidence.append("persistent")
-        if reacted(st.loss, step, self.settle):
+        if reacted(st.loss, step + 1, self.settle - 1):  # after it: an odd batch has a high loss of its own
             evidence.append("loss")
         if weights_moved([*history, record], comp, step, step + self.settle):
             evidence.append("weights")

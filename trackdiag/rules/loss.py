@@ -44,8 +44,9 @@ class LossSpike(Rule):
     mean of the last ``window``, 128, losses AND more than ``factor``, 10, x that mean, floored at
     ``floor_fraction``, 0.1, of the first ``warmup``, 20, losses). Judged ``settle`` (5) steps later:
     ``persistent`` when at least 3 of them stay above 3x the old level; ``corroborated`` when the
-    gradient norm jumped at the same step (5x its level). A lone spike the run shrugged off is an
-    ``info`` finding (one odd batch)."""
+    gradient norm stays above 5x its level in at least 3 of them (at the spike step itself a high
+    gradient is the same odd batch, not a second signal). A lone spike the run shrugged off is an
+    ``info`` finding."""
 
     kind = "loss_spike"
     hint = ("Lower the learning rate or add warm-up, clip gradients, inspect the samples of this step's "
@@ -59,6 +60,7 @@ class LossSpike(Rule):
         self._spikes: dict[str, SpikeDetector] = {}
         self._series: dict[str, _Series] = {}
         self._pending: dict[str, list[tuple[int, float, float]]] = {}
+        self._episode: dict[str, float] = {}  # the level before the jump being followed (0: none)
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         return self._judge(record, final=False)
@@ -74,6 +76,7 @@ class LossSpike(Rule):
             ps = phase_start(record)
             if ps >= 0:  # a new phase: its loss is judged against its own history
                 self._spikes.pop(key, None), self._series.pop(key, None), self._pending.pop(key, None)
+                self._episode.pop(key, None)
                 points = [p for p in points if p[0] >= ps]
             det = self._spikes.setdefault(key, SpikeDetector(**self.spike))
             ser = self._series.setdefault(key, _Series())
@@ -82,7 +85,11 @@ class LossSpike(Rule):
             pend = self._pending.setdefault(key, [])
             for step, v in points:
                 spike, ref = det.feed(v)
-                if spike and not (pend and step <= pend[-1][0] + self.settle):
+                level = self._episode.get(key, 0.0)
+                if level > 0 and math.isfinite(v) and v < 3 * level:
+                    self._episode[key] = level = 0.0  # back to its level: a later jump is a new incident
+                if spike and level == 0.0:
+                    self._episode[key] = ref
                     pend.append((step, v, ref))
             while pend and (final or pend[0][0] + self.settle <= ser.loss.last_step):
                 out.append(self._verdict(key, ser, *pend.pop(0)))
@@ -94,10 +101,11 @@ class LossSpike(Rule):
         evidence = []
         if after and sum(x >= 3 * ref or not math.isfinite(x) for x in after) >= min(3, len(after)):
             evidence.append("persistent")
-        g_at, g_level = ser.grad.between(step, step), ser.grad.level(step)
-        if g_at and math.isfinite(g_level) and g_level > 0 and (g_at[0] >= 5 * g_level or not math.isfinite(g_at[0])):
+        # the gradient norm staying high after the step (not at it: an odd batch has both at once)
+        g_after, g_level = ser.grad.between(step + 1, step + self.settle), ser.grad.level(step)
+        if g_after and g_level > 0 and sum(g >= 5 * g_level or not math.isfinite(g) for g in g_after) >= min(3, len(g_after)):
             evidence.append("corroborated")
-        tail = {"persistent": "it stayed high", "corroborated": "the gradient norm jumped with it"}
+        tail = {"persistent": "it stayed high", "corroborated": "the gradient norm stayed high after it"}
         how = ("; " + ", ".join(tail[e] for e in evidence)) if evidence else f"; the next {self.settle} steps were back to normal"
         msg = f"loss {v:.4g} is {v / ref:.1f}x its recent average {ref:.4g}{how}."
         return self.make(step, msg, v, self.factor * ref, loss_where(key), evidence)

@@ -1,0 +1,112 @@
+"""One incident, one alert (issue 30 items 3-4): repeats and consequences of an open incident are
+folded into it with a count and a last step; a gradient-norm collapse is judged like an explosion."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import trackdiag
+from _zoo_a import digits, one_thread, quiet_probes
+from trackdiag.alert import Alert
+from trackdiag.alerting import AlertBook
+from trackdiag.record import Record
+
+
+class Poison(nn.Module):
+    """Multiplies by ``log(1 - fault)``: NaN/-inf once the fault buffer is 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("fault", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.log1p(-self.fault) * 0 if not self.fault.item() else x * torch.log1p(-self.fault)
+
+
+def test_a_nan_that_never_recovers_is_one_alert_and_its_consequences_are_folded(tmp_path) -> None:
+    """A NaN from step 100 to the end with validation every 20 steps: one ``nonfinite_loss`` alert whose
+    count and last step grow (54000e6: an evaluation record closed the incident, and the alert came back
+    every 100 steps; dead units on the NaN activations were raised as a new fault)."""
+    xtr, ytr, xva, yva = digits()
+    torch.manual_seed(0)
+    poison = Poison()
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), poison, nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(0)
+    diag = trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                 probes=quiet_probes())
+    with one_thread(), diag:
+        for step in range(400):
+            poison.fault.fill_(1.0 if step >= 100 else 0.0)
+            idx = torch.randint(len(xtr), (64,), generator=gen)
+            out = model(xtr[idx])
+            loss = F.cross_entropy(out, ytr[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=out, batch=(xtr[idx], ytr[idx]))
+            if step % 20 == 19:
+                with torch.no_grad():
+                    diag.log_eval(loss=F.cross_entropy(model(xva), yva).item())
+    after = [(a.kind, a.step) for a in diag.alerts if a.step >= 100 and a.severity != "info"]
+    assert after == [("nonfinite_loss", 100)], diag.alerts
+    nan = next(a for a in diag.alerts if a.kind == "nonfinite_loss")
+    assert nan.count > 10 and nan.last_step >= 390
+    incident = next(i for i in diag.summary()["incidents"] if i["kind"] == "nonfinite_loss")
+    assert incident["count"] == nan.count and incident["last_step"] == nan.last_step
+
+
+def _finding(kind: str, step: int, severity: str = "warning", where: str = "") -> Alert:
+    return Alert(kind, step, severity, "m", where=where, last_step=step)
+
+
+def test_incident_book_folds_repeats_reraises_when_it_worsens_or_comes_back() -> None:
+    book = AlertBook()
+    assert book.admit(_finding("loss_spike", 10), quiet=100)
+    assert not book.admit(_finding("loss_spike", 60), quiet=100)  # the same incident, still open
+    assert book.admit(_finding("loss_spike", 90, "critical"), quiet=100)  # worsened: raised again
+    assert not book.admit(_finding("loss_spike", 150, "warning"), quiet=100)
+    assert book.admit(_finding("loss_spike", 400), quiet=100)  # quiet for 250 steps: it came back
+    assert [(a.step, a.count, a.last_step) for a in book.alerts] == [(10, 2, 60), (90, 2, 150), (400, 1, 400)]
+    root = book.absorbing(_finding("dead_units", 420))
+    assert root is None  # a warning incident absorbs nothing
+    book.admit(_finding("grad_explosion", 500, "critical"), quiet=100)
+    root = book.absorbing(_finding("dead_units", 520))
+    assert root is not None and root.alert.kind == "grad_explosion"
+    book.suppress(_finding("dead_units", 520), root)
+    assert book.summary()[-1]["consequences"] == {"dead_units": 1}
+    assert book.absorbing(_finding("label_leak", 530)) is None  # set-up and data findings stand on their own
+    assert book.absorbing(_finding("nonfinite_loss", 530)) is None  # a NaN is always told
+
+
+def _judge(rule: Any, grad: dict[int, float], loss: dict[int, float], every: int = 10) -> list[Alert]:
+    from trackdiag.components import build_components
+
+    comps = build_components(nn.Linear(2, 2), None, 64)
+    found: list[Alert] = []
+    history: list[Record] = []
+    for end in range(every - 1, max(grad) + 1, every):
+        window = [s for s in sorted(grad) if end - every < s <= end]
+        rec = Record(step=end, series={"diag/grad/global_norm": [(s, grad[s]) for s in window],
+                                       "diag/loss": [(s, loss[s]) for s in window]})
+        found += rule.check(rec, history, comps)
+        history.append(rec)
+    return found
+
+
+def test_gradient_norm_collapse_with_a_flat_loss_is_a_warning_and_convergence_is_not() -> None:
+    """LR x1000 under BatchNorm: the weights grow, the pre-clip norm falls 70-fold in a few steps
+    (7 -> 0.1) while the loss stays; a run converging (norm and loss falling together, slowly) is not."""
+    from trackdiag.rules.gradients import GradVanishing
+
+    stuck_g = {s: 7.0 + 0.3 * ((s * 7) % 5) if s < 120 else 0.1 + 0.01 * (s % 3) for s in range(200)}
+    stuck_l = {s: 1.2 + 0.05 * ((s * 3) % 4) for s in range(200)}
+    found = _judge(GradVanishing(), stuck_g, stuck_l)
+    assert [(a.kind, a.severity) for a in found] == [("grad_vanishing", "critical")]
+    assert 118 <= found[0].step <= 125 and set(found[0].evidence) == {"persistent", "loss"}
+    conv_g = {s: 7.0 * 0.985 ** s for s in range(300)}
+    conv_l = {s: 2.3 * 0.985 ** s for s in range(300)}
+    assert _judge(GradVanishing(), conv_g, conv_l) == []
