@@ -30,6 +30,8 @@ STYLE_NAMES: tuple[str, ...] = (
     "distillation",
     "lbfgs_closure",
     "trainer_owned_optimizer",
+    "amp_bf16",
+    "accelerate_cv",
 )
 
 

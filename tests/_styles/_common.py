@@ -146,9 +146,9 @@ def lr_scale(fault: str | None, step: int, onset: int) -> float:
 def bump_lr(opt: torch.optim.Optimizer, factor: float, scheduler: Any = None) -> None:
     """Multiply every group's learning rate (and a scheduler's base rates, which it recomputes from)."""
     for g in opt.param_groups:
-        g["lr"] *= factor
-        if "initial_lr" in g:
-            g["initial_lr"] *= factor
+        for key in ("lr", "initial_lr", "max_lr", "min_lr"):  # OneCycleLR recomputes from max_lr/min_lr
+            if key in g:
+                g[key] *= factor
     if scheduler is not None and hasattr(scheduler, "base_lrs"):
         scheduler.base_lrs = [b * factor for b in scheduler.base_lrs]
 
