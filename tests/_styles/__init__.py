@@ -32,6 +32,8 @@ STYLE_NAMES: tuple[str, ...] = (
     "trainer_owned_optimizer",
     "amp_bf16",
     "accelerate_cv",
+    "lightning_ae",
+    "multitask",
 )
 
 
