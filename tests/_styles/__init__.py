@@ -34,6 +34,7 @@ STYLE_NAMES: tuple[str, ...] = (
     "accelerate_cv",
     "lightning_ae",
     "multitask",
+    "word2vec_sgns",
 )
 
 

@@ -108,10 +108,11 @@ class NanGate(nn.Module):
         super().__init__()
         self.inner = inner
         self.register_buffer("fault", torch.zeros(()), persistent=False)
+        self.armed = False  # mirrors the buffer: the healthy graph stays exactly the style's
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.inner(*args, **kwargs)
-        if not self.fault.item():  # one CPU read: keeps the healthy graph as the style wrote it
+        if not self.armed:
             return out
         bad = torch.log1p(-self.fault)  # log(1 - 1) = log(0) = -inf when armed
         if isinstance(out, tuple):
@@ -119,7 +120,9 @@ class NanGate(nn.Module):
         return out + (bad - bad)
 
     def arm(self, on: bool) -> None:
-        self.fault.fill_(1.0 if on else 0.0)
+        if on != self.armed:
+            self.fault.fill_(1.0 if on else 0.0)
+            self.armed = on
 
 
 def check_fault(fault: str | None, faults: dict[str, str]) -> None:

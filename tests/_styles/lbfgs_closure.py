@@ -1,7 +1,7 @@
 """Full-batch L-BFGS with a closure, as PyTorch's ``examples/time_sequence_prediction`` drives its
 model and as scikit-learn's ``MLPClassifier(solver="lbfgs")`` is often re-written in PyTorch: the
 whole breast-cancer training table every step, an MLP with a single logit, ``BCEWithLogitsLoss``
-plus an L2 penalty inside the closure, ``optim.LBFGS(lr=1, max_iter=4, history_size=10,
+plus an L2 penalty inside the closure, ``optim.LBFGS(lr=1, max_iter=3, history_size=10,
 line_search_fn="strong_wolfe")`` and ``loss = optimizer.step(closure)``; validation every 20 steps.
 
 Mechanisms: several forward/backward passes per optimizer step (the closure), a quasi-Newton step
@@ -56,7 +56,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     model = Classifier()
     model.hidden = NanGate(model.hidden)
     criterion = nn.BCEWithLogitsLoss()
-    optimizer = torch.optim.LBFGS(model.parameters(), lr=1.0 * (1000 if fault == "lr_start" else 1), max_iter=4,
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=1.0 * (1000 if fault == "lr_start" else 1), max_iter=3,
                                   history_size=10, line_search_fn="strong_wolfe")
     accs: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)
