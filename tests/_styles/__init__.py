@@ -30,6 +30,11 @@ STYLE_NAMES: tuple[str, ...] = (
     "distillation",
     "lbfgs_closure",
     "trainer_owned_optimizer",
+    "amp_bf16",
+    "accelerate_cv",
+    "lightning_ae",
+    "multitask",
+    "word2vec_sgns",
 )
 
 

@@ -108,10 +108,11 @@ class NanGate(nn.Module):
         super().__init__()
         self.inner = inner
         self.register_buffer("fault", torch.zeros(()), persistent=False)
+        self.armed = False  # mirrors the buffer: the healthy graph stays exactly the style's
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.inner(*args, **kwargs)
-        if not self.fault.item():  # one CPU read: keeps the healthy graph as the style wrote it
+        if not self.armed:
             return out
         bad = torch.log1p(-self.fault)  # log(1 - 1) = log(0) = -inf when armed
         if isinstance(out, tuple):
@@ -119,7 +120,9 @@ class NanGate(nn.Module):
         return out + (bad - bad)
 
     def arm(self, on: bool) -> None:
-        self.fault.fill_(1.0 if on else 0.0)
+        if on != self.armed:
+            self.fault.fill_(1.0 if on else 0.0)
+            self.armed = on
 
 
 def check_fault(fault: str | None, faults: dict[str, str]) -> None:
@@ -146,9 +149,9 @@ def lr_scale(fault: str | None, step: int, onset: int) -> float:
 def bump_lr(opt: torch.optim.Optimizer, factor: float, scheduler: Any = None) -> None:
     """Multiply every group's learning rate (and a scheduler's base rates, which it recomputes from)."""
     for g in opt.param_groups:
-        g["lr"] *= factor
-        if "initial_lr" in g:
-            g["initial_lr"] *= factor
+        for key in ("lr", "initial_lr", "max_lr", "min_lr"):  # OneCycleLR recomputes from max_lr/min_lr
+            if key in g:
+                g[key] *= factor
     if scheduler is not None and hasattr(scheduler, "base_lrs"):
         scheduler.base_lrs = [b * factor for b in scheduler.base_lrs]
 

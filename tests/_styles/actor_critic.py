@@ -3,7 +3,7 @@
 value head, actions sampled from ``Categorical(probs)`` one state at a time, and **one optimizer step
 per episode** on the loss summed over the episode's steps (policy terms ``-log_prob * advantage`` on
 normalised returns + ``smooth_l1_loss`` value terms). Adam at lr 3e-2 as in the example; episodes are
-capped at 50 steps (``max_episode_steps``) to keep the run short (a single-state forward, a
+capped at 40 steps (``max_episode_steps``) to keep the run short (a single-state forward, a
 ``Categorical`` and its share of the backward cost ~0.4 ms per environment step here).
 
 Mechanisms: an objective that is not a loss to minimise (the summed loss grows as episodes get
@@ -37,7 +37,7 @@ FAULTS = {
 }
 SavedAction = namedtuple("SavedAction", ["log_prob", "value"])
 EPS = float(np.finfo(np.float32).eps)
-MAX_EPISODE_STEPS = 50
+MAX_EPISODE_STEPS = 40
 
 
 class Policy(nn.Module):

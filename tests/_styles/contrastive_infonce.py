@@ -31,7 +31,7 @@ FAULTS = {
     "eval_mode": "model.eval() left on (BatchNorm frozen at init statistics)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
 }
-BATCH, N_VIEWS, TEMPERATURE = 32, 2, 0.07
+BATCH, N_VIEWS, TEMPERATURE = 24, 2, 0.07
 
 
 class ResNetSimCLR(nn.Module):

@@ -33,6 +33,7 @@ FAULTS = {
 }
 SIZES = (64, 48, 32, 16)
 LR = 3e-3
+PHASE = 60  # steps per pretraining phase
 ACT = torch.relu
 
 
@@ -70,7 +71,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
                   for k in range(len(model.encoders))]
     finetune_opt = torch.optim.Adam([*model.encoders.parameters(), *model.classifier.parameters()], lr=lr)
     optimizers = [*layer_opts, finetune_opt]
-    phase_len = max(1, steps // 5)
+    phase_len = PHASE
     loader = batches(xtr, ytr, 32, gen)
     accs: list[float] = []
     diag = session(model, optimizers, out, level, **diag_overrides)

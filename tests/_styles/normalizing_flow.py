@@ -31,7 +31,7 @@ FAULTS = {
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
 }
-NUM_SAMPLES = 256
+NUM_SAMPLES = 128
 
 
 def two_moons(n: int, gen: torch.Generator, noise: float = 0.05, scale: float = 0.5) -> torch.Tensor:

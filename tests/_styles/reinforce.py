@@ -1,7 +1,7 @@
 """REINFORCE on gymnasium's CartPole in the style of PyTorch's
 ``examples/reinforcement_learning/reinforce.py``: a policy with Dropout(0.6), ``Categorical(probs)``
 sampling one state at a time, returns normalised to zero mean and unit variance, and one Adam step
-(lr 1e-2) per episode on ``sum(-log_prob * return)``. Episodes are capped at 50 steps.
+(lr 1e-2) per episode on ``sum(-log_prob * return)``. Episodes are capped at 40 steps.
 
 Mechanisms: a policy-gradient "loss" that is not a loss (normalised returns make it hover around
 zero and go **negative**; its value says nothing about progress: the episode reward does), one
@@ -32,7 +32,7 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
 }
 EPS = float(np.finfo(np.float32).eps)
-MAX_EPISODE_STEPS = 50
+MAX_EPISODE_STEPS = 40
 
 
 class Policy(nn.Module):

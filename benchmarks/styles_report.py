@@ -1,0 +1,201 @@
+"""The breadth corpus (``tests/_styles``) as tables: every style x preset x seed healthy, and with
+``--faults`` every style x supported fault, against this checkout's trackdiag.
+
+Prints (a) a markdown table style x preset -> the warning-or-worse alerts of the healthy runs as
+``kind(severity)@step`` per seed (or "none"), and with ``--faults`` (c) a table style x fault -> the
+first warning-or-worse alert: ``kind +named/+raised`` (steps after the onset of the step the alert
+names / of the logging step that raised it), "missed", or "n/a". ``--json`` writes (b): every alert
+(kind, severity, step, where, message, value, threshold), wall and CPU seconds and progress per run,
+and for healthy runs the every-step series the local record holds (``diag/loss``,
+``diag/grad/global_norm``, per component under dict models), per-layer update ratios and eval metrics
+at the logging steps: the material to calibrate relative thresholds on.
+
+Usage: python benchmarks/styles_report.py [--styles a,b] [--presets basic,advanced,extreme]
+       [--seeds 0,1] [--steps 300] [--faults [f1,f2]] [--fault-level advanced] [--json out.json] [--jobs 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import multiprocessing
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's trackdiag, and the corpus
+
+from _styles import STYLE_NAMES, load  # noqa: E402
+from _styles._common import ALL_FAULTS, SEVERITY  # noqa: E402
+
+ONSET = 40
+
+
+def fault_steps(fault: str, steps: int) -> int:
+    return steps if fault in ("tiny_subset", "shuffled_labels", "eval_mode") else min(steps, ONSET + 60)
+
+
+def _num(v: Any) -> Any:
+    return v if not isinstance(v, float) or math.isfinite(v) else str(v)
+
+
+def _alert(a: Any, raised: int | None = None) -> dict[str, Any]:
+    d = {"kind": a.kind, "severity": a.severity, "step": a.step, "where": a.where, "message": a.message,
+         "value": _num(a.value) if isinstance(a.value, (int, float)) else a.value,
+         "threshold": _num(a.threshold) if isinstance(a.threshold, (int, float)) else a.threshold}
+    if raised is not None:
+        d["raised_at"] = raised
+    return d
+
+
+def _series(run_dir: Path) -> dict[str, Any]:
+    """Every-step series, update ratios and eval metrics from the local record."""
+    from trackdiag.sinks.local import read_records
+
+    series: dict[str, dict[int, float]] = {}
+    logged: dict[str, dict[int, float]] = {}
+    tables: dict[str, list[Any]] = {}
+    for rec in read_records(run_dir):
+        for k, pts in rec.series.items():
+            series.setdefault(k, {}).update(pts)
+        for k, v in rec.scalars.items():
+            if "/update/" in k or "/eval/" in k:
+                logged.setdefault(k, {})[rec.step] = v
+        for k, t in rec.tables.items():
+            if "update" in k:
+                tables.setdefault(k, []).append([rec.step, {r: _num(v) for r, v in t.items()}])
+    pack = lambda d: [[s, _num(v)] for s, v in sorted(d.items())]  # noqa: E731
+    return {"every_step": {k: pack(v) for k, v in series.items()}, "logging_steps": {k: pack(v) for k, v in logged.items()},
+            "tables": tables}
+
+
+def run_case(job: tuple[str, str, int, str | None, int]) -> dict[str, Any]:
+    style, level, seed, fault, steps = job
+    logging.getLogger("trackdiag").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    mod = load(style)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0, c0 = time.perf_counter(), time.process_time()
+        run = mod.run(Path(tmp), level=level, seed=seed, steps=steps, fault=fault, onset=ONSET)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        raised = {id(a): run.raised_at(a) for a in run.alerts("warning")}
+        first = run.first("warning")
+        after = min((a for a in run.alerts("warning") if a.step >= max(run.onset, 0)), key=lambda a: a.step, default=None)
+        row: dict[str, Any] = {
+            "style": style, "preset": level, "seed": seed, "fault": fault or "healthy", "steps": steps,
+            "onset": run.onset, "culprit": run.culprit, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+            "error": run.error, "disabled_probes": run.diag.summary()["disabled_probes"],
+            "progress": None if run.progress is None else {**{k: _num(v) for k, v in vars(run.progress).items()},
+                                                          "learned": run.progress.learned},
+            "alerts": [_alert(a, raised.get(id(a))) for a in run.diag.alerts],
+            "first": None if first is None else _alert(first, raised[id(first)]),
+            "first_after_onset": None if after is None else _alert(after, raised[id(after)]),
+        }
+        if fault is None:
+            row["series"] = _series(run.run_dir)
+    return row
+
+
+def _cell_healthy(rows: list[dict[str, Any]]) -> str:
+    parts = []
+    for row in sorted(rows, key=lambda r: r["seed"]):
+        groups: dict[tuple[str, str], list[int]] = {}
+        for a in row["alerts"]:
+            if SEVERITY[a["severity"]] >= SEVERITY["warning"]:
+                groups.setdefault((a["kind"], a["severity"]), []).append(a["step"])
+        text = ", ".join(f"{k}({s})@{','.join(map(str, st))}" for (k, s), st in groups.items()) or "none"
+        if row["error"]:
+            text += f" [died: {row['error'][:60]}]"
+        parts.append(f"s{row['seed']}: {text}")
+    return "<br>".join(parts)
+
+
+def _cell_fault(row: dict[str, Any]) -> str:
+    """``kind +named/+raised``; an earlier false alarm is shown before the first alert from the onset on."""
+    died = f" (script died: {row['error'].split(':')[0]})" if row["error"] else ""
+    onset = row["onset"]
+
+    def fmt(a: dict[str, Any]) -> str:
+        where = f" `{a['where'][:40]}`" if row["fault"] in ("nan", "crash_nan") else ""
+        return f"{a['kind']} +{a['step'] - onset}/+{a['raised_at'] - onset}{where}"
+
+    first, after = row["first"], row["first_after_onset"]
+    if first is None:
+        return f"missed{died}"
+    if first["step"] >= onset:
+        return fmt(first) + died
+    early = f"before: {first['kind']}@{first['step']}"
+    return f"{early}; then {fmt(after) if after else 'missed'}{died}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--styles", default=",".join(STYLE_NAMES))
+    ap.add_argument("--presets", default="basic,advanced,extreme")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--faults", nargs="?", const=",".join(ALL_FAULTS), default=None,
+                    help="also run the planted faults (all supported ones, or this comma list)")
+    ap.add_argument("--fault-level", default="advanced")
+    ap.add_argument("--no-healthy", action="store_true", help="only the faults")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--jobs", type=int, default=1, help="cases at once, each worker a fresh process")
+    args = ap.parse_args()
+    styles = args.styles.split(",")
+    presets = args.presets.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    jobs: list[tuple[str, str, int, str | None, int]] = []
+    if not args.no_healthy:
+        jobs += [(s, p, seed, None, args.steps) for s in styles for p in presets for seed in seeds]
+    faults = args.faults.split(",") if args.faults else []
+    jobs += [(s, args.fault_level, 0, f, fault_steps(f, args.steps)) for s in styles for f in faults
+             if f in load(s).FAULTS]
+    t0 = time.perf_counter()
+    if args.jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            rows = pool.map(run_case, jobs, chunksize=1)
+    else:
+        rows = []
+        for job in jobs:
+            rows.append(run_case(job))
+            r = rows[-1]
+            print(f"# {r['style']:24} {r['preset']:8} seed={r['seed']} {r['fault']:16} {r['wall_s']:6.2f}s "
+                  f"cpu {r['cpu_s']:5.2f}s first={_cell_fault(r)}", file=sys.stderr, flush=True)
+    total = time.perf_counter() - t0
+    healthy = [r for r in rows if r["fault"] == "healthy"]
+    if healthy:
+        print(f"\n### Healthy runs: warning-or-worse alerts ({args.steps} steps, seeds {args.seeds})\n")
+        print("| style | " + " | ".join(presets) + " |")
+        print("|---|" + "---|" * len(presets))
+        for s in styles:
+            cells = [_cell_healthy([r for r in healthy if r["style"] == s and r["preset"] == p]) for p in presets]
+            print(f"| {s} | " + " | ".join(cells) + " |")
+        by_preset = {p: sum(r["wall_s"] for r in healthy if r["preset"] == p) for p in presets}
+        print(f"\nwall seconds per preset: {json.dumps({p: round(v, 1) for p, v in by_preset.items()})}")
+    fault_rows = [r for r in rows if r["fault"] != "healthy"]
+    if fault_rows:
+        cols = [f for f in ALL_FAULTS if f in faults]
+        print(f"\n### Planted faults at step {ONSET} (`{args.fault_level}`, seed 0): first warning-or-worse alert, "
+              "+steps to the step named / to the logging step that raised it\n")
+        print("| style | " + " | ".join(cols) + " |")
+        print("|---|" + "---|" * len(cols))
+        for s in styles:
+            cells = []
+            for f in cols:
+                match = [r for r in fault_rows if r["style"] == s and r["fault"] == f]
+                cells.append(_cell_fault(match[0]) if match else "n/a")
+            print(f"| {s} | " + " | ".join(cells) + " |")
+    print(f"\n{len(rows)} runs in {total:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"steps": args.steps, "onset": ONSET, "seconds": round(total, 1),
+                                               "runs": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

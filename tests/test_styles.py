@@ -1,0 +1,81 @@
+"""The breadth corpus (``tests/_styles``): training loops in many public styles, trackdiag wired in
+as the README shows.
+
+- Healthy: every style at ``basic``, ``advanced`` and ``extreme``, seeds 0 and 1, 300 steps: the run
+  learns (its own progress measure), no probe is disabled, and **no alert of warning or worse**.
+- Planted faults (``slow``): ``nan``, ``lr1000`` and ``no_zero`` wherever a style supports them,
+  planted at step 40: the first warning-or-worse alert names a step in [40, 50], is raised by a
+  logging step <= 50, is of a kind that diagnoses the fault, and for ``nan`` is ``nonfinite_loss``
+  whose ``where`` names the module the NaN was made in.
+
+These targets are the alert engine's, not the corpus's: on the engine the corpus was written
+against (main 54000e6) many of them fail; CORPUS_BASELINE.md lists which. One style alone:
+``pytest tests/test_styles.py -k vae_sum``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from _styles import STYLE_NAMES, load
+from _styles._common import ALL_FAULTS
+
+PRESETS = ("basic", "advanced", "extreme")
+SEEDS = (0, 1)
+STEPS = 300
+ONSET = 40
+#: the faults whose detection is tested, and the alert kinds that count as diagnosing each
+EXPECTED = {
+    "nan": {"nonfinite_loss"},
+    "lr1000": {"grad_explosion", "loss_spike", "loss_divergence", "nonfinite_loss", "nonfinite_grad",
+               "nonfinite_param", "update_ratio"},
+    "no_zero": {"grads_not_zeroed"},
+}
+HEALTHY = [(s, p, seed) for s in STYLE_NAMES for p in PRESETS for seed in SEEDS]
+FAULTY = [(s, f) for s in STYLE_NAMES for f in EXPECTED if f in load(s).FAULTS]
+
+
+def describe(alerts: list[Any]) -> str:
+    return "\n".join(f"    {a.kind}({a.severity}) @{a.step} where={a.where!r}: {a.message}" for a in alerts)
+
+
+@pytest.mark.parametrize("style", STYLE_NAMES)
+def test_style_declares_its_contract(style: str) -> None:
+    mod = load(style)
+    assert mod.NAME == style
+    assert mod.DESCRIPTION and "\n" not in mod.DESCRIPTION
+    assert mod.__doc__ and "Mechanisms:" in mod.__doc__, "the docstring names the style and its mechanisms"
+    assert set(mod.FAULTS) <= set(ALL_FAULTS), sorted(set(mod.FAULTS) - set(ALL_FAULTS))
+    assert all(isinstance(v, str) and v for v in mod.FAULTS.values())
+
+
+@pytest.mark.parametrize("style,preset,seed", HEALTHY, ids=[f"{s}-{p}-seed{seed}" for s, p, seed in HEALTHY])
+def test_healthy_style_raises_no_warning(tmp_path, style: str, preset: str, seed: int) -> None:
+    run = load(style).run(tmp_path, level=preset, seed=seed, steps=STEPS)
+    problems: list[str] = []
+    progress = run.progress
+    if progress is None or not progress.learned:
+        problems.append(f"  the run did not learn: {progress}")
+    disabled = run.diag.summary()["disabled_probes"]
+    if disabled:
+        problems.append(f"  probes disabled: {disabled}")
+    bad = run.alerts("warning")
+    if bad:
+        problems.append(f"  {len(bad)} alert(s) of warning or worse on a healthy run:\n{describe(bad)}")
+    assert not problems, f"{style} / {preset} / seed {seed}:\n" + "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style,fault", FAULTY, ids=[f"{s}-{f}" for s, f in FAULTY])
+def test_planted_fault_is_caught_within_10_steps(tmp_path, style: str, fault: str) -> None:
+    run = load(style).run(tmp_path, level="advanced", seed=0, steps=ONSET + 30, fault=fault, onset=ONSET)
+    first = run.first("warning")
+    head = f"{style} / {fault} planted at step {ONSET} ({load(style).FAULTS[fault]})"
+    assert first is not None, f"{head}: missed; every alert:\n{describe(run.diag.alerts)}"
+    raised = run.raised_at(first)
+    assert first.kind in EXPECTED[fault] and ONSET <= first.step <= raised <= ONSET + 10, (
+        f"{head}: first warning-or-worse alert {first.kind}@{first.step} raised at logging step {raised} "
+        f"(want one of {sorted(EXPECTED[fault])} in [{ONSET}, {ONSET + 10}]); every alert:\n{describe(run.diag.alerts)}")
+    if fault == "nan":
+        assert first.where.startswith(f"{run.culprit} ("), f"{head}: where={first.where!r}, planted in {run.culprit!r}"
