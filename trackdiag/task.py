@@ -75,8 +75,10 @@ def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
             out["ce_shift"] = masked_ce(scores[:, :-1], t[:, 1:])[0]
         return out
     y = pick(batch, None, TARGET_KEYS, 1)
-    if isinstance(y, torch.Tensor) and y.is_floating_point() and y.shape == logits.shape and y.numel() > 1:
-        yf, out_f = y.detach().float(), logits.detach().float()
+    if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel() == logits.numel() > 1 and (
+            y.shape == logits.shape or [d for d in y.shape if d != 1] == [d for d in logits.shape if d != 1]):
+        # (B,) targets beside (B, 1) predictions: the loop's MSE squeezes or unsqueezes one of them
+        yf, out_f = y.detach().float().reshape(logits.shape), logits.detach().float()
         return {"mse": F.mse_loss(out_f, yf), "var": yf.var(unbiased=False), "n": (yf == yf).sum().float()}
     return None
 

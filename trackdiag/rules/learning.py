@@ -7,8 +7,8 @@ long warm-up schedule is waited for), on the medians of the first ``start_steps`
 ``recent_steps`` (50) losses:
 
 - **at chance** (``loss``): the task is shown (:mod:`trackdiag.task`), the recent loss is within
-  ``margin`` (5%) of the chance level and no longer falling (the ``recent_steps`` before were not
-  5% higher): for a classification, the entropy of the targets' class frequencies (what predicting
+  ``margin`` (5%) of the chance level and stalled there (it fell less than ``min_fall``, 2%, over the
+  last 100 steps: a language model passing its unigram plateau is still on its way down): for a classification, the entropy of the targets' class frequencies (what predicting
   the label frequencies scores; ln C for balanced classes, and when the frequencies are degenerate),
   for an MSE regression, the targets' variance;
 - **flat** (``persistent``, counted only with one of the others): the recent loss is less than
@@ -43,8 +43,9 @@ class NotLearning(Rule):
             "a tensor rebuilt from .item()), and that the model gets the real inputs.")
 
     def __init__(self, *, warmup: int = 100, start_steps: int = 20, recent_steps: int = 50, min_drop: float = 0.05,
-                 margin: float = 0.05, patience: int = 2, **kw: Any) -> None:
+                 margin: float = 0.05, min_fall: float = 0.02, patience: int = 2, **kw: Any) -> None:
         super().__init__(**kw)
+        self.min_fall = min_fall
         self.warmup, self.start_steps, self.recent_steps = warmup, start_steps, recent_steps
         self.min_drop, self.margin, self.patience = min_drop, margin, max(1, patience)
         self._loss: dict[str, Recent] = {}
@@ -107,10 +108,12 @@ class NotLearning(Rule):
         start, now = statistics.median(first), statistics.median(recent)
         flat = start - now < self.min_drop * max(abs(start), 1e-12)
         chance, what = self._chance()
-        # at chance and not improving any more: a slow learner still on its way down is left alone
-        before = [v for v in rec.between(step - 2 * self.recent_steps + 1, step - self.recent_steps) if math.isfinite(v)]
-        falling = len(before) >= self.recent_steps // 2 and statistics.median(before) - now > self.min_drop * abs(now)
-        at_chance = math.isfinite(chance) and now >= (1 - self.margin) * chance and not falling
+        # at chance and stalled there: a slow learner on its way down (a language model passing its unigram
+        # plateau) is left alone; the loss must have fallen less than ``min_fall`` over the last 100 steps
+        head = [v for v in rec.between(step - 99, step - 75) if math.isfinite(v)]
+        tail = [v for v in rec.between(step - 24, step) if math.isfinite(v)]
+        stalled = bool(head and tail) and statistics.median(head) - statistics.median(tail) < self.min_fall * abs(now)
+        at_chance = math.isfinite(chance) and now >= (1 - self.margin) * chance and stalled
         acc = self._acc_at_chance()
         evidence = (["loss"] if at_chance else []) + (["corroborated"] if acc else [])
         if evidence and flat:
