@@ -164,8 +164,9 @@ def main() -> int:
         for job in jobs:
             rows.append(run_case(job))
             r = rows[-1]
+            what = _cell_healthy([r]) if r["fault"] == "healthy" else _cell_fault(r)
             print(f"# {r['style']:24} {r['preset']:8} seed={r['seed']} {r['fault']:16} {r['wall_s']:6.2f}s "
-                  f"cpu {r['cpu_s']:5.2f}s first={_cell_fault(r)}", file=sys.stderr, flush=True)
+                  f"cpu {r['cpu_s']:5.2f}s {what}", file=sys.stderr, flush=True)
     total = time.perf_counter() - t0
     healthy = [r for r in rows if r["fault"] == "healthy"]
     if healthy:
