@@ -100,7 +100,7 @@ def _judge(rule: Any, grad: dict[int, float], loss: dict[int, float], every: int
 def test_gradient_norm_collapse_with_a_flat_loss_is_a_warning_and_convergence_is_not() -> None:
     """LR x1000 under BatchNorm: the weights grow, the pre-clip norm falls 70-fold in a few steps
     (7 -> 0.1) while the loss stays; a run converging (norm and loss falling together, slowly) is not."""
-    from trackdiag.rules.gradients import GradVanishing
+    from trackdiag.rules.vanishing import GradVanishing
 
     stuck_g = {s: 7.0 + 0.3 * ((s * 7) % 5) if s < 120 else 0.1 + 0.01 * (s % 3) for s in range(200)}
     stuck_l = {s: 1.2 + 0.05 * ((s * 3) % 4) for s in range(200)}

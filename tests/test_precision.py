@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 from typing import Any
 
 import pytest

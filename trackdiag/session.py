@@ -347,6 +347,7 @@ class Diagnostics(OptimizerEvents, SetupChecks):
             "notes": [*self._notes.values(), *self._ctx.notes.values()],
             "consequences_suppressed": dict(self._book.consequences),
             "incidents": self._book.summary(),
+            "objectives": self.objectives.summary(), "phases": self._ctx.phase + 1,
             "output_dir": str(self.run.output_dir),
         }
 

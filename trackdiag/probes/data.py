@@ -37,6 +37,8 @@ Both collect at every logging step (``always_collect``), so no step of a window 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 

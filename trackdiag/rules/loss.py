@@ -1,4 +1,4 @@
-"""Loss behaviour rules: ``loss_spike``, ``loss_divergence`` and ``initial_loss``.
+"""Loss behaviour rules: ``loss_spike`` and ``loss_divergence``.
 
 The loss going up is only half a story: a GAN generator's loss rises by design, an actor-critic's
 summed loss grows as the agent gets better, a VAE's loss rises while its KL weight anneals. So a
@@ -231,53 +231,3 @@ class LossDivergence(Rule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._state = {k: dict(s, recent=list(s["recent"])) for k, s in state.items()}
-
-
-class InitialLoss(Rule):
-    """The first losses far above chance level, once the task is shown to be a classification of
-    that loss (``diag/task/kind`` = 1: the loss equals the outputs' cross-entropy against the targets,
-    see :mod:`trackdiag.task`): a well-initialised classifier starts near ln(C) (``diag/task/chance_loss``,
-    scaled for a summed loss). The first loss above ``unambiguous`` (10) x chance is ``unambiguous``
-    (logits that large at step 0 are a broken init or a missing scale); the median of the first
-    ``steps`` (3) above ``factor`` (3) x chance is a ``loss`` finding. ``where`` is the loss."""
-
-    kind = "initial_loss"
-    hint = ("Check the initialisation (default PyTorch inits or std ~ 1/sqrt(fan_in); a final layer initialised "
-            "near zero starts at ln(C)), input normalisation, and that the loss averages (reduction='mean').")
-
-    def __init__(self, *, factor: float = 3.0, unambiguous: float = 10.0, steps: int = 3, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.factor, self.unambiguous, self.steps = factor, unambiguous, max(1, steps)
-        self._first: dict[str, list[tuple[int, float]]] = {}
-        self._done: set[str] = set()
-        self._chance = math.nan
-
-    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
-        if record.scalars.get("diag/task/kind") == 1.0:
-            self._chance = record.scalars.get("diag/task/chance_loss", math.nan)
-        out: list[Alert] = []
-        for key, points in loss_series(record).items():
-            if key in self._done or not self.minimised(where_of(key)):
-                continue
-            first = self._first.setdefault(key, [])
-            first += [(s, v) for s, v in points if math.isfinite(v)][: self.steps - len(first)]
-            chance = self._chance
-            if not first or not (chance > 0):
-                if len(first) >= self.steps and record.step >= 20:
-                    self._done.add(key)  # the task was never shown: nothing to compare with
-                continue
-            start = statistics.median(v for _, v in first)
-            if first[0][1] > self.unambiguous * chance:
-                evidence, start = ["unambiguous"], first[0][1]
-            elif len(first) >= self.steps and start > self.factor * chance:
-                evidence = ["loss"]
-            elif len(first) >= self.steps:
-                self._done.add(key)
-                continue
-            else:
-                continue
-            self._done.add(key)
-            msg = (f"the first losses ({start:.4g}) are {start / chance:.1f}x the chance level {chance:.3g} of this "
-                   f"classification (ln C): the model starts far from uniform predictions.")
-            out.append(self.make(first[0][0], msg, start, self.factor * chance, loss_where(key), evidence))
-        return out
