@@ -3,11 +3,14 @@
 What lands in the run (keys pass through :func:`~trackdiag.sinks._mlflow_ops.sanitize_key`):
 
 - metrics: every point of ``Record.points()`` at its own step (series points too), batched with
-  ``log_batch`` (<= 1000 per call); ``diag/alerts/<kind>`` = running count at each alert's step.
+  ``log_batch`` (<= 1000 per call); ``diag/alerts/<kind>`` = running count, a step-shaped series
+  over the run's whole step range (``_mlflow_alerts``: it lines up with ``diag/loss``).
 - params: the user's hyperparameters, flattened to dotted keys (``optimizer.lr``), values cut to
   6000 chars; params already on the run are left alone.
 - tags: ``trackdiag.level|version|run_dir|run_name|components``, ``trackdiag.alert.<kind>`` = first
-  step; at close ``trackdiag.status`` = FINISHED|FAILED|KILLED and ``trackdiag.health`` =
+  step; ``mlflow.note.content`` (the run's Description: health, each alert kind with its step,
+  where, message and hint, a link to ``report.html``; ``_mlflow_note``), rewritten when a new alert
+  kind appears and at close; at close ``trackdiag.status`` = FINISHED|FAILED|KILLED and ``trackdiag.health`` =
   ok|warning|critical, or failed|killed for a run that did not finish without worse alerts;
   ``mlflow.source.name``/``type``/``git.*`` name the user's entry script (not the worker);
   sweeps: ``trackdiag.sweep``/``job_num`` and ``mlflow.parentRunId`` (one parent run per Hydra
@@ -40,28 +43,21 @@ from trackdiag.alert import Alert
 from trackdiag.errors import ConfigError, TrackdiagError
 from trackdiag.record import Record
 from trackdiag.runinfo import RunInfo, hydra_runtime
+from trackdiag.sinks._mlflow_alerts import AlertSeries
 from trackdiag.sinks._mlflow_deliver import Deliverer
 from trackdiag.sinks._mlflow_media import artifact_dir, file_op, histogram_ops, to_yaml
 from trackdiag.sinks._mlflow_leftovers import launch, output_root, stop
+from trackdiag.sinks._mlflow_note import NOTE_TAG, closing_lines, kinds_of, run_note
 from trackdiag.sinks._mlflow_ops import MAX_METRICS, flatten, pair_ops, user_params
 from trackdiag.sinks._mlflow_run import SWEEP_TAG, Runner
 from trackdiag.sinks._mlflow_spool import Spool
 from trackdiag.sinks._mlflow_store import (absolute_sqlite, default_artifact_location, default_tracking_uri,
-                                           option_problems, ui_command)
+                                           option_problems)
 from trackdiag.sinks._mlflow_worker import ProcessRunner
 from trackdiag.sinks.base import Sink
-from trackdiag.sinks.console import DeliveryProgress, display_health
+from trackdiag.sinks.console import DeliveryProgress, display_health, say
 
 log = logging.getLogger("trackdiag")
-
-
-def ui_hint(diag: Any) -> str | None:
-    """How to open the MLflow UI on the store a session's MLflow sink wrote to (a command that works
-    when pasted into a shell where no venv is active), or None."""
-    from trackdiag.redact import DEFAULT_POLICY
-
-    sink = next((s for s in getattr(getattr(diag, "_hub", None), "sinks", []) if isinstance(s, MlflowSink)), None)
-    return DEFAULT_POLICY.text(ui_command(sink.tracking_uri)) if sink is not None else None  # no password printed
 
 
 class MlflowSink(Sink):
@@ -115,9 +111,7 @@ class MlflowSink(Sink):
         self._pending: list[list[Any]] = []  # [step, ts_ms, scalars, series] per record, until the next cut
         self._npoints = 0
         self._tags: list[tuple[str, str]] = []
-        self._alerts: list[dict[str, Any]] = []
-        self._counts: dict[str, int] = {}
-        self._first: dict[str, int] = {}
+        self._series = AlertSeries()
         self._images = histogram_images and importlib.util.find_spec("matplotlib") is not None
         if histogram_images and not self._images:
             log.info("trackdiag: matplotlib not installed; MLflow gets histogram data (JSON) without images")
@@ -172,6 +166,7 @@ class MlflowSink(Sink):
         """Queue the record's points (O(1): key mapping and batching happen in the runner), its
         histograms (JSON file + image ops) and artifacts."""
         ts = int((record.time or time.time()) * 1000)
+        self._series.saw(record)
         self._pending.append([record.step, ts, dict(record.scalars), {k: list(v) for k, v in record.series.items()}])
         self._npoints += len(record.scalars) + sum(map(len, record.series.values()))
         ops = histogram_ops(self._media, record.step, ts, record.histograms,
@@ -186,15 +181,15 @@ class MlflowSink(Sink):
             self._deliver.submit(ops)  # type: ignore[union-attr]
 
     def alert(self, alert: Alert) -> None:
-        """``diag/alerts/<kind>`` running count at the alert's step; ``trackdiag.alert.<kind>`` = first step."""
-        kind = alert.kind
-        self._alerts.append(alert.to_dict())
-        self._counts[kind] = self._counts.get(kind, 0) + 1
-        self._pending.append([alert.step, int(time.time() * 1000), {f"diag/alerts/{kind}": float(self._counts[kind])}, {}])
-        self._npoints += 1
-        if kind not in self._first or alert.step < self._first[kind]:
-            self._first[kind] = alert.step
-            self._tags.append((f"trackdiag.alert.{kind}", str(alert.step)))
+        """``diag/alerts/<kind>`` running count (step-shaped, from the run's first step);
+        ``trackdiag.alert.<kind>`` = first step; a new kind rewrites the run's description."""
+        rows, new_first = self._series.add(alert)
+        self._pending += rows
+        self._npoints += len(rows)
+        if new_first:
+            self._tags.append((f"trackdiag.alert.{alert.kind}", str(alert.step)))
+            note = run_note(self._series.worst(), None, self._series.last_step, kinds_of(self._series.alerts), None)
+            self._tags.append((NOTE_TAG, note))
 
     def flush(self) -> None:
         """Hand buffered points and tags to the delivery thread (called when the hub queue is dry)."""
@@ -207,19 +202,28 @@ class MlflowSink(Sink):
         sync`` or the next session."""
         if self._deliver is None:
             return
-        self._tags += [("trackdiag.status", status),
-                       ("trackdiag.health", display_health({**summary, "status": status}))]
+        health = display_health({**summary, "status": status})
+        page = self._run.output_dir / "report.html"
+        report = f"{self._artifact_dir(page)}/report.html" if page.is_file() else None
+        note = run_note(health, status, summary.get("steps"), kinds_of(self._series.alerts, summary.get("alerts")), report)
+        self._tags += [("trackdiag.status", status), ("trackdiag.health", health), (NOTE_TAG, note)]
+        self._pending += self._series.closing_points()
         self._cut()
-        ops = [self._file(self._alerts, "alerts.json", None), self._file(summary, "summary.json", None)]
+        ops = [self._file(self._series.alerts, "alerts.json", None), self._file(summary, "summary.json", None)]
         if (self._media / "tables.jsonl").exists():
             ops.append({"op": "artifact", "path": str(self._media / "tables.jsonl"), "dir": "tables"})
         ops.append({"op": "key_map"})
         ops.append({"op": "end", "status": status, "ts": int(time.time() * 1000)})
         self._deliver.submit(ops)
+        if status == "KILLED":  # Ctrl-C or SIGTERM: say at once what happens now, and that nothing is lost
+            say("trackdiag: training stopped; closing the MLflow run as KILLED (nothing is lost: a second Ctrl-C "
+                "stops waiting and keeps the rest for `trackdiag sync`)")
         progress = DeliveryProgress(f"MLflow at {self.tracking_uri}")
         (left, entities), why = self._deliver.close(self.close_timeout, self.close_stall_timeout, progress)
         stop(self._leftovers)
         progress.finish("MLflow delivery stopped" if left else "delivered to MLflow")
+        for line in closing_lines(self.tracking_uri, self._state, status, health) if not left else []:
+            say(line)  # the run's own page, and for a local store the one command that serves it
         spool = self._deliver.spool
         if left:
             log.warning("trackdiag: %d MLflow op(s) (%d entries, the run's end among them) not delivered to %s (%s); "
