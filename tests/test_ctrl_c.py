@@ -73,6 +73,7 @@ def test_ctrl_c_to_the_process_group(tmp_path: Path) -> None:
 
     run_dir = tmp_path / "job" / "diag"
     assert json.loads((run_dir / "run.json").read_text())["status"] == "KILLED"
+    assert "· run <b>KILLED</b></p>" in (run_dir / "report.html").read_text(encoding="utf-8")
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     [run] = client.search_runs([client.get_experiment_by_name("train").experiment_id])
     assert run.info.status == "KILLED" and run.data.tags["trackdiag.health"] == "killed"

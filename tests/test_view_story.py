@@ -134,3 +134,20 @@ def test_alert_chart_shares_the_loss_step_range(story: dict[str, str], tmp_path:
     assert loss[:2] == [0, 199] and alert[:2] == loss[:2], charts  # the same steps, first to last
     assert alert[2] <= loss[2] and alert[3] >= loss[3], charts  # its axis shows the whole run too
     _nonblank(shot)
+
+
+def test_report_opens_with_health_and_status_in_mlflow_too(story: dict[str, str]) -> None:
+    """report.html is drawn while the run closes; its first line carries the final health and status,
+    locally and in the copy MLflow holds (uploaded after the local record stamped it)."""
+    import urllib.request
+
+    from mlflow import MlflowClient
+
+    local = (Path(story["run_dir"]) / "report.html").read_text(encoding="utf-8")
+    run_id = story["url"].split("/runs/")[1].split("?")[0]
+    with urllib.request.urlopen(f"{story['uri']}/get-artifact?path=files/report.html&run_uuid={run_id}", timeout=30) as r:
+        served = r.read().decode("utf-8")
+    for page in (local, served):
+        head = page[page.index("<h1>"):page.index("<table>")]
+        assert 'health <b class="critical">CRITICAL</b> · run <b>FINISHED</b>' in head, head
+    assert MlflowClient(story["uri"]).get_run(run_id).data.tags["trackdiag.health"] == "critical"

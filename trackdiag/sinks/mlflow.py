@@ -116,6 +116,7 @@ class MlflowSink(Sink):
         if histogram_images and not self._images:
             log.info("trackdiag: matplotlib not installed; MLflow gets histogram data (JSON) without images")
         self._deliver: Deliverer | None = None
+        self._report: dict[str, Any] | None = None  # the run's report.html op, held back until close
 
     @property
     def run_id(self) -> str | None:
@@ -175,7 +176,11 @@ class MlflowSink(Sink):
             with open(self._media_path("tables.jsonl"), "a", encoding="utf-8") as f:
                 f.write(Record(step=record.step, tables=record.tables).to_json() + "\n")
         for path in record.artifacts:
-            ops.append({"op": "artifact", "path": str(path), "dir": self._artifact_dir(Path(path))})
+            op = {"op": "artifact", "path": str(path), "dir": self._artifact_dir(Path(path))}
+            if Path(path).resolve() == (self._run.output_dir / "report.html").resolve():
+                self._report = op  # sent at close, once the local sink stamped the final health and status in
+            else:
+                ops.append(op)
         if ops or self._npoints >= MAX_METRICS:
             self._cut()  # points first, in order
             self._deliver.submit(ops)  # type: ignore[union-attr]
@@ -203,13 +208,13 @@ class MlflowSink(Sink):
         if self._deliver is None:
             return
         health = display_health({**summary, "status": status})
-        page = self._run.output_dir / "report.html"
-        report = f"{self._artifact_dir(page)}/report.html" if page.is_file() else None
+        report = f"{self._report['dir']}/report.html" if self._report else None
         note = run_note(health, status, summary.get("steps"), kinds_of(self._series.alerts, summary.get("alerts")), report)
         self._tags += [("trackdiag.status", status), ("trackdiag.health", health), (NOTE_TAG, note)]
         self._pending += self._series.closing_points()
         self._cut()
-        ops = [self._file(self._series.alerts, "alerts.json", None), self._file(summary, "summary.json", None)]
+        ops = [self._file(self._series.alerts, "alerts.json", None), self._file(summary, "summary.json", None),
+               *([self._report] if self._report else [])]
         if (self._media / "tables.jsonl").exists():
             ops.append({"op": "artifact", "path": str(self._media / "tables.jsonl"), "dir": "tables"})
         ops.append({"op": "key_map"})
