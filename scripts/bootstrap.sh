@@ -13,3 +13,5 @@ $VPY -m pip install -q ".[all,test,accelerate,lightning,transformers]"
 $VPY -m pip install -q --no-deps --force-reinstall .
 # headless Chromium for the HTML-report test (skipped with a reason when it cannot be installed)
 command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 || true
+# .venv-oldest: the oldest transformers/accelerate/lightning trackdiag claims, over .venv's torch (~1 min the first time)
+bash scripts/oldest_env.sh || echo "scripts/oldest_env.sh failed: tests/test_oldest_versions.py will fail until it runs" >&2
