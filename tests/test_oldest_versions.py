@@ -4,9 +4,9 @@ accelerate 1.0.0 and lightning 2.1.4, in ``.venv-oldest`` (``scripts/oldest_env.
 what .venv has, where the whole suite runs; here the integration tests run again under the oldest.
 
 Two tests are left out there, for what the old versions do differently (docs/development.md says so):
-- transformers 4.49: the first optimizer step's ``diag/grad/global_norm`` is the post-clip norm (the
-  Trainer's optimizer is adopted at that step and its parameter order re-indexes the model, so the
-  norm measured during the backward pass is read again after clipping); later steps are pre-clip;
+- transformers 4.49: the first optimizer step's ``diag/grad/global_norm`` is the post-clip norm (4.49
+  hands callbacks no optimizer at ``on_train_begin``; adopted at its first step, it re-indexes the
+  parameters and the norm measured during that backward pass is read again after clipping);
 - lightning 2.1: on CPU, ``16-mixed`` uses CUDA's ``GradScaler``, which disables itself without CUDA,
   so there is no loss scale to log."""
 from __future__ import annotations
