@@ -82,7 +82,8 @@ def run_note(health: str, status: str | None, steps: int | None, kinds: dict[str
     return text
 
 
-def kinds_of(alerts: list[dict[str, Any]], counts: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+def kinds_of(alerts: list[dict[str, Any]],
+             counts: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """``run_note``'s ``kinds`` from the emitted alerts (``Alert.to_dict()``s, in order) and, when
     given, the session summary's per-kind counts and severities (``summary()["alerts"]``)."""
     out: dict[str, dict[str, Any]] = {}
@@ -129,7 +130,8 @@ def run_url(tracking_uri: str, experiment_id: str | None, run_id: str | None) ->
         return None
     if tracking_uri.startswith(("http://", "https://")):
         base = tracking_uri.rstrip("/")
-    elif tracking_uri.startswith(("sqlite:", "file:", "/", "postgresql", "mysql", "mssql")) or "://" not in tracking_uri:
+    elif tracking_uri.startswith(("sqlite:", "file:", "/", "postgresql", "mysql", "mssql")) \
+            or "://" not in tracking_uri:
         base = f"http://127.0.0.1:{UI_PORT}"
     else:
         return None

@@ -10,10 +10,11 @@ ends speak the protocol. The child starts through :func:`child_command` (trackdi
 without its package ``__init__``, so no torch import), in a session of its own and ignoring SIGINT:
 a terminal's Ctrl-C (SIGINT to the whole foreground process group) stops training, never the
 delivery of what training logged; the worker finishes when the session closes its stdin, or
-exits when its parent dies. Its own logs (and MLflow's prints) go to stderr. It imports MLflow and (for a new store) creates its tables at
-normal priority, then lowers its priority (``nice`` +5) once the run exists: on a busy machine a
-worker niced from the start got ~10 % of a core and had not made its first call when training
-ended.
+exits when its parent dies. Its own logs (and MLflow's prints) go to stderr; MLflow's own "View
+run at" line is switched off (trackdiag prints the run's link in the model-training view). It
+imports MLflow and (for a new store) creates its tables at normal priority, then lowers its
+priority (``nice`` +5) once the run exists: a worker niced from its start got ~10 % of a core on a
+busy machine and had not made its first call when training ended.
 """
 from __future__ import annotations
 

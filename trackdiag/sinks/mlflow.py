@@ -2,33 +2,30 @@
 
 What lands in the run (keys pass through :func:`~trackdiag.sinks._mlflow_ops.sanitize_key`):
 
-- metrics: every point of ``Record.points()`` at its own step (series points too), batched with
-  ``log_batch`` (<= 1000 per call); ``diag/alerts/<kind>`` = running count, a step-shaped series
-  over the run's whole step range (``_mlflow_alerts``: it lines up with ``diag/loss``).
-- params: the user's hyperparameters, flattened to dotted keys (``optimizer.lr``), values cut to
-  6000 chars; params already on the run are left alone.
+- metrics: every point of ``Record.points()`` at its own step (series points too), in ``log_batch``
+  calls (<= 1000 each); ``diag/alerts/<kind>``: running count, step-shaped over the run's whole
+  step range so its chart lines up with ``diag/loss`` (``_mlflow_alerts``).
+- params: the user's hyperparameters, flattened (``optimizer.lr``), values cut to 6000 chars.
 - tags: ``trackdiag.level|version|run_dir|run_name|components``, ``trackdiag.alert.<kind>`` = first
-  step; ``mlflow.note.content`` (the run's Description: health, each alert kind with its step,
-  where, message and hint, a link to ``report.html``; ``_mlflow_note``), rewritten when a new alert
-  kind appears and at close; at close ``trackdiag.status`` = FINISHED|FAILED|KILLED and ``trackdiag.health`` =
-  ok|warning|critical, or failed|killed for a run that did not finish without worse alerts;
-  ``mlflow.source.name``/``type``/``git.*`` name the user's entry script (not the worker);
-  sweeps: ``trackdiag.sweep``/``job_num`` and ``mlflow.parentRunId`` (one parent run per Hydra
-  multirun, tagged ``trackdiag.role=sweep``). Experiments trackdiag creates carry
-  ``mlflow.experimentKind=custom_model_development`` (the UI's model-training view).
-- artifacts: ``config.yaml`` (hyperparameters), ``trackdiag/diag_config.yaml``,
-  ``histograms/step_<n>.json`` + per-step images (stored as ``log_image(key=histogram key, step)``
-  does), every file in ``Record.artifacts`` (path relative to the run dir), and at close
-  ``alerts.json``, ``summary.json`` (as the local record's), ``tables/tables.jsonl`` and
-  ``trackdiag/key_map.json`` (keys that were renamed).
+  step; ``mlflow.note.content``, the run's Description (health, each alert kind with its step,
+  where, message and hint, a link to ``report.html``: ``_mlflow_note``), rewritten when a new kind
+  appears and at close; at close ``trackdiag.status`` (FINISHED|FAILED|KILLED) and
+  ``trackdiag.health`` (ok|warning|critical, or failed|killed for a run that did not finish without
+  worse alerts); ``mlflow.source.*`` name the user's entry script; sweeps: ``trackdiag.sweep``/
+  ``job_num``, ``mlflow.parentRunId`` (a parent run per Hydra multirun, ``trackdiag.role=sweep``).
+  New experiments carry ``mlflow.experimentKind=custom_model_development``.
+- artifacts: ``config.yaml``, ``trackdiag/diag_config.yaml``, ``histograms/step_<n>.json`` + per-step
+  images (as ``log_image(key, step)`` stores them), every file in ``Record.artifacts`` (path relative
+  to the run dir; ``report.html`` held back until close, after the local record stamped its final
+  health and status), and at close ``alerts.json``, ``summary.json``, ``tables/tables.jsonl``,
+  ``trackdiag/key_map.json``. The console's last lines: the run's page, and how to serve a local store.
 
 Cost: on the sink thread, a shallow copy of each record's scalar dict and a deque append per
 batch. A delivery thread (``_mlflow_deliver``) hands groups of queued ops to a child process
-(``delivery: process``) that maps keys and merges them into the fewest ``log_batch`` calls and one
-upload (``_mlflow_batch``), off the training process's GIL. Outages spool to
-``<output_dir>/mlflow_spool``. ``close`` waits while delivery moves (``_mlflow_close``); what is
-left stays spooled with the run's end for ``trackdiag sync`` or the next session on the same
-store, which delivers earlier spools under its output root in the background (``_mlflow_leftovers``).
+(``delivery: process``) that merges them into the fewest ``log_batch`` calls and one upload, off
+the training process's GIL. Outages spool to ``<output_dir>/mlflow_spool``; ``close`` waits while
+delivery moves (``_mlflow_close``); what is left stays spooled for ``trackdiag sync`` or the next
+session on the same store (``_mlflow_leftovers``).
 """
 from __future__ import annotations
 
