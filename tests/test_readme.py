@@ -7,7 +7,7 @@ checkout (links), with no PYTHONPATH, no MLFLOW_TRACKING_URI and no activated en
 without the venv). The two set-up lines (``bash scripts/bootstrap.sh && X``) have already run: their
 ``X`` part runs, except the test suite itself. A command that serves (``mlflow ui``) is started on
 a free port and must answer ``/health``; everything else must exit 0. W&B is offline, Hugging Face
-offline. ``-m "not slow"`` skips it: it trains a dozen small runs (~5-8 minutes on 2 cores)."""
+offline. ``-m "not slow"`` skips it: it trains a dozen small runs (10.7 minutes on 2 cores shared with other jobs)."""
 from __future__ import annotations
 
 import os

@@ -151,3 +151,28 @@ def test_report_opens_with_health_and_status_in_mlflow_too(story: dict[str, str]
         head = page[page.index("<h1>"):page.index("<table>")]
         assert 'health <b class="critical">CRITICAL</b> · run <b>FINISHED</b>' in head, head
     assert MlflowClient(story["uri"]).get_run(run_id).data.tags["trackdiag.health"] == "critical"
+
+
+def test_runs_table_shows_health_from_the_tag_the_readme_names(story: dict[str, str], tmp_path: Path) -> None:
+    """README: in the runs table, *Columns* -> *Tags* -> ``trackdiag.health`` adds the health."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "*Columns* → *Tags* → `trackdiag.health`" in readme
+    base, _, route = story["url"].partition("#")
+    experiment = route.split("/runs/")[0]
+    with Browser(1600, 1000) as b:
+        b.goto(f"{base}#{experiment}?workflowType=machine_learning")
+        assert b.wait("Array.from(document.querySelectorAll('button')).some(x => x.innerText.trim() === 'Columns')", 90)
+        assert b.wait("document.body.innerText.includes('lr_explode')", 60)
+        b.eval("Array.from(document.querySelectorAll('button')).find(x => x.innerText.trim() === 'Columns').click()")
+        assert b.wait("document.body.innerText.includes('Tags (')", 30), b.eval("document.body.innerText")[:2000]
+        menu = b.eval("document.body.innerText")
+        b.eval("Array.from(document.querySelectorAll('*')).filter(e => e.children.length === 0 && "
+               "e.innerText === 'trackdiag.health').pop().click()")
+        b.call("Input.dispatchKeyEvent", type="keyDown", key="Escape", code="Escape", windowsVirtualKeyCode=27)
+        b.call("Input.dispatchKeyEvent", type="keyUp", key="Escape", code="Escape", windowsVirtualKeyCode=27)
+        shown = b.wait("Array.from(document.querySelectorAll('[role=columnheader], th')).some(h => "
+                       "h.innerText.includes('trackdiag.health')) && document.body.innerText.includes('critical')", 30)
+        shot = b.screenshot(tmp_path / "runs_table.png")
+    assert "Tags (" in menu and "trackdiag.health" in menu
+    assert shown
+    _nonblank(shot)
