@@ -2,13 +2,12 @@
 
 It is the loop trackdiag must fit (grad accumulation -> unscale -> clip -> step -> update ->
 zero_grad) and it can plant faults (``fault=nan_input``, ``fault=lr_explode``, ``fault=crash``) so every alert
-can be seen firing. ``python examples/train.py +diag=advanced``.
+can be seen firing. ``python examples/train.py +diag=advanced``. At the end trackdiag prints where
+the results are and how to look at them (the local record, the MLflow run's page).
 """
 from __future__ import annotations
 
 import logging
-import shlex
-import sys
 
 import hydra
 import torch
@@ -93,14 +92,6 @@ def main(cfg: DictConfig) -> float:
                     acc = (logits.argmax(1) == yva).float().mean().item()
                 diag.log_eval(loss=val_loss, accuracy=acc)
                 log.info("step %d  train %.4f  val %.4f  acc %.3f", step, loss.item(), val_loss, acc)
-    if diag.enabled:
-        s = diag.summary()
-        py = shlex.quote(sys.executable)  # commands that work when pasted, with or without the venv active
-        print(f"\ntrackdiag: health {s['health']}, {len(diag.alerts)} alert(s). Local record: {s['output_dir']}")
-        print(f"  {py} -m trackdiag summary {shlex.quote(s['output_dir'])}")
-        if "mlflow" in diag.config["sinks"]:
-            from trackdiag.sinks.mlflow import ui_hint
-            print(f"  MLflow UI: {ui_hint(diag)}")
     return val_loss
 
 

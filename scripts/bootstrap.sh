@@ -11,5 +11,8 @@ $VPY -c "import torch" 2>/dev/null || $VPY -m pip install -q "torch==2.13.0"
 $VPY -m pip install -q ".[all,test,accelerate,lightning,transformers]"
 # a regular (non-editable) install of the current tree, so Hydra apps anywhere use the package as users get it
 $VPY -m pip install -q --no-deps --force-reinstall .
-# headless Chromium for the HTML-report test (skipped with a reason when it cannot be installed)
-command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 || true
+# headless Chromium for the browser tests (apt-get, as root; they are skipped with a reason without it)
+command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
+  || echo "bootstrap: could not apt-get install chromium (not root?): the browser tests will be skipped" >&2
+# .venv-oldest: the oldest transformers/accelerate/lightning trackdiag claims, over .venv's torch (~1 min the first time)
+bash scripts/oldest_env.sh || echo "scripts/oldest_env.sh failed: tests/test_oldest_versions.py will fail until it runs" >&2

@@ -68,9 +68,11 @@ def test_training_run_matches_local_record(tmp_path: Path, store: str) -> None:
     assert tags["trackdiag.alert.nonfinite_loss"] == "7"
     assert tags["trackdiag.level"] == "advanced" and tags["trackdiag.version"] == trackdiag.__version__
     assert tags["trackdiag.health"] == "critical" and tags["trackdiag.run_dir"] == str(tmp_path / "run")
-    counts = history(client, run_id, "diag/alerts/nonfinite_loss")  # running count at each alert's step
-    emitted = [a.step for a in diag.alerts if a.kind == "nonfinite_loss"]
-    assert counts[0] == (7, 1.0) and counts == [(s, float(i + 1)) for i, s in enumerate(sorted(emitted))]
+    counts = dict(history(client, run_id, "diag/alerts/nonfinite_loss"))  # running count, from step 0 to 24
+    emitted = sorted(a.step for a in diag.alerts if a.kind == "nonfinite_loss")
+    assert emitted[0] == 7 and {s: counts[s] for s in emitted} == {s: float(i + 1) for i, s in enumerate(emitted)}
+    assert min(counts) == 0 and counts[0] == 0.0 and counts[6] == 0.0  # flat at 0 until the step before the alert
+    assert max(counts) == 24 and counts[24] == float(len(emitted))  # the run's last step: the loss's x range
     summary = json.loads(Path(client.download_artifacts(run_id, "summary.json", str(tmp_path))).read_text())
     assert summary == json.loads((tmp_path / "run" / "summary.json").read_text())
     alerts = json.loads(Path(client.download_artifacts(run_id, "alerts.json", str(tmp_path))).read_text())
@@ -100,7 +102,8 @@ def test_histograms_artifacts_and_key_mapping(tmp_path: Path, store: str) -> Non
     rid = sink.run_id
     assert history(client, rid, "diag/grad/norm/_root_") == [(0, 1.0)]
     assert history(client, rid, "diag/grad/norm/blocks_0__q") == [(0, 2.0)]
-    assert history(client, rid, "diag/alerts/grad_explosion") == [(10, 1.0), (12, 2.0)]
+    # step-shaped from the run's first step: 0 until the step before each alert, the count at its step
+    assert history(client, rid, "diag/alerts/grad_explosion") == [(0, 0.0), (9, 0.0), (10, 1.0), (11, 1.0), (12, 2.0)]
     tags = client.get_run(rid).data.tags
     assert tags["trackdiag.alert.grad_explosion"] == "10" and tags["trackdiag.health"] == "warning"
     hists = sorted(a.path for a in client.list_artifacts(rid, "histograms"))

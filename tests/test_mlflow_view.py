@@ -123,9 +123,10 @@ def test_sweep_with_default_store_and_commands_that_work_when_pasted(tmp_path: P
     [parent] = client.search_runs([exp.experiment_id], "tags.`trackdiag.role` = 'sweep'")
     files = {f.path for f in client.list_artifacts(parent.info.run_id, "trackdiag")}
     assert {"trackdiag/comparison.html", "trackdiag/comparison.csv"} <= files, proc.stderr[-2000:]
-    summary = [line.strip() for line in proc.stdout.splitlines() if " -m trackdiag summary " in line]
-    ui = [line.split("MLflow UI:", 1)[1].strip() for line in proc.stdout.splitlines() if "MLflow UI:" in line]
-    assert len(summary) == 2 and len(ui) == 2, proc.stdout
+    summary = [line.split("to look again:", 1)[1].strip() for line in proc.stderr.splitlines() if "to look again:" in line]
+    ui = [line.split("start the UI first:", 1)[1].strip() for line in proc.stderr.splitlines()
+          if "start the UI first:" in line]
+    assert len(summary) == 2 and len(ui) == 2, proc.stderr[-3000:]
     clean = {"PATH": "/usr/bin:/bin", "HOME": env.get("HOME", str(tmp_path)), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     done = subprocess.run(summary[0], shell=True, env=clean, capture_output=True, text=True, timeout=120, cwd="/")
     assert done.returncode == 0 and "trackdiag: 20 steps, health" in done.stdout, done.stderr

@@ -1,8 +1,9 @@
 """Sweep plots (matplotlib, Agg canvas, imported lazily; no pyplot, so no global backend change).
 
 - ``anomalies_by_param``: per swept parameter and value, the runs (grey outline), the anomalous ones
-  stacked by the kind of their first alert (each run counted once), failed runs hatched, ``a/n`` on
-  top; a sweep where nothing fired says so in the plot.
+  stacked by the kind of their first alert, then the runs that failed without an alert (hatched):
+  each run counted once, so a stack never exceeds its runs (a run that crashed after an alert is
+  anomalous, not also failed); ``a/n`` on top; a sweep where nothing fired says so in the plot.
 - ``first_anomaly_vs_param``: first-anomaly step against each swept parameter (log x when numeric
   values span two decades or more); runs without an anomaly sit in a grey "no anomaly" band above
   the longest run, never at a step of their own.
@@ -19,7 +20,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from trackdiag.compare.risk import ParamRisk
-from trackdiag.compare.runs import MISSING, RunSummary
+from trackdiag.compare.runs import MISSING, RunSummary, is_setting
 from trackdiag.compare.runs import format_value as _format_value
 from trackdiag.compare.safe_read import clip
 
@@ -28,8 +29,11 @@ MAX_LEGEND_RUNS = 12  # beyond this, loss curves are coloured by parameter value
 
 
 def format_value(v: Any) -> str:
-    """A value as a short tick label."""
-    return clip(_format_value(v), MAX_LABEL)
+    """A value as a short tick label; a float keeps its point (``lr=1.0`` reads ``1.0``, not ``1``)."""
+    text = _format_value(v)
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer() and text.lstrip("-").isdigit():
+        text += ".0"
+    return clip(text, MAX_LABEL)
 
 
 if TYPE_CHECKING:
@@ -49,7 +53,7 @@ def render_plots(comparison: "Comparison") -> dict[str, bytes]:
     runs = [r for r in comparison.runs if r.diagnosed]
     out: dict[str, bytes] = {}
     if risks:
-        out["anomalies_by_param"] = _png(_anomalies_by_param(risks))
+        out["anomalies_by_param"] = _png(_anomalies_by_param(risks, runs))
         out["first_anomaly_vs_param"] = _png(_first_anomaly(runs, [p.param for p in risks]))
     if any(r.loss_curve for r in runs):
         out["loss_curves"] = _png(_loss_curves(runs, risks[0].param if risks else None))
@@ -68,8 +72,20 @@ def _figure(n: int, title: str) -> tuple[Any, list[Any]]:
     return fig, axes
 
 
-def _anomalies_by_param(risks: list[ParamRisk]) -> Any:
-    """Per value: runs (outline), anomalous runs stacked by first alert kind, failed hatched; ``a/n`` on top."""
+def _failed_only(runs: list[RunSummary], param: str) -> dict[str, int]:
+    """``repr(value)`` -> runs with that value of ``param`` that failed without an anomaly (grouped as
+    ``param_risk`` groups them: runs without a trackdiag setting have no value for it)."""
+    out: dict[str, int] = {}
+    for r in runs:
+        if r.hparams and r.failed and not r.anomalous and not (is_setting(param) and param not in r.hparams):
+            key = repr(r.hparams.get(param, MISSING))
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _anomalies_by_param(risks: list[ParamRisk], runs: list[RunSummary]) -> Any:
+    """Per value: runs (outline), anomalous runs stacked by first alert kind, then the runs that failed
+    without an alert (hatched); each run counted once; ``a/n`` on top."""
     from matplotlib import colormaps
 
     fig, axes = _figure(len(risks), "Anomalous runs per value")
@@ -91,10 +107,11 @@ def _anomalies_by_param(risks: list[ParamRisk]) -> Any:
         if any(o > 0 for o in other):
             ax.bar(xs, other, bottom=bottom, color="#bbbbbb", label="anomalous (kind unknown)", width=0.6)
             bottom = [b + max(y, 0.0) for b, y in zip(bottom, other)]
-        failed = [float(v.failed) for v in pr.values]
+        failed_only = _failed_only(runs, pr.param)
+        failed = [float(failed_only.get(repr(v.value), 0)) for v in pr.values]
         if any(failed):
             ax.bar(xs, failed, bottom=bottom, color="#eedff5", edgecolor=HEALTH_COLORS["failed"], hatch="//",
-                   label="failed", width=0.6)
+                   label="failed, no alert before", width=0.6)
         for x, v, n in zip(xs, pr.values, totals if len(xs) <= 12 else []):  # unreadable beyond ~12
             ax.annotate(f"{v.anomalous}/{v.runs}", (x, n), ha="center", va="bottom", fontsize=8)
         ax.set_xticks(xs, [format_value(v.value) for v in pr.values], rotation=30 if len(xs) > 4 else 0)

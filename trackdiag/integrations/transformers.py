@@ -1,4 +1,4 @@
-"""trackdiag as a Hugging Face ``Trainer`` callback (transformers 5.x)::
+"""trackdiag as a Hugging Face ``Trainer`` callback (transformers 4.49 to 5.x)::
 
     from trackdiag.integrations.transformers import DiagnosticsCallback
     diag = DiagnosticsCallback(level="advanced")

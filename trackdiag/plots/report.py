@@ -6,6 +6,8 @@ resources), so it opens anywhere, in MLflow's artifact viewer included.
 ``param_hist.png``, ``memory.png`` (each only when its data was logged), and ``<run_dir>/report.html``
 with those images, the newest ``landscape/*.png``, the alert table, the model summary and the
 environment report (``model_summary.json`` / ``environment.json`` in the run dir, when present).
+The page opens with the run's health and status: the report is drawn while the run closes, so the
+local sink stamps the final values in (:func:`stamp_status`) once it knows them.
 Cost: reading the records plus ~0.2-0.5 s per figure.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import html
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -28,7 +31,32 @@ _CSS = """body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width
 h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;font-size:12px;margin:8px 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left}
 th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}.critical{color:#cb181d}.warning{color:#b35900}
-.muted{color:#777;font-size:12px}"""
+.muted{color:#777;font-size:12px}.status{font-size:15px;margin:4px 0 12px}.ok{color:#2c7a2c}"""
+_STATUS = re.compile(r'<p class="status" id="trackdiag-status">.*?</p>', re.S)
+
+
+def status_line(health: str, status: str) -> str:
+    """The report's first line: ``health CRITICAL · run FINISHED`` (coloured by health)."""
+    css = {"critical": "critical", "warning": "warning", "ok": "ok"}.get(health, "critical")
+    return (f'<p class="status" id="trackdiag-status">health <b class="{css}">{html.escape(health.upper())}</b>'
+            f' · run <b>{html.escape(status)}</b></p>')
+
+
+def stamp_status(run_dir: str | Path, health: str, status: str) -> bool:
+    """Write the final health and status into ``<run_dir>/report.html`` (atomically: a reader sees
+    the old page or the new one). Returns False when there is no report to stamp."""
+    page = Path(run_dir) / "report.html"
+    try:
+        text = page.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    new, n = _STATUS.subn(lambda _: status_line(health, status), text, count=1)
+    if not n:
+        return False
+    tmp = page.with_name(".report.html.tmp")
+    tmp.write_text(new, encoding="utf-8")
+    tmp.replace(page)
+    return True
 
 
 def _spans(steps: list[int]) -> list[tuple[int, int]]:
@@ -109,11 +137,12 @@ def _table(rows: list[dict[str, Any]] | dict[str, Any], header: tuple[str, ...] 
 
 def render_html(path: str | Path, *, title: str, meta: dict[str, Any], images: list[tuple[str, Path]],
                 alerts: list[Alert], summaries: dict[str, dict[str, Any]] | None = None,
-                environment: dict[str, Any] | None = None) -> Path:
-    """Write the report page to ``path``: metadata, images, alert table, summary and environment."""
+                environment: dict[str, Any] | None = None, health: str = "ok", status: str = "RUNNING") -> Path:
+    """Write the report page to ``path``: health and status, metadata, images, alert table,
+    summary and environment."""
     from trackdiag.plots.environment import flatten
 
-    parts = [f"<h1>{html.escape(title)}</h1>", _table(meta)]
+    parts = [f"<h1>{html.escape(title)}</h1>", status_line(health, status), _table(meta)]
     for caption, img in images:
         parts += [f"<h2>{html.escape(caption)}</h2>", _img(img)]
     parts.append(f"<h2>alerts ({len(alerts)})</h2>")
@@ -198,6 +227,9 @@ def build_report(run_dir: str | Path, records: list[Record] | None = None, *, wr
     meta = {"run": run.get("name", run_dir.name), "level": run.get("level", ""),
             "records": len(records), "last step": max((r.step for r in records), default=0)}
     alerts = sorted((a for r in records for a in r.alerts), key=lambda a: a.step)
+    severities = {a.severity for a in alerts}
+    health = "critical" if "critical" in severities else "warning" if "warning" in severities else "ok"
     page = render_html(run_dir / "report.html", title=f"trackdiag report: {meta['run']}", meta=meta, images=images,
-                       alerts=alerts, summaries=summaries, environment=_json(run_dir / "environment.json"))
+                       alerts=alerts, summaries=summaries, environment=_json(run_dir / "environment.json"),
+                       health=health, status=str(run.get("status") or "RUNNING"))
     return [p for _, p in images if p.parent == out] + [page]

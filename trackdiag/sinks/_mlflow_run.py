@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trackdiag.sinks._mlflow_note import fill_note
 from trackdiag.sinks._mlflow_ops import KeyMap
 from trackdiag.sinks._mlflow_store import default_artifact_location, sweep_lock
 from trackdiag.sinks._mlflow_upload import Collected, send_batches, upload
@@ -41,6 +42,7 @@ class Runner:
         self.known_params: set[str] | None = None  # params already on the run (None: not read yet)
         self.keys = KeyMap()  # metric/image keys -> MLflow keys (see _mlflow_ops.sanitize_key)
         self.renderer: Any = None
+        self.user_note: bool | None = None  # an attached run's own description (see _mlflow_note.fill_note)
         self.calls = 0
 
     def run(self, op: dict[str, Any]) -> None:
@@ -70,6 +72,7 @@ class Runner:
                 refused[i] = why
         if got.params and self.known_params is None:
             self.known_params = set(self._get_run(self.state["run_id"]).data.params)
+        fill_note(self, got.tags)  # the run's description links its own page (ids known only here)
         self.calls += send_batches(self.client, self.state["run_id"], got, self.known_params or set())
         self.calls += upload(self, got)
         if end is not None:

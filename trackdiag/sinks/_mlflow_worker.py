@@ -7,17 +7,21 @@ interface but forwards each group of ops as a length-prefixed pickle to ``python
 trackdiag.sinks._mlflow_worker`` and reads the reply the same way: the parent pays a
 ``pickle.dumps`` (~0.05 ms per 1000 points) and a pipe write per group. Only this package's two
 ends speak the protocol. The child starts through :func:`child_command` (trackdiag's modules
-without its package ``__init__``, so no torch import). The child exits when its stdin closes or its parent dies; its own logs
-(and MLflow's prints) go to stderr. It imports MLflow and (for a new store) creates its tables at
-normal priority, then lowers its priority (``nice`` +5) once the run exists: on a busy machine a
-worker niced from the start got ~10 % of a core and had not made its first call when training
-ended.
+without its package ``__init__``, so no torch import), in a session of its own and ignoring SIGINT:
+a terminal's Ctrl-C (SIGINT to the whole foreground process group) stops training, never the
+delivery of what training logged; the worker finishes when the session closes its stdin, or
+exits when its parent dies. Its own logs (and MLflow's prints) go to stderr; MLflow's own "View
+run at" line is switched off (trackdiag prints the run's link in the model-training view). It
+imports MLflow and (for a new store) creates its tables at normal priority, then lowers its
+priority (``nice`` +5) once the run exists: a worker niced from its start got ~10 % of a core on a
+busy machine and had not made its first call when training ended.
 """
 from __future__ import annotations
 
 import logging
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -53,9 +57,12 @@ class ProcessRunner:
         env.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         env.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
         env.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+        # trackdiag prints the run's link itself, in the UI's model-training view (``_mlflow_note``)
+        env.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         self.calls = 0  # MLflow calls the worker made so far
+        # its own session: a terminal's Ctrl-C reaches the training process only (see the module doc)
         self._proc = subprocess.Popen(child_command("trackdiag.sinks._mlflow_worker"), stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=env)
+                                      stdout=subprocess.PIPE, env=env, start_new_session=True)
         self._call({"init": state})
 
     @property
@@ -138,7 +145,10 @@ def _watch_parent(ppid: int) -> None:
 
 
 def main() -> None:
-    """The worker loop: one request per framed message on stdin, one reply on stdout."""
+    """The worker loop: one request per framed message on stdin, one reply on stdout. SIGINT is
+    ignored (a Ctrl-C meant for training, e.g. ``kill -INT -<pgid>``): the parent ends the worker by
+    closing its stdin once delivery is done."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     proto = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # MLflow prints ("View run at ...") must not corrupt the protocol
     sys.stdout = sys.stderr

@@ -6,9 +6,11 @@ Also :class:`DeliveryProgress`, the feedback trackers give while they finish at 
 from __future__ import annotations
 
 import contextlib
+import shlex
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 from trackdiag.runinfo import RunInfo
@@ -49,9 +51,19 @@ def format_summary(summary: dict[str, Any]) -> str:
             lines.append(f"  {kind:<22}{a['count']:>7}{a['first_step']:>12}{a['suppressed']:>12}  {a.get('first_where', '')}")
     else:
         lines.append("  no alerts")
-    if summary.get("output_dir"):
-        lines.append(f"  records: {summary['output_dir']}")
+    lines += where_lines(summary)
     return "\n".join(lines)
+
+
+def where_lines(summary: dict[str, Any]) -> list[str]:
+    """Where the run's results are and the one command that shows them again, with this
+    interpreter's path (so it works pasted into a shell where the venv is not active)."""
+    out = summary.get("output_dir")
+    if not out:
+        return []
+    report = " (open report.html there in a browser)" if (Path(out) / "report.html").is_file() else ""
+    return [f"  results: {out}{report}",
+            f"  to look again: {shlex.quote(sys.executable)} -m trackdiag summary {shlex.quote(str(out))}"]
 
 
 class ConsoleSink(Sink):
@@ -64,7 +76,8 @@ class ConsoleSink(Sink):
         print(f"trackdiag: level={run.level} run={run.name} records -> {run.output_dir}", file=self.stream or sys.stderr)
 
     def close(self, status: str, summary: dict[str, Any]) -> None:
-        """Print the summary table: status (when not FINISHED), health, alerts, where the records are."""
+        """Print the summary table: status (when not FINISHED), health, alerts, where the results are
+        and the command that shows them again."""
         stream = self.stream or sys.stderr
         summary = {**summary, "status": status}
         try:
@@ -78,10 +91,15 @@ class ConsoleSink(Sink):
             table.add_column(col)
         for kind, a in summary.get("alerts", {}).items():
             table.add_row(kind, str(a["count"]), str(a["first_step"]), str(a["suppressed"]), a.get("first_where", ""))
-        console = Console(file=stream)
-        console.print(table if summary.get("alerts") else format_summary(summary))
+        console = Console(file=stream, soft_wrap=True)  # paths and commands stay whole, pasteable
+        console.print(table if summary.get("alerts") else format_summary(summary), highlight=False, markup=False)
         if summary.get("alerts"):
-            console.print(f"records: {summary.get('output_dir')}")
+            console.print("\n".join(where_lines(summary)), highlight=False, markup=False)
+
+
+def say(line: str, stream: TextIO | None = None) -> None:
+    """One console line from a sink (stderr, flushed: stdout stays the user's)."""
+    print(line, file=stream or sys.stderr, flush=True)
 
 
 class DeliveryProgress:

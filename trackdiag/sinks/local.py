@@ -2,7 +2,8 @@
 
 Writes into the run's output dir: ``records.jsonl`` (one :class:`Record` per line),
 ``alerts.jsonl`` (as they happen), ``alerts.json`` and ``summary.json`` (at close), ``run.json``
-(name, level, config, hyperparameters, status, sanitising notes). Config and hyperparameters
+(name, level, config, hyperparameters, status, sanitising notes); at close it stamps the final
+health and status into ``report.html`` (drawn while the run closes, before they are known). Config and hyperparameters
 arrive sanitised and redacted (:class:`~trackdiag.runinfo.RunInfo`). If the output dir cannot be
 written at open, the record goes to a temporary dir instead (one warning saying where; the
 run's ``output_dir`` is updated, so sinks opened after this one and ``summary()`` follow it).
@@ -79,6 +80,11 @@ class LocalSink(Sink):
         self._write_json("alerts.json", self._all_alerts)
         self._write_json("summary.json", summary)
         self._write_json("run.json", {**self._meta, "status": status, "end_time": time.time()})
+        if self.dir is not None:  # the report was drawn while closing: its first line gets the final word
+            from trackdiag.plots.report import stamp_status
+            from trackdiag.sinks.console import display_health
+
+            stamp_status(self.dir, display_health({**summary, "status": status}), status)
 
     def _write_json(self, name: str, obj: Any) -> None:
         if self.dir is None:  # open() never ran

@@ -2,30 +2,30 @@
 
 What lands in the run (keys pass through :func:`~trackdiag.sinks._mlflow_ops.sanitize_key`):
 
-- metrics: every point of ``Record.points()`` at its own step (series points too), batched with
-  ``log_batch`` (<= 1000 per call); ``diag/alerts/<kind>`` = running count at each alert's step.
-- params: the user's hyperparameters, flattened to dotted keys (``optimizer.lr``), values cut to
-  6000 chars; params already on the run are left alone.
+- metrics: every point of ``Record.points()`` at its own step (series points too), in ``log_batch``
+  calls (<= 1000 each); ``diag/alerts/<kind>``: running count, step-shaped over the run's whole
+  step range so its chart lines up with ``diag/loss`` (``_mlflow_alerts``).
+- params: the user's hyperparameters, flattened (``optimizer.lr``), values cut to 6000 chars.
 - tags: ``trackdiag.level|version|run_dir|run_name|components``, ``trackdiag.alert.<kind>`` = first
-  step; at close ``trackdiag.status`` = FINISHED|FAILED|KILLED and ``trackdiag.health`` =
-  ok|warning|critical, or failed|killed for a run that did not finish without worse alerts;
-  ``mlflow.source.name``/``type``/``git.*`` name the user's entry script (not the worker);
-  sweeps: ``trackdiag.sweep``/``job_num`` and ``mlflow.parentRunId`` (one parent run per Hydra
-  multirun, tagged ``trackdiag.role=sweep``). Experiments trackdiag creates carry
-  ``mlflow.experimentKind=custom_model_development`` (the UI's model-training view).
-- artifacts: ``config.yaml`` (hyperparameters), ``trackdiag/diag_config.yaml``,
-  ``histograms/step_<n>.json`` + per-step images (stored as ``log_image(key=histogram key, step)``
-  does), every file in ``Record.artifacts`` (path relative to the run dir), and at close
-  ``alerts.json``, ``summary.json`` (as the local record's), ``tables/tables.jsonl`` and
-  ``trackdiag/key_map.json`` (keys that were renamed).
+  step; ``mlflow.note.content``, the run's Description (health, each alert kind with its step,
+  where, message and hint, a link to ``report.html``: ``_mlflow_note``), rewritten when a new kind
+  appears and at close; at close ``trackdiag.status`` (FINISHED|FAILED|KILLED) and
+  ``trackdiag.health`` (ok|warning|critical, or failed|killed for a run that did not finish without
+  worse alerts); ``mlflow.source.*`` name the user's entry script; sweeps: ``trackdiag.sweep``/
+  ``job_num``, ``mlflow.parentRunId`` (a parent run per Hydra multirun, ``trackdiag.role=sweep``).
+  New experiments carry ``mlflow.experimentKind=custom_model_development``.
+- artifacts: ``config.yaml``, ``trackdiag/diag_config.yaml``, ``histograms/step_<n>.json`` + per-step
+  images (as ``log_image(key, step)`` stores them), every file in ``Record.artifacts`` (path relative
+  to the run dir; ``report.html`` held back until close, after the local record stamped its final
+  health and status), and at close ``alerts.json``, ``summary.json``, ``tables/tables.jsonl``,
+  ``trackdiag/key_map.json``. The console's last lines: the run's page, and how to serve a local store.
 
 Cost: on the sink thread, a shallow copy of each record's scalar dict and a deque append per
 batch. A delivery thread (``_mlflow_deliver``) hands groups of queued ops to a child process
-(``delivery: process``) that maps keys and merges them into the fewest ``log_batch`` calls and one
-upload (``_mlflow_batch``), off the training process's GIL. Outages spool to
-``<output_dir>/mlflow_spool``. ``close`` waits while delivery moves (``_mlflow_close``); what is
-left stays spooled with the run's end for ``trackdiag sync`` or the next session on the same
-store, which delivers earlier spools under its output root in the background (``_mlflow_leftovers``).
+(``delivery: process``) that merges them into the fewest ``log_batch`` calls and one upload, off
+the training process's GIL. Outages spool to ``<output_dir>/mlflow_spool``; ``close`` waits while
+delivery moves (``_mlflow_close``); what is left stays spooled for ``trackdiag sync`` or the next
+session on the same store (``_mlflow_leftovers``).
 """
 from __future__ import annotations
 
@@ -40,28 +40,21 @@ from trackdiag.alert import Alert
 from trackdiag.errors import ConfigError, TrackdiagError
 from trackdiag.record import Record
 from trackdiag.runinfo import RunInfo, hydra_runtime
+from trackdiag.sinks._mlflow_alerts import AlertSeries
 from trackdiag.sinks._mlflow_deliver import Deliverer
 from trackdiag.sinks._mlflow_media import artifact_dir, file_op, histogram_ops, to_yaml
 from trackdiag.sinks._mlflow_leftovers import launch, output_root, stop
+from trackdiag.sinks._mlflow_note import NOTE_TAG, closing_lines, kinds_of, run_note
 from trackdiag.sinks._mlflow_ops import MAX_METRICS, flatten, pair_ops, user_params
 from trackdiag.sinks._mlflow_run import SWEEP_TAG, Runner
 from trackdiag.sinks._mlflow_spool import Spool
 from trackdiag.sinks._mlflow_store import (absolute_sqlite, default_artifact_location, default_tracking_uri,
-                                           option_problems, ui_command)
+                                           option_problems)
 from trackdiag.sinks._mlflow_worker import ProcessRunner
 from trackdiag.sinks.base import Sink
-from trackdiag.sinks.console import DeliveryProgress, display_health
+from trackdiag.sinks.console import DeliveryProgress, display_health, say
 
 log = logging.getLogger("trackdiag")
-
-
-def ui_hint(diag: Any) -> str | None:
-    """How to open the MLflow UI on the store a session's MLflow sink wrote to (a command that works
-    when pasted into a shell where no venv is active), or None."""
-    from trackdiag.redact import DEFAULT_POLICY
-
-    sink = next((s for s in getattr(getattr(diag, "_hub", None), "sinks", []) if isinstance(s, MlflowSink)), None)
-    return DEFAULT_POLICY.text(ui_command(sink.tracking_uri)) if sink is not None else None  # no password printed
 
 
 class MlflowSink(Sink):
@@ -115,13 +108,12 @@ class MlflowSink(Sink):
         self._pending: list[list[Any]] = []  # [step, ts_ms, scalars, series] per record, until the next cut
         self._npoints = 0
         self._tags: list[tuple[str, str]] = []
-        self._alerts: list[dict[str, Any]] = []
-        self._counts: dict[str, int] = {}
-        self._first: dict[str, int] = {}
+        self._series = AlertSeries()
         self._images = histogram_images and importlib.util.find_spec("matplotlib") is not None
         if histogram_images and not self._images:
             log.info("trackdiag: matplotlib not installed; MLflow gets histogram data (JSON) without images")
         self._deliver: Deliverer | None = None
+        self._report: dict[str, Any] | None = None  # the run's report.html op, held back until close
 
     @property
     def run_id(self) -> str | None:
@@ -172,6 +164,7 @@ class MlflowSink(Sink):
         """Queue the record's points (O(1): key mapping and batching happen in the runner), its
         histograms (JSON file + image ops) and artifacts."""
         ts = int((record.time or time.time()) * 1000)
+        self._series.saw(record)
         self._pending.append([record.step, ts, dict(record.scalars), {k: list(v) for k, v in record.series.items()}])
         self._npoints += len(record.scalars) + sum(map(len, record.series.values()))
         ops = histogram_ops(self._media, record.step, ts, record.histograms,
@@ -180,21 +173,25 @@ class MlflowSink(Sink):
             with open(self._media_path("tables.jsonl"), "a", encoding="utf-8") as f:
                 f.write(Record(step=record.step, tables=record.tables).to_json() + "\n")
         for path in record.artifacts:
-            ops.append({"op": "artifact", "path": str(path), "dir": self._artifact_dir(Path(path))})
+            op = {"op": "artifact", "path": str(path), "dir": self._artifact_dir(Path(path))}
+            if Path(path).resolve() == (self._run.output_dir / "report.html").resolve():
+                self._report = op  # sent at close, once the local sink stamped the final health and status in
+            else:
+                ops.append(op)
         if ops or self._npoints >= MAX_METRICS:
             self._cut()  # points first, in order
             self._deliver.submit(ops)  # type: ignore[union-attr]
 
     def alert(self, alert: Alert) -> None:
-        """``diag/alerts/<kind>`` running count at the alert's step; ``trackdiag.alert.<kind>`` = first step."""
-        kind = alert.kind
-        self._alerts.append(alert.to_dict())
-        self._counts[kind] = self._counts.get(kind, 0) + 1
-        self._pending.append([alert.step, int(time.time() * 1000), {f"diag/alerts/{kind}": float(self._counts[kind])}, {}])
-        self._npoints += 1
-        if kind not in self._first or alert.step < self._first[kind]:
-            self._first[kind] = alert.step
-            self._tags.append((f"trackdiag.alert.{kind}", str(alert.step)))
+        """``diag/alerts/<kind>`` running count (step-shaped, from the run's first step);
+        ``trackdiag.alert.<kind>`` = first step; a new kind rewrites the run's description."""
+        rows, new_first = self._series.add(alert)
+        self._pending += rows
+        self._npoints += len(rows)
+        if new_first:
+            self._tags.append((f"trackdiag.alert.{alert.kind}", str(alert.step)))
+            note = run_note(self._series.worst(), None, self._series.last_step, kinds_of(self._series.alerts), None)
+            self._tags.append((NOTE_TAG, note))
 
     def flush(self) -> None:
         """Hand buffered points and tags to the delivery thread (called when the hub queue is dry)."""
@@ -207,19 +204,28 @@ class MlflowSink(Sink):
         sync`` or the next session."""
         if self._deliver is None:
             return
-        self._tags += [("trackdiag.status", status),
-                       ("trackdiag.health", display_health({**summary, "status": status}))]
+        health = display_health({**summary, "status": status})
+        report = f"{self._report['dir']}/report.html" if self._report else None
+        note = run_note(health, status, summary.get("steps"), kinds_of(self._series.alerts, summary.get("alerts")), report)
+        self._tags += [("trackdiag.status", status), ("trackdiag.health", health), (NOTE_TAG, note)]
+        self._pending += self._series.closing_points()
         self._cut()
-        ops = [self._file(self._alerts, "alerts.json", None), self._file(summary, "summary.json", None)]
+        ops = [self._file(self._series.alerts, "alerts.json", None), self._file(summary, "summary.json", None),
+               *([self._report] if self._report else [])]
         if (self._media / "tables.jsonl").exists():
             ops.append({"op": "artifact", "path": str(self._media / "tables.jsonl"), "dir": "tables"})
         ops.append({"op": "key_map"})
         ops.append({"op": "end", "status": status, "ts": int(time.time() * 1000)})
         self._deliver.submit(ops)
+        if status == "KILLED":  # Ctrl-C or SIGTERM: say at once what happens now, and that nothing is lost
+            say("trackdiag: training stopped; closing the MLflow run as KILLED (nothing is lost: a second Ctrl-C "
+                "stops waiting and keeps the rest for `trackdiag sync`)")
         progress = DeliveryProgress(f"MLflow at {self.tracking_uri}")
         (left, entities), why = self._deliver.close(self.close_timeout, self.close_stall_timeout, progress)
         stop(self._leftovers)
         progress.finish("MLflow delivery stopped" if left else "delivered to MLflow")
+        for line in closing_lines(self.tracking_uri, self._state, status, health) if not left else []:
+            say(line)  # the run's own page, and for a local store the one command that serves it
         spool = self._deliver.spool
         if left:
             log.warning("trackdiag: %d MLflow op(s) (%d entries, the run's end among them) not delivered to %s (%s); "
