@@ -8,7 +8,8 @@ long warm-up schedule is waited for), on the medians of the first ``start_steps`
 
 - **at chance** (``loss``): the task is shown (:mod:`trackdiag.task`), the recent loss is within
   ``margin`` (5%) of the chance level and stalled there (it fell less than ``min_fall``, 2%, over the
-  last 100 steps: a language model passing its unigram plateau is still on its way down): for a classification, the entropy of the targets' class frequencies (what predicting
+  last 100 steps, or the last 200 when it fell from its start first: a language model may rest at
+  the entropy of its token frequencies for a hundred steps on its way down): for a classification, the entropy of the targets' class frequencies (what predicting
   the label frequencies scores; ln C for balanced classes, and when the frequencies are degenerate),
   for an MSE regression, the targets' variance;
 - **flat** (``persistent``, counted only with one of the others): the recent loss is less than
@@ -108,11 +109,19 @@ class NotLearning(Rule):
         start, now = statistics.median(first), statistics.median(recent)
         flat = start - now < self.min_drop * max(abs(start), 1e-12)
         chance, what = self._chance()
-        # at chance and stalled there: a slow learner on its way down (a language model passing its unigram
-        # plateau) is left alone; the loss must have fallen less than ``min_fall`` over the last 100 steps
-        head = [v for v in rec.between(step - 99, step - 75) if math.isfinite(v)]
+        # at chance and stalled there: a slow learner on its way down is left alone. The loss must have fallen
+        # less than ``min_fall`` over the last 100 steps, or 200 when it did fall from its start (a language
+        # model learns the token frequencies first and may rest at their entropy for a hundred steps)
+        span = 100 if flat else 2 * 100
+        head = [v for v in rec.between(step - span + 1, step - span + 25) if math.isfinite(v)]
         tail = [v for v in rec.between(step - 24, step) if math.isfinite(v)]
-        stalled = bool(head and tail) and statistics.median(head) - statistics.median(tail) < self.min_fall * abs(now)
+        stalled = False
+        if len(head) >= 5 and len(tail) >= 5:
+            # a fall within twice the noise of a 25-value median is no fall (noisy losses: small batches, MSE)
+            mid = statistics.median(tail)
+            sigma = 1.4826 * statistics.median(abs(v - mid) for v in tail)
+            noise = 2 * 1.25 * sigma / math.sqrt(len(tail))
+            stalled = statistics.median(head) - mid < max(self.min_fall * abs(now), noise)
         at_chance = math.isfinite(chance) and now >= (1 - self.margin) * chance and stalled
         acc = self._acc_at_chance()
         evidence = (["loss"] if at_chance else []) + (["corroborated"] if acc else [])
