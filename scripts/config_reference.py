@@ -90,8 +90,9 @@ def build() -> str:
                 vals.append(_cell({k: v for k, v in (entry or {}).items() if k != "enabled"} or "on") if on else "off")
             out.append(f"| `{name}` | {opts} | " + " | ".join(vals) + f" | {_text(comments.get(name, ''))} |")
     out += ["", "## Sinks (`diag.sinks`, `diag.sink.<name>.<option>`)", "",
-            "`sinks` lists the sinks (`local` is always on); in a Hydra app pick them with `diag/sink=local|mlflow|wandb`",
-            "(the presets' default: `mlflow`, i.e. `[local, console, mlflow]`).", ""]
+            "`sinks` lists the sinks (`local` and `console` are always on: `diag.sink.console.enabled=false` silences the",
+            "console summary); in a Hydra app pick them with `diag/sink=local|mlflow|wandb` (the presets' default:",
+            "`mlflow`, i.e. `[local, console, mlflow]`).", ""]
     for name in sorted(set(SINKS.keys())):
         params = [k for k in constructor_params(SINKS[name]) if k not in SKIP]
         if not params:

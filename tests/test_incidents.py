@@ -110,3 +110,23 @@ def test_gradient_norm_collapse_with_a_flat_loss_is_a_warning_and_convergence_is
     conv_g = {s: 7.0 * 0.985 ** s for s in range(300)}
     conv_l = {s: 2.3 * 0.985 ** s for s in range(300)}
     assert _judge(GradVanishing(), conv_g, conv_l) == []
+
+
+def test_console_summary_for_every_spelling_unless_turned_off(tmp_path, capsys) -> None:
+    """``sinks=["local"]`` printed nothing at the end (issue 30 item 5) while ``diag/sink=local`` printed
+    the summary: now both print it, and ``sink.console.enabled=false`` silences it."""
+    def run(**kw: Any) -> str:
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with trackdiag.Diagnostics(model, opt, level="basic", output_dir=str(tmp_path / str(len(kw))), **kw) as diag:
+            for _ in range(3):
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                diag.step(loss)
+        return capsys.readouterr().err
+
+    printed = run(sinks=["local"])
+    assert "health" in printed and str(tmp_path / "1") in printed
+    assert run(sinks=["local"], sink={"console": {"enabled": False}}) == ""

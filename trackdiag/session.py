@@ -94,7 +94,11 @@ class Diagnostics(OptimizerEvents, SetupChecks):
             r.objectives = self.objectives
         self._dist = DistSync.detect(self.components)  # None outside torch.distributed
         main = is_main_process()  # only rank 0 opens tracker runs and writes the local record/artifacts
-        sinks: list[Sink] = [_build(SINKS, n, cfg["sink"].get(n)) for n in dict.fromkeys(["local", *cfg["sinks"]])] if main else []
+        # the local record and the console summary join every session (sinks=["local"] and diag/sink=local alike);
+        # diag.sink.console.enabled=false silences the console
+        quiet = (cfg["sink"].get("console") or {}).get("enabled", True) is False
+        names = [n for n in dict.fromkeys(["local", "console", *cfg["sinks"]]) if not (quiet and n == "console")]
+        sinks: list[Sink] = [_build(SINKS, n, cfg["sink"].get(n)) for n in names] if main else []
         for p in self.probes:
             p.bind(self.every)
             p.attach(self._ctx)

@@ -69,8 +69,9 @@ def where_lines(summary: dict[str, Any]) -> list[str]:
 class ConsoleSink(Sink):
     name = "console"
 
-    def __init__(self, stream: TextIO | None = None) -> None:
+    def __init__(self, stream: TextIO | None = None, enabled: bool = True) -> None:
         self.stream = stream
+        self.enabled = enabled  # the session leaves the console out when False (diag.sink.console.enabled=false)
 
     def open(self, run: RunInfo) -> None:
         print(f"trackdiag: level={run.level} run={run.name} records -> {run.output_dir}", file=self.stream or sys.stderr)
