@@ -25,7 +25,10 @@ SKIP = {"stream"}  # constructor arguments that are not config (the console sink
 
 def _comments(*parts: str) -> dict[str, str]:
     """``key -> comment`` from one packaged YAML file (``key: value  # comment`` lines)."""
-    text = resources.files("trackdiag.conf").joinpath(*parts).read_text(encoding="utf-8")
+    path = resources.files("trackdiag.conf").joinpath(*parts)
+    if not path.is_file():  # a sink with options but no preset file of its own (console)
+        return {"enabled": "false: no console summary at the end of a run"} if parts[-1] == "console.yaml" else {}
+    text = path.read_text(encoding="utf-8")
     out: dict[str, str] = {}
     for line in text.splitlines():
         m = re.match(r"^\s*([A-Za-z_]+):[^#]*#\s*(.+)$", line)
