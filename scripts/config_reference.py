@@ -99,7 +99,7 @@ def build() -> str:
     for name in sorted(set(SINKS.keys())):
         params = [k for k in constructor_params(SINKS[name]) if k not in SKIP]
         if not params:
-            out.append(f"- `{name}`: no options.")
+            out += ([""] if out[-1].startswith("|") else []) + [f"- `{name}`: no options."]
             continue
         defaults = constructor_defaults(SINKS[name])
         yaml = _comments("diag", "sink", f"{name}.yaml")
