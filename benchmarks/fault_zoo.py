@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's trackdiag, and the zoo
 
 from _zoo_real import FAULTS, NOT_APPLICABLE, SCRIPTS  # noqa: E402
+from test_fault_zoo import AS_INFO  # noqa: E402
 
 
 def run_one(script: str, fault: str | None, level: str) -> dict:
@@ -27,11 +28,13 @@ def run_one(script: str, fault: str | None, level: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         r = SCRIPTS[script](fault, Path(tmp), level=level) if fault is None else \
             SCRIPTS[script](fault, Path(tmp), level=level, steps=None or _steps(script, fault))
-        first = r.first()
+        # a layer frozen and handed to the optimizer is how fine-tuning freezes a backbone: found as info
+        first = r.first(min_severity="info" if fault in AS_INFO else "warning")
         raised = None if first is None else r.raised_at(first)  # read from the record, before it is deleted
     alerts = [(a.kind, a.step, a.severity, a.where) for a in r.diag.alerts]
     return {"script": script, "fault": fault or "healthy", "onset": r.onset, "culprit": r.culprit,
             "first": None if first is None else {"kind": first.kind, "step": first.step, "where": first.where,
+                                                  "severity": first.severity,
                                                   "after": first.step - r.onset, "raised_after": raised - r.onset},
             "alerts": alerts, "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -112,7 +115,8 @@ def markdown(rows: list[dict], scripts: list[str], faults: list[str]) -> str:
                 if fault == "tiny_subset":  # present from the start: the step it names is the overfitting onset
                     cells.append(f"`{f['kind']}` onset {f['step']}, raised {f['raised_after'] + r['onset']}")
                 else:
-                    cells.append(f"`{f['kind']}` +{f['after']} / +{f['raised_after']}")
+                    info = " (info)" if f.get("severity") == "info" else ""
+                    cells.append(f"`{f['kind']}`{info} +{f['after']} / +{f['raised_after']}")
         out.append(f"| {fault} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
