@@ -40,6 +40,7 @@ class Task:
     classes: int = -1
     reduction: str = "mean"
     shift: bool = False
+    sequence: bool = False  # one target per position (a language model), not per sample
 
 
 def masked_ce(scores: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,11 +84,17 @@ def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
     return None
 
 
+def per_position(batch: Any) -> bool:
+    """Whether the batch's class targets are one per position (``(B, T)``: a language model), from shapes."""
+    t = targets_of(batch)
+    return t is not None and t.dim() >= 2 and t.shape[1] > 1
+
+
 def _close(a: float, b: float, tol: float) -> bool:
     return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= tol * max(abs(a), abs(b), 1e-12)
 
 
-def decide(loss: float, got: dict[str, float], classes: int, accumulated: bool = False) -> Task:
+def decide(loss: float, got: dict[str, float], classes: int, accumulated: bool = False, sequence: bool = False) -> Task:
     """The task one step shows: its ``loss`` against the host values of :func:`terms` (``classes``:
     the output's class count, from its shape)."""
     tol = TOL_ACCUM if accumulated else TOL
@@ -97,7 +104,7 @@ def decide(loss: float, got: dict[str, float], classes: int, accumulated: bool =
         for shift, ce in ((False, got["ce"]), (True, got.get("ce_shift", math.nan))):
             for red, scale in (("mean", 1.0), ("sum", n)):
                 if _close(loss, ce * scale, tol):
-                    return Task("classification", math.log(c) * scale, c, red, shift)
+                    return Task("classification", math.log(c) * scale, c, red, shift, sequence)
         return Task()
     if "mse" in got:
         for red, scale in (("mean", 1.0), ("sum", n)):

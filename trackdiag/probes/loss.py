@@ -28,7 +28,7 @@ from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.stats import Ema
-from trackdiag.task import STEPS, Marginal, Task, decide, entropy, terms
+from trackdiag.task import STEPS, Marginal, Task, decide, entropy, per_position, terms
 from trackdiag.tensors import class_dim, logits_of, targets_of
 
 
@@ -77,6 +77,7 @@ class LossProbe(Probe):
         self._task_taken: list[tuple[bool, list[str]]] = []
         self._task_steps = 0
         self._task_classes = -1
+        self._task_sequence = False
         self._marginal = Marginal()
         self._entropy: tuple[float, float] | None = None
         self._task_told = False
@@ -99,6 +100,7 @@ class LossProbe(Probe):
                 accumulated = max(ctx.passes.values(), default=1) > 1
                 self._task_seen.append((accumulated, loss.detach(), names, [got[k] for k in names]))
                 self._task_classes = classes_of(inputs.outputs, inputs.batch)
+                self._task_sequence = per_position(inputs.batch)
         for name, value in inputs.losses.items():
             if value is None:
                 continue
@@ -129,7 +131,7 @@ class LossProbe(Probe):
             got = values.pop(f"\ttask{i}", None)
             if got is not None and self.task.kind == "unknown":
                 host = got.reshape(-1).tolist()
-                self.task = decide(host[0], dict(zip(names, host[1:])), self._task_classes, acc)
+                self.task = decide(host[0], dict(zip(names, host[1:])), self._task_classes, acc, self._task_sequence)
         self._task_taken = []
         counts = values.pop("\tmarginal", None)
         if counts is not None:
@@ -143,6 +145,7 @@ class LossProbe(Probe):
             record.scalars["diag/task/chance_loss"] = self.task.chance
             record.scalars["diag/task/shift"] = float(self.task.shift)
             record.scalars["diag/task/summed"] = float(self.task.reduction == "sum")
+            record.scalars["diag/task/sequence"] = float(self.task.sequence)
         for name, vals in values.items():
             key = f"diag/{name}/loss" if name else "diag/loss"
             steps = self._steps[name]

@@ -88,7 +88,7 @@ class NotLearning(Rule):
         return out
 
     def _note_context(self, record: Record) -> None:
-        for k in ("kind", "chance_loss", "marginal_entropy", "majority_share", "summed"):
+        for k in ("kind", "chance_loss", "marginal_entropy", "majority_share", "summed", "sequence"):
             v = record.scalars.get(f"diag/task/{k}")
             if v is not None:
                 self._task[k] = v
@@ -144,8 +144,10 @@ class NotLearning(Rule):
         if kind == 1.0 and not self._task.get("summed"):
             h, ln_c = self._task.get("marginal_entropy", math.nan), self._task.get("chance_loss", math.nan)
             # the label frequencies are what a model that ignores its input can learn (a bias), unless they
-            # are degenerate (InfoNCE's positives all at index 0): then uniform scores, ln C, are chance
-            if math.isfinite(h) and h >= 0.5 * ln_c:
+            # are degenerate (InfoNCE's positives all at index 0): then uniform scores, ln C, are chance. A
+            # language model (a target per position) learns the token frequencies first and may rest at their
+            # entropy on its way down: there chance is ln C
+            if math.isfinite(h) and h >= 0.5 * ln_c and not self._task.get("sequence"):
                 return h, "the entropy of the label frequencies"
             return ln_c, "the chance level ln C"
         if kind == 2.0 and not self._task.get("summed"):
