@@ -51,21 +51,23 @@ class _Comp:
     det: SpikeDetector
     grad: Recent = field(default_factory=Recent)
     loss: Recent = field(default_factory=Recent)
-    pending: list[tuple[int, float, float, str]] = field(default_factory=list)  # (step, value, ref, where)
+    pending: list[tuple[int, float, float]] = field(default_factory=list)  # (step, value, the level before)
     episode: float = 0.0  # the level before the jump being followed (0: none): later values above it are the same jump
 
 
 class GradExplosion(Rule):
     """A jump of the pre-clip global gradient norm (every step) against the run's own history: more
     than ``spike_z`` (6) standard deviations above the mean of the last ``window`` (128) norms AND
-    more than ``spike_factor`` (10) x that mean (floored at ``floor_fraction``, 0.1, of the first
-    ``warmup``, 20, norms). Judged ``settle`` (5) steps later: ``persistent`` when at least 3 of them
+    more than ``spike_factor`` (10) x their recent level (the median of the last 20, floored at
+    ``floor_fraction``, 0.1, of the first ``warmup``, 20, norms). Judged ``settle`` (5) steps later: ``persistent`` when at least 3 of them
     stay above ``persist_factor`` (3) x the old level; ``loss`` when the loss of the following
     steps rose or went non-finite (:func:`~trackdiag.rules._recent.reacted`; the spike step's own loss
     does not count: an unusual batch has a high loss and a high gradient at once); ``weights`` when an update-to-weight ratio
     above 1 was measured. ``threshold`` / ``layer_threshold`` (default none): absolute lines of your
     own, crossing them counts as ``corroborated``. ``step`` is the exact step; ``where`` names the
-    largest layer only when per-layer norms were measured at that step."""
+    largest layer where per-layer norms were measured at that step (for a lasting jump: at the first
+    logging step after it, said in the message), else the component. Jumps of one component are one
+    incident; a jump lasts until the norm is back under ``persist_factor`` x its old level."""
 
     kind = "grad_explosion"
     hint = ("Clip gradients (torch.nn.utils.clip_grad_norm_(params, 1.0)), lower the learning rate or add "
@@ -111,7 +113,7 @@ class GradExplosion(Rule):
                     st.episode = 0.0  # back to its level: the next jump is a new incident
                 if (spike or user) and st.episode == 0.0:
                     st.episode = ref if math.isfinite(ref) and ref > 0 else gn
-                    st.pending.append((step, gn, ref if math.isfinite(ref) else gn, ""))
+                    st.pending.append((step, gn, ref if math.isfinite(ref) else gn))
             st.loss.extend(p for p in loss_points(record, comp) if p[0] >= ps)
             while st.pending and (final or st.pending[0][0] + self.settle <= st.grad.last_step):
                 out.append(self._verdict(st, st.pending.pop(0), history, record, comp))
@@ -119,9 +121,9 @@ class GradExplosion(Rule):
         self.follow_until = max((p[0] + self.settle for st in self._c.values() for p in st.pending), default=-1)
         return out
 
-    def _verdict(self, st: _Comp, spike: tuple[int, float, float, str], history: Sequence[Record], record: Record,
+    def _verdict(self, st: _Comp, spike: tuple[int, float, float], history: Sequence[Record], record: Record,
                  comp: Component) -> Alert:
-        step, gn, ref, where = spike
+        step, gn, ref = spike
         after = st.grad.between(step + 1, step + self.settle)
         high = sum(v >= self.persist_factor * ref or not math.isfinite(v) for v in after)
         evidence = []
@@ -152,7 +154,6 @@ class GradExplosion(Rule):
             self._keys.clear()
         self._keys[(alert.step, alert.where)] = f"component:{comp.name}"
         return alert
-
 
     def _layers(self, record: Record, comp: Component) -> list[Alert]:
         if self.layer_threshold is None:
