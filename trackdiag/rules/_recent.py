@@ -53,15 +53,20 @@ class Recent:
 
 def reacted(loss: Recent, step: int, settle: int, factor: float = 1.5, mads: float = 6.0) -> bool:
     """Whether the loss reacted to something that happened at ``step``: within ``step .. step +
-    settle`` it went non-finite, or rose above its level before ``step`` by ``mads`` median absolute
-    deviations AND by ``factor`` x (for a positive level; for a signed loss, by the deviations alone)."""
+    settle`` it went non-finite, or most of those steps (3, or all when fewer) sat above its level
+    before ``step`` by ``mads`` median absolute deviations AND by ``factor`` x (for a positive level;
+    for a signed loss, by the deviations alone). A loss that rose for a step and came back is no
+    reaction: one odd batch perturbs one update."""
     after = loss.between(step, step + settle)
     if any(not math.isfinite(v) for v in after):
         return True
     level, mad = loss.level(step), loss.spread(step)
     if not after or not math.isfinite(level):
         return False
-    top = max(after)
-    rise = top - level
-    scale_ok = top > factor * level if level > 0 else True
-    return rise > mads * max(mad, 1e-12) and scale_ok and rise > 1e-6 * max(abs(level), 1e-12)
+
+    def up(v: float) -> bool:
+        rise = v - level
+        scale_ok = v > factor * level if level > 0 else True
+        return rise > mads * max(mad, 1e-12) and scale_ok and rise > 1e-6 * max(abs(level), 1e-12)
+
+    return sum(up(v) for v in after) >= min(3, len(after))

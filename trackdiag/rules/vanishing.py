@@ -20,8 +20,9 @@ class GradVanishing(Rule):
     """Gradients that vanish, judged against the run itself:
 
     - **collapse**: the pre-clip global norm's median over the last ``span`` (10) steps fell below
-      1/``factor`` (30) of its median over the ``span`` x 4 steps before those (a fall that fast is
-      not convergence), while the loss did not fall with it (its median stayed above
+      1/``factor`` (30) of its median over the ``span`` x 4 steps before those, which were steady
+      (their halves within 3x: a norm already falling fast is an optimizer converging), while the
+      loss did not fall with it (its median stayed above
       ``loss_kept``, 0.8, of what it was): the model is stuck, e.g. weights grown under a learning
       rate far too high so that normalisation layers scale their gradients away. ``persistent``
       (the window's median), ``loss`` (the loss stayed); ``weights`` when an update ratio above 1
@@ -76,6 +77,10 @@ class GradVanishing(Rule):
             return []
         p_now, p_before = statistics.median(post), statistics.median(pre)
         if not (p_before > 0 and p_now < p_before / self.factor):
+            return []
+        half = len(pre) // 2  # a norm already falling fast before (an optimizer converging, L-BFGS) is no collapse
+        early, late = statistics.median(pre[:half]), statistics.median(pre[half:])
+        if min(early, late) <= 0 or max(early, late) / min(early, late) > 3.0:
             return []
         l_post = [v for v in lo.between(now - self.span + 1, now) if math.isfinite(v)]
         l_pre = [v for v in lo.between(now - 5 * self.span + 1, now - self.span) if math.isfinite(v)]
