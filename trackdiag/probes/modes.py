@@ -61,11 +61,7 @@ class ModeProbe(Probe):
         model = comp.model
         if model is None or model.training or comp.name in self._reported or comp.name in self._found:
             return
-        modules = mode_dependent(model)
-        if modules:
-            self._found[comp.name] = (ctx.step, modules)
-        else:
-            self._reported.add(comp.name)  # eval mode changes nothing in this model
+        self._found[comp.name] = (ctx.step, mode_dependent(model))  # none: only a functional dropout would care
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         """A component stepped by hand (no optimizer object): read the mode at ``step()``."""
@@ -85,7 +81,7 @@ class ModeProbe(Probe):
             step, modules = found
             record.scalars[comp.key("model/eval_mode")] = 1.0
             record.tables[comp.key("model/eval_modules")] = modules
-            record.tables[comp.key("model/eval_mode_step")] = {"step": float(step)}
+            record.tables[comp.key("model/eval_mode_step")] = {"step": float(step), "modules": float(len(modules))}
 
     def state_dict(self) -> dict[str, Any]:
         return {"reported": sorted(self._reported)}

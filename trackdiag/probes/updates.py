@@ -14,7 +14,8 @@ Emits per component:
       (``nan`` for a layer whose weights are all zero); coarsened to the key budget like the
       gradient keys, the full per-layer table in ``record.tables`` when coarsened;
   ``diag/[<c>/]update/ratio_median``: the median over layers with weights (~1e-3 is the usual healthy value);
-  ``diag/[<c>/]update/global_ratio``: the same ratio over all parameters at once.
+  ``diag/[<c>/]update/global_ratio``: the same ratio over all trainable parameters at once (frozen
+      ones an optimizer holds do not dilute it).
   ``diag/[<c>/]update/idle_steps`` (every logging step, while > 0): consecutive steps in which
       backward passes reached the component but none of its optimizers stepped (an ``optimizer.step()``
       the loop stopped calling), with the table ``update/idle`` = ``{"since": first such step}``;
@@ -58,6 +59,7 @@ class UpdateProbe(Probe):
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._idle: dict[str, tuple[int, int]] = {}  # component -> (idle steps, first idle step)
         self._keep: dict[str, tuple[int, list[torch.Tensor]]] = {}  # component -> (generation, CPU copy buffers)
+        self._live: dict[tuple[str, int], torch.Tensor] = {}  # (component, generation) -> requires_grad mask
 
     def bind(self, default_every: int) -> None:
         self.schedule = EarlyThenEvery(self.early, self.every or default_every, type(self).follows_anomaly)
@@ -144,12 +146,24 @@ class UpdateProbe(Probe):
         idx = comp.index
         lw, ld = idx.per_layer_norm(w_norms), idx.per_layer_norm(d_norms)
         nan = torch.full_like(lw, math.nan)
+        live = self._trainable(comp, w_norms)  # frozen weights in the optimizer do not dilute the whole-model ratio
         out = {"ratio": torch.where(lw > 0, ld / lw, nan),  # its median is taken on the host (CUDA's nanmedian syncs)
-               "global_ratio": torch.linalg.vector_norm(d_norms) / torch.linalg.vector_norm(w_norms)}
+               "global_ratio": torch.linalg.vector_norm(d_norms * live) / torch.linalg.vector_norm(w_norms * live)}
         if idx.grouped:
             gw, gd = idx.per_group_norm(lw), idx.per_group_norm(ld)
             out["group_ratio"] = torch.where(gw > 0, gd / gw, torch.full_like(gw, math.nan))
         return out
+
+    def _trainable(self, comp: Component, like: torch.Tensor) -> torch.Tensor:
+        """1.0 for parameters that require a gradient, 0.0 for frozen ones (kept per index generation:
+        one small host-to-device copy when the parameters change)."""
+        key = (comp.name, comp.generation)
+        mask = self._live.get(key)
+        if mask is None or mask.device != like.device:
+            mask = torch.tensor([float(p.requires_grad) for p in comp.index.params], device=like.device)
+            self._live = {k: v for k, v in self._live.items() if k[0] != comp.name}
+            self._live[key] = mask
+        return mask
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         out = take_pending(self._pending)

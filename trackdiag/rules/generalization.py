@@ -60,7 +60,8 @@ class Overfitting(Rule):
       ``patience`` evaluations above the best (a mere lag behind a fast-falling train loss, or one
       noisy reading, with the validation loss still improving, is not overfitting).
 
-    ``step`` is the onset: the evaluation right after the best validation loss. Fires once per
+    The evaluations judged span at least ``min_span`` (20) steps (more of them when the loop evaluates
+    more often than that). ``step`` is the onset: the evaluation right after the best validation loss. Fires once per
     episode (again once the validation loss came back to within the margin of its best). When the train loss is ~0 while the validation
     loss is many times larger (``leak_ratio``, 20x), the message names label/data leakage as well.
     ``where`` is ``eval/<metric>``.
@@ -71,8 +72,9 @@ class Overfitting(Rule):
             "smaller model; use early stopping on the validation loss and keep the best checkpoint.")
 
     def __init__(self, *, ratio: float = 2.0, patience: int = 2, min_rise: float = 0.05, giveback: float = 0.0,
-                 noise: float = 1.5, leak_ratio: float = 20.0, metric: str = "loss", **kw: Any) -> None:
+                 noise: float = 1.5, leak_ratio: float = 20.0, metric: str = "loss", min_span: int = 20, **kw: Any) -> None:
         super().__init__(**kw)
+        self.min_span = min_span
         self.ratio, self.patience, self.metric = ratio, max(1, patience), metric
         self.min_rise, self.giveback, self.noise, self.leak_ratio = min_rise, giveback, noise, leak_ratio
         self._evals: list[tuple[int, float, float]] = []  # (step, val, train), bounded below
@@ -88,14 +90,20 @@ class Overfitting(Rule):
         vals = [v for _, v, _ in self._evals]
         best_i = min(range(len(vals)), key=vals.__getitem__)
         best = smoothed_best(vals)
-        recent = vals[-self.patience:]
-        # every one of the last `patience` evaluations sits above the best, by a margin that counts
-        # what the run gained so far and the evaluations' own noise: sustained, not a noisy reading
+        # the last `patience` evaluations, and as many more as it takes to span `min_span` steps (a loop
+        # that evaluates every step gets no verdict from two readings one step apart)
+        k = self.patience
+        while k < len(self._evals) and self._evals[-1][0] - self._evals[-k][0] < self.min_span:
+            k += 1
+        recent = vals[-k:]
+        # every one of them sits above the best, by a margin that counts what the run gained so far and
+        # the evaluations' own noise: sustained, not a noisy reading
         margin = max(best * self.min_rise, self.giveback * (vals[0] - best), self.noise * noise_of(vals))
-        above = len(recent) == self.patience and min(recent) > best + margin + 1e-12
+        spanned = len(recent) >= self.patience and self._evals[-1][0] - self._evals[-len(recent)][0] >= self.min_span
+        above = spanned and min(recent) > best + margin + 1e-12
         trend = False
-        if len(self._evals) > self.patience:
-            s0, v0, t0 = self._evals[-1 - self.patience]
+        if len(self._evals) > k:
+            s0, v0, t0 = self._evals[-1 - k]
             trend = above and val > v0 * (1 + self.min_rise) and train < t0 and val > train
         ratio = val / train
         hit = trend or (above and ratio > self.ratio)

@@ -64,7 +64,8 @@ class GradExplosion(Rule):
     steps rose or went non-finite (:func:`~trackdiag.rules._recent.reacted`; the spike step's own loss
     does not count: an unusual batch has a high loss and a high gradient at once); ``weights`` when an update-to-weight ratio
     above 1 was measured. ``threshold`` / ``layer_threshold`` (default none): absolute lines of your
-    own, crossing them counts as ``corroborated``. ``step`` is the exact step; ``where`` names the
+    own, crossing them counts as ``corroborated``; a jump over ``unambiguous`` (1000) x the level is
+    ``unambiguous`` (no odd batch does that). ``step`` is the exact step; ``where`` names the
     largest layer where per-layer norms were measured at that step (for a lasting jump: at the first
     logging step after it, said in the message), else the component. Jumps of one component are one
     incident; a jump lasts until the norm is back under ``persist_factor`` x its old level."""
@@ -76,9 +77,9 @@ class GradExplosion(Rule):
 
     def __init__(self, *, threshold: float | None = None, layer_threshold: float | None = None, spike_factor: float = 10.0,
                  spike_z: float = 6.0, window: int = 128, warmup: int = 20, floor_fraction: float = 0.1,
-                 settle: int = 5, persist_factor: float = 3.0, **kw: Any) -> None:
+                 settle: int = 5, persist_factor: float = 3.0, unambiguous: float = 1000.0, **kw: Any) -> None:
         super().__init__(**kw)
-        self.threshold, self.layer_threshold = threshold, layer_threshold
+        self.threshold, self.layer_threshold, self.unambiguous = threshold, layer_threshold, unambiguous
         self.spike = dict(z=spike_z, factor=spike_factor, window=window, warmup=warmup, floor_fraction=floor_fraction)
         self.settle, self.persist_factor = max(1, settle), persist_factor
         self._c: dict[str, _Comp] = {}
@@ -135,6 +136,8 @@ class GradExplosion(Rule):
             evidence.append("weights")
         if self.threshold is not None and gn > self.threshold:
             evidence.append("corroborated")
+        if ref > 0 and gn >= self.unambiguous * ref:  # no odd batch moves a gradient a thousandfold
+            evidence.append("unambiguous")
         jump = f"{gn / ref:.1f}x its recent level {ref:.3g}" if ref > 0 else f"{gn:.3g}"
         records = [*history, record]
         # a lasting explosion is located at the first step its layers were measured; a lone spike only at its own step
@@ -142,10 +145,13 @@ class GradExplosion(Rule):
         if evidence:
             what = ", ".join(w for w, e in (("it stayed high", "persistent"), ("the loss reacted", "loss"),
                                            ("the weights moved more than their size", "weights"),
-                                           (f"above your threshold {self.threshold}", "corroborated")) if e in evidence)
+                                           (f"above your threshold {self.threshold}", "corroborated"),
+                                           (f"over {self.unambiguous:g}x", "unambiguous")) if e in evidence)
             msg = f"the pre-clip global gradient norm jumped to {gn:.3g} ({jump}); {what}."
             if where and at != step:
                 msg += f" At step {at} the largest gradient is in {where}."
+        elif not after:
+            msg = f"the pre-clip global gradient norm jumped to {gn:.3g} ({jump}) at the run's last steps."
         else:
             msg = (f"a one-step spike of the pre-clip global gradient norm to {gn:.3g} ({jump}); the loss and the "
                    f"next {self.settle} steps were unaffected.")

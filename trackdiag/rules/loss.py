@@ -45,18 +45,18 @@ class LossSpike(Rule):
     ``floor_fraction``, 0.1, of the first ``warmup``, 20, losses). Judged ``settle`` (5) steps later:
     ``persistent`` when at least 3 of them stay above 3x the old level; ``corroborated`` when the
     gradient norm stays above 5x its level in at least 3 of them (at the spike step itself a high
-    gradient is the same odd batch, not a second signal). A lone spike the run shrugged off is an
-    ``info`` finding."""
+    gradient is the same odd batch, not a second signal); over ``unambiguous`` (1000) x the level,
+    ``unambiguous``. A lone spike the run shrugged off is an ``info`` finding."""
 
     kind = "loss_spike"
     hint = ("Lower the learning rate or add warm-up, clip gradients, inspect the samples of this step's "
             "batch (outliers, bad labels), rebalance multi-task losses.")
 
     def __init__(self, *, factor: float = 10.0, z: float = 6.0, window: int = 128, warmup: int = 20,
-                 floor_fraction: float = 0.1, settle: int = 5, **kw: Any) -> None:
+                 floor_fraction: float = 0.1, settle: int = 5, unambiguous: float = 1000.0, **kw: Any) -> None:
         super().__init__(**kw)
         self.spike = dict(z=z, factor=factor, window=window, warmup=warmup, floor_fraction=floor_fraction)
-        self.factor, self.settle = factor, max(1, settle)
+        self.factor, self.settle, self.unambiguous = factor, max(1, settle), unambiguous
         self._spikes: dict[str, SpikeDetector] = {}
         self._series: dict[str, _Series] = {}
         self._pending: dict[str, list[tuple[int, float, float]]] = {}
@@ -105,8 +105,12 @@ class LossSpike(Rule):
         g_after, g_level = ser.grad.between(step + 1, step + self.settle), ser.grad.level(step)
         if g_after and g_level > 0 and sum(g >= 5 * g_level or not math.isfinite(g) for g in g_after) >= min(3, len(g_after)):
             evidence.append("corroborated")
-        tail = {"persistent": "it stayed high", "corroborated": "the gradient norm stayed high after it"}
-        how = ("; " + ", ".join(tail[e] for e in evidence)) if evidence else f"; the next {self.settle} steps were back to normal"
+        if ref > 0 and v >= self.unambiguous * ref:  # a thousandfold: no odd batch does that
+            evidence.append("unambiguous")
+        tail = {"persistent": "it stayed high", "corroborated": "the gradient norm stayed high after it",
+                "unambiguous": f"over {self.unambiguous:g}x"}
+        how = ("; " + ", ".join(tail[e] for e in evidence)) if evidence else (
+            f"; the next {self.settle} steps were back to normal" if after else " at the run's last steps")
         msg = f"loss {v:.4g} is {v / ref:.1f}x its recent average {ref:.4g}{how}."
         return self.make(step, msg, v, self.factor * ref, loss_where(key), evidence)
 

@@ -16,7 +16,9 @@ class EvalMode(Rule):
     dropout is off and the normalisation statistics are frozen while the weights train. No healthy
     run does this on purpose with the whole model (``unambiguous``); BatchNorm layers put in eval
     inside a model in train mode (a fine-tuned backbone's frozen statistics) are a choice and are
-    not reported. ``step`` is that step, ``where`` the modules."""
+    not reported. A model with no such module is an ``info`` finding (only a forward that reads
+    ``self.training`` itself, a functional dropout, would behave differently). ``step`` is that step,
+    ``where`` the modules."""
 
     kind = "eval_mode"
     hint = ("Call model.train() before the training loop and again after every validation pass (model.eval() "
@@ -26,14 +28,20 @@ class EvalMode(Rule):
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for comp in components:
-            modules = record.tables.get(comp.key("model/eval_modules"))
-            if not modules:
+            meta = record.tables.get(comp.key("model/eval_mode_step"))
+            if meta is None:
                 continue
-            step = int(record.tables.get(comp.key("model/eval_mode_step"), {}).get("step", record.step))
+            modules = record.tables.get(comp.key("model/eval_modules"), {})
+            step = int(meta.get("step", record.step))
+            model = f"component {comp.name!r}" if comp.name else "the model"
+            if not modules:  # nothing in it behaves differently, unless its forward reads self.training itself
+                msg = (f"the optimizer stepped {model} while it was in eval mode; it has no dropout or BatchNorm module "
+                       f"(a functional F.dropout(training=self.training) would be off).")
+                out.append(self.make(step, msg, 0.0, 0.0, comp.name or "(root)"))
+                continue
             dropout = sum(1 for v in modules.values() if v == 1.0)
             norm = len(modules) - dropout
             what = ", ".join(x for x in (f"{dropout} dropout" if dropout else "", f"{norm} normalisation" if norm else "") if x)
-            model = f"component {comp.name!r}" if comp.name else "the model"
             msg = (f"the optimizer stepped {model} while it was in eval mode ({what} module(s) behave as at inference: "
                    f"{layers_named(comp, modules)}).")
             out.append(self.make(step, msg, float(len(modules)), 0.0, layers_named(comp, modules), ["unambiguous"]))

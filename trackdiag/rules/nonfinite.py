@@ -52,12 +52,25 @@ class _NonfiniteTensors(Rule):
 
 
 class NonfiniteGrad(_NonfiniteTensors):
-    """Fires when any gradient tensor holds NaN/Inf at the optimizer step; ``where`` is the first layer."""
+    """Fires when any gradient tensor holds NaN/Inf at the optimizer step (``where`` is the first layer,
+    on the steps gradient tensors are checked), or at the exact step the every-step pre-clip global
+    norm is NaN/Inf (``where`` the component): a gradient that overflowed between two logging steps."""
 
     kind = "nonfinite_grad"
     family = "grad"
     hint = ("Find the op that produces it (trackdiag's NaN replay or torch.autograd.set_detect_anomaly), guard "
             "log/sqrt/div with an eps, clip gradients, lower the learning rate.")
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = super().check(record, history, components)
+        for comp in components:
+            if any(a.step == record.step and a.where.startswith(comp.name) for a in out):
+                continue
+            bad = next(((s, v) for s, v in record.series.get(comp.key("grad/global_norm"), []) if not math.isfinite(v)), None)
+            if bad is not None:
+                msg = f"the pre-clip global gradient norm is {bad[1]} at step {bad[0]}: a gradient overflowed or went NaN."
+                out.append(self.make(bad[0], msg, bad[1], math.nan, comp.name, ["unambiguous"]))
+        return out
 
 
 class NonfiniteParam(_NonfiniteTensors):
