@@ -64,11 +64,14 @@ class Tap:
 @dataclass
 class Pass:
     """One backward pass as the sentinel saw it: was its gradient reset before the pass
-    (``True`` on the host for ``None``, else a device bool for "all zero"), and the sentinel
-    parameter's version counter (it changes when the parameters are updated in place)."""
+    (``True`` on the host for ``None``, else a device bool for "all zero"), the sentinel
+    parameter's version counter (it changes when the parameters are updated in place), and whether
+    the pass before it had left a non-zero gradient (an all-zero gradient after a pass that
+    contributed exactly zero, a dead unit's, is no sign of a reset)."""
 
     reset: bool | torch.Tensor
     param_version: int
+    prev_nonzero: bool | torch.Tensor = True
 
 
 @dataclass
@@ -86,6 +89,7 @@ class CompTap:
     handles: list[Any] = field(default_factory=list)
     sentinel: torch.Tensor | None = None
     pending: Pass | None = None  # seen by the sentinel's tensor hook, kept once accumulated into .grad
+    last_nonzero: bool | torch.Tensor = True  # the sentinel's gradient after the last pass was not all zero
     params_of: dict[int, tuple[int, ...]] = field(default_factory=dict)  # generation -> the ids it measured, in order
 
     def fire(self, _grad: torch.Tensor) -> None:
@@ -105,7 +109,7 @@ class CompTap:
             else:
                 with torch.no_grad():
                     reset = ~g.detach().ne(0).any() if g.layout is torch.strided else torch.tensor(g._nnz() == 0)
-            self.pending = Pass(reset, p._version)
+            self.pending = Pass(reset, p._version, self.last_nonzero)
         return self.fire(_grad)
 
     def accumulated(self, _param: torch.Tensor) -> None:
@@ -115,6 +119,10 @@ class CompTap:
             self.passes.append(self.pending)
             self.pending = None
             del self.passes[:-64]  # bounded: a loop that never steps
+            g = _param.grad
+            if g is not None:  # one reduction of the (small) sentinel per pass
+                with torch.no_grad():
+                    self.last_nonzero = g.detach().ne(0).any() if g.layout is torch.strided else g._nnz() > 0
 
 
 class _Queue:

@@ -133,7 +133,9 @@ class Marginal:
             return
         c = int(logits.shape[dim])
         flat = t.reshape(-1)
-        counts = torch.bincount(flat.clamp(0, c - 1), weights=((flat >= 0) & (flat < c)).float(), minlength=c)
+        valid = ((flat >= 0) & (flat < c)).float()
+        # a scatter into C counts: torch.bincount reads its largest index back (a sync on CUDA)
+        counts = torch.zeros(c, dtype=torch.float32, device=flat.device).scatter_add_(0, flat.clamp(0, c - 1), valid)
         if self.counts is None or self.counts.numel() != c:
             self.counts = counts
         else:

@@ -156,11 +156,13 @@ class UpdateProbe(Probe):
 
     def _trainable(self, comp: Component, like: torch.Tensor) -> torch.Tensor:
         """1.0 for parameters that require a gradient, 0.0 for frozen ones (kept per index generation:
-        one small host-to-device copy when the parameters change)."""
+        built again only when the parameters change)."""
         key = (comp.name, comp.generation)
         mask = self._live.get(key)
         if mask is None or mask.device != like.device:
-            mask = torch.tensor([float(p.requires_grad) for p in comp.index.params], device=like.device)
+            # made on the device (a tensor from host data is a synchronous copy on CUDA)
+            mask = torch.stack([(p.new_ones(()) if p.requires_grad else p.new_zeros(())).float() for p in comp.index.params])
+            mask = mask.to(like.device)
             self._live = {k: v for k, v in self._live.items() if k[0] != comp.name}
             self._live[key] = mask
         return mask

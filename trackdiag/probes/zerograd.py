@@ -71,9 +71,18 @@ def wiped(passes: list[Pass]) -> Flag:
     out: list[Flag] = []
     for run in runs:
         if len(run) >= 2:
-            n = _count([p.reset for p in run])
+            n = _count([_definite(p) for p in run])
             out.append(n >= 2)
     return _any(out)
+
+
+def _definite(p: Pass) -> Flag:
+    """A reset only if the pass before had left a non-zero gradient (a dead sentinel's zeros are not one)."""
+    if p.prev_nonzero is True or p.reset is False:
+        return p.reset
+    if p.prev_nonzero is False:
+        return False
+    return p.reset & p.prev_nonzero if isinstance(p.reset, torch.Tensor) else p.prev_nonzero
 
 
 class ZeroGradProbe(Probe):
