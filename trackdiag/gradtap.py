@@ -90,6 +90,8 @@ class CompTap:
     sentinel: torch.Tensor | None = None
     pending: Pass | None = None  # seen by the sentinel's tensor hook, kept once accumulated into .grad
     last_nonzero: bool | torch.Tensor = True  # the sentinel's gradient after the last pass was not all zero
+    saw: bool = False  # the sentinel's hook ran in the backward pass in progress
+    misses: int = 0  # backward passes in a row that reached the component but not its sentinel
     params_of: dict[int, tuple[int, ...]] = field(default_factory=dict)  # generation -> the ids it measured, in order
 
     def fire(self, _grad: torch.Tensor) -> None:
@@ -110,6 +112,7 @@ class CompTap:
                 with torch.no_grad():
                     reset = ~g.detach().ne(0).any() if g.layout is torch.strided else torch.tensor(g._nnz() == 0)
             self.pending = Pass(reset, p._version, self.last_nonzero)
+            self.saw = True
         return self.fire(_grad)
 
     def accumulated(self, _param: torch.Tensor) -> None:
@@ -182,20 +185,22 @@ class GradTap:
         TAP_QUEUE.taps.append(self)
 
     # ------------------------------------------------------------------ hooks
-    def attach(self, comp: Component) -> None:
-        """(Re-)hook ``comp``'s trainable parameters; called again when its parameters change."""
+    def attach(self, comp: Component, sentinel: torch.Tensor | None = None) -> None:
+        """(Re-)hook ``comp``'s trainable parameters; called again when its parameters change, or with
+        another ``sentinel`` when the first one stopped receiving gradients."""
         st = self.states.get(comp.name)
         if st is None:
             st = self.states[comp.name] = CompTap(comp)
         st.comp = comp
-        if st.generation == comp.generation:
+        if st.generation == comp.generation and sentinel is None:
             return
         self._unhook(st)
         st.generation = comp.generation
         st.params_of = {g: ids for g, ids in st.params_of.items() if g >= comp.generation - 1}
         st.params_of[comp.generation] = tuple(id(p) for p in comp.index.params)
         params = [p for p in comp.index.params if p.requires_grad]
-        st.sentinel = pick_sentinel(comp)
+        st.sentinel = sentinel if sentinel is not None else pick_sentinel(comp)
+        st.misses, st.last_nonzero = 0, True
         try:
             for p in params:
                 st.handles.append(p.register_hook(st.watch if p is st.sentinel else st.fire))
@@ -241,7 +246,21 @@ class GradTap:
             st.latest = tap
             if st.in_closure and st.first_in_step is None:
                 st.first_in_step = tap
+            self._follow_sentinel(st)
         self.ctx.hook_seconds += time.perf_counter() - t0
+
+    def _follow_sentinel(self, st: CompTap) -> None:
+        """A sentinel that 3 backward passes in a row did not reach (a layer of a later phase, a head unused
+        until fine-tuning) is replaced by the smallest parameter these passes did reach: the zero-grad checks
+        follow the part of the model that trains. Host pass over the parameters, only then."""
+        st.misses = 0 if st.saw else st.misses + 1
+        st.saw = False
+        if st.misses < 3:
+            return
+        reached = [p for p in st.comp.index.params if p.requires_grad and p.grad is not None and p is not st.sentinel]
+        if reached:
+            self.attach(st.comp, sentinel=min(reached, key=lambda p: p.numel()))
+        st.misses = 0
 
     @torch.no_grad()
     def measure(self, comp: Component, number: int = 0, unscale: bool = True) -> Tap:
