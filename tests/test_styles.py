@@ -32,6 +32,7 @@ EXPECTED = {
                "nonfinite_param", "update_ratio"},
     "no_zero": {"grads_not_zeroed"},
 }
+EXPECTED["lr1000"] |= {"grad_vanishing"}  # weights grown under BatchNorm/Adam: the norm collapses instead
 HEALTHY = [(s, p, seed) for s in STYLE_NAMES for p in PRESETS for seed in SEEDS]
 FAULTY = [(s, f) for s in STYLE_NAMES for f in EXPECTED if f in load(s).FAULTS]
 
@@ -79,3 +80,52 @@ def test_planted_fault_is_caught_within_10_steps(tmp_path, style: str, fault: st
         f"(want one of {sorted(EXPECTED[fault])} in [{ONSET}, {ONSET + 10}]); every alert:\n{describe(run.diag.alerts)}")
     if fault == "nan":
         assert first.where.startswith(f"{run.culprit} ("), f"{head}: where={first.where!r}, planted in {run.culprit!r}"
+
+
+#: what the rules still missed on real code (issue 27), planted where each applies: the kind that must be
+#: raised (first warning-or-worse alert), and the latest step after the onset it may be raised at
+DETECTION: dict[str, tuple[str, int, list[str]]] = {
+    # model.eval() before the loop: at the first optimizer step
+    "eval_mode": ("eval_mode", 0, ["gan", "reinforce", "finetune_frozen", "regression_mse", "distillation",
+                                   "accelerate_cv", "multitask"]),
+    # gradients wiped between backward and step from step 40: 3 steps in a row, raised at the next log
+    "wiped_grads": ("grads_wiped", 10, ["vae_sum", "actor_critic", "greedy_layerwise", "hf_causal_lm",
+                                        "recommender_sparse", "seq2seq_per_example", "lightning_ae"]),
+    # learning rate x1000 from step 0: an update larger than the weights, at once
+    "lr_start": ("update_ratio", 2, ["vae_sum", "gan", "greedy_layerwise", "hf_causal_lm", "mixup_ema",
+                                     "normalizing_flow", "word2vec_sgns"]),
+    # labels shuffled within each batch: after the 100-step warm-up, at chance and stalled
+    "shuffled_labels": ("not_learning", 130, ["finetune_frozen", "full_batch", "amp_bf16"]),
+}
+DETECTION_CASES = [(s, f) for f, (_, _, styles) in DETECTION.items() for s in styles]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style,fault", DETECTION_CASES, ids=[f"{s}-{f}" for s, f in DETECTION_CASES])
+def test_what_the_rules_missed_is_caught(tmp_path, style: str, fault: str) -> None:
+    kind, budget, _ = DETECTION[fault]
+    steps = 160 if fault == "shuffled_labels" else ONSET + 30
+    run = load(style).run(tmp_path, level="advanced", seed=0, steps=steps, fault=fault, onset=ONSET)
+    first = run.first("warning")
+    head = f"{style} / {fault} ({load(style).FAULTS[fault]})"
+    assert first is not None, f"{head}: missed; every alert:\n{describe(run.diag.alerts)}"
+    raised = run.raised_at(first)
+    assert first.kind == kind and run.onset <= first.step <= raised <= run.onset + budget, (
+        f"{head}: first warning-or-worse alert {first.kind}@{first.step} raised at {raised} (want {kind} raised by "
+        f"step {run.onset + budget}); every alert:\n{describe(run.diag.alerts)}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", ["two_opt_disjoint", "amp_bf16"])
+def test_overfitting_on_a_tiny_subset_is_raised_by_the_second_evaluation_after_the_turn(tmp_path, style: str) -> None:
+    """Trained on one or two batches, evaluated every 20 steps: the onset is the evaluation after the
+    best one, and the alert comes at the next evaluation (54000e6: three evaluations later)."""
+    from trackdiag.sinks.local import read_records
+
+    run = load(style).run(tmp_path, level="advanced", seed=0, steps=300, fault="tiny_subset")
+    first = run.first("warning")
+    assert first is not None and first.kind == "overfitting", describe(run.diag.alerts)
+    raised = run.raised_at(first)
+    evals = [r.step for r in read_records(run.run_dir) if "diag/eval/loss" in r.scalars]
+    assert first.step in evals and raised in evals, (first.step, raised, evals)
+    assert evals.index(raised) - evals.index(first.step) == 1, (first.step, raised, describe(run.diag.alerts))
