@@ -7,7 +7,10 @@ interface but forwards each group of ops as a length-prefixed pickle to ``python
 trackdiag.sinks._mlflow_worker`` and reads the reply the same way: the parent pays a
 ``pickle.dumps`` (~0.05 ms per 1000 points) and a pipe write per group. Only this package's two
 ends speak the protocol. The child starts through :func:`child_command` (trackdiag's modules
-without its package ``__init__``, so no torch import). The child exits when its stdin closes or its parent dies; its own logs
+without its package ``__init__``, so no torch import). The child exits when its stdin closes or its parent dies;
+a parent that dies without saying goodbye (``{"bye": true}``, sent by :meth:`ProcessRunner.close`)
+was killed (SIGKILL, the OOM killer): the child then ends the run KILLED (``Runner.abandon``) before
+it exits, so a killed job's run does not stay RUNNING on the server. Its own logs
 (and MLflow's prints) go to stderr. It imports MLflow and (for a new store) creates its tables at
 normal priority, then lowers its priority (``nice`` +5) once the run exists: on a busy machine a
 worker niced from the start got ~10 % of a core and had not made its first call when training
@@ -89,6 +92,10 @@ class ProcessRunner:
         """End the child: close its stdin (it exits on EOF: MLflow's own shutdown takes ~1 s, nobody
         waits for that); with ``wait``, kill it if it has not exited after that many seconds."""
         try:
+            _send(self._proc.stdin, {"bye": True})  # type: ignore[arg-type]  # a goodbye: not killed
+        except (OSError, ValueError):
+            pass
+        try:
             self._proc.stdin.close()  # type: ignore[union-attr]
         except OSError:
             pass
@@ -130,10 +137,30 @@ def _receive(stream: IO[bytes]) -> Any:
     return pickle.loads(data)
 
 
-def _watch_parent(ppid: int) -> None:
+_abandon_lock = threading.Lock()
+_abandoned: list[bool] = []
+
+
+def _abandon(runner: Any) -> None:
+    """The parent died without a goodbye: end its run KILLED (once; best effort, one line on failure)."""
+    with _abandon_lock:
+        if _abandoned or runner is None:
+            return
+        _abandoned.append(True)
+        try:
+            if runner.abandon():
+                logging.getLogger("trackdiag").warning(
+                    "trackdiag: the training process died without ending MLflow run %s; ended it KILLED",
+                    runner.state.get("run_id"))
+        except Exception as exc:  # the store does not answer: the sweep's end (or sync) does it later
+            logging.getLogger("trackdiag").warning("trackdiag: could not end the killed run: %s", exc)
+
+
+def _watch_parent(ppid: int, holder: list[Any]) -> None:
     while True:
         time.sleep(1.0)
-        if os.getppid() != ppid:  # orphaned: the training process is gone
+        if os.getppid() != ppid:  # orphaned: the training process is gone (forked children may keep stdin open)
+            _abandon(holder[0] if holder else None)
             os._exit(0)
 
 
@@ -144,7 +171,9 @@ def main() -> None:
     sys.stdout = sys.stderr
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("urllib3").setLevel(logging.ERROR)  # outages: the parent warns once, not per retry
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    ppid = os.getppid()
+    holder: list[Any] = []
+    threading.Thread(target=_watch_parent, args=(ppid, holder), daemon=True).start()
     from trackdiag.sinks._mlflow_run import Runner
 
     runner: Runner | None = None
@@ -152,11 +181,17 @@ def main() -> None:
     while True:
         try:
             msg = _receive(sys.stdin.buffer)
-        except EOFError:
+        except EOFError:  # no goodbye: the parent died (a parent alive here closed us without one: not killed)
+            time.sleep(0.2)
+            if os.getppid() != ppid:
+                _abandon(runner)
+            return
+        if msg.get("bye"):
             return
         try:
             if "init" in msg:
                 runner = Runner(msg["init"])
+                holder[:] = [runner]
             elif runner is None:
                 raise NoRun("worker not initialised")
             refused = runner.run_many(msg["ops"]) if "ops" in msg else {}

@@ -46,6 +46,7 @@ from trackdiag.sinks._mlflow_leftovers import launch, output_root, stop
 from trackdiag.sinks._mlflow_ops import MAX_METRICS, flatten, pair_ops, user_params
 from trackdiag.sinks._mlflow_run import SWEEP_TAG, Runner
 from trackdiag.sinks._mlflow_spool import Spool
+from trackdiag.sinks._mlflow_sweep import SUMMARY_TAG, is_managed, summary_tag
 from trackdiag.sinks._mlflow_store import (absolute_sqlite, default_artifact_location, default_tracking_uri,
                                            option_problems, ui_command)
 from trackdiag.sinks._mlflow_worker import ProcessRunner
@@ -149,6 +150,7 @@ class MlflowSink(Sink):
                 "artifact_location": self.artifact_location or default_artifact_location(
                     self.tracking_uri, self._cwd, self.experiment),
                 "attach_run_id": self.attach_run_id, "group": run.group, "start_ms": int(run.start_time * 1000),
+                "sweep_managed": is_managed(run.group),  # the Hydra callback ends the sweep's parent run
                 "source": str((self._cwd / argv0).resolve()) if argv0 else None}  # the user's script
         self._state = {"tracking_uri": self.tracking_uri, "run_id": None, "spec": spec}
         leftovers = (lambda: self._start_leftovers(spool)) if self.deliver_leftovers else None
@@ -208,7 +210,8 @@ class MlflowSink(Sink):
         if self._deliver is None:
             return
         self._tags += [("trackdiag.status", status),
-                       ("trackdiag.health", display_health({**summary, "status": status}))]
+                       ("trackdiag.health", display_health({**summary, "status": status})),
+                       (SUMMARY_TAG, summary_tag(summary))]
         self._cut()
         ops = [self._file(self._alerts, "alerts.json", None), self._file(summary, "summary.json", None)]
         if (self._media / "tables.jsonl").exists():
