@@ -199,11 +199,11 @@ def _alerts_from_tags(tags: dict[str, str], metrics: dict[str, float]) -> tuple[
     return {k: n for k, n in counts.items() if n > 0 or k in firsts}, firsts
 
 
-def _search(client: Any, exp_id: str, flt: str, page_size: int) -> Iterator[Any]:
+def _search(client: Any, exp_ids: list[str], flt: str, page_size: int) -> Iterator[Any]:
     """Every run matching ``flt``, page by page (``page_token``) so no run is silently cut off."""
     token: str | None = None
     while True:
-        page = client.search_runs([exp_id], filter_string=flt, max_results=page_size, page_token=token)
+        page = client.search_runs(exp_ids, filter_string=flt, max_results=page_size, page_token=token)
         yield from page
         token = page.token
         if not token:

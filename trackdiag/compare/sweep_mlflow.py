@@ -127,16 +127,17 @@ def settle(uri: str, experiment: str, sweep: Path, dead: list[int]) -> tuple[Any
     statuses = {r.info.run_id: r.info.status for r in runs}
     for run in runs:
         num = run.data.tags.get("trackdiag.job_num", "")
-        if run.info.status != "RUNNING" or not num.isdigit() or int(num) not in dead:
+        if not num.isdigit() or int(num) not in dead:
             continue
         run_dir = Path(run.data.tags.get("trackdiag.run_dir", ""))
         added = complete_from_record(client, run.info.run_id, run_dir) if (run_dir / "run.json").exists() else 0
-        client.log_batch(run.info.run_id, tags=[RunTag(STATUS_TAG, "KILLED"), RunTag("trackdiag.health", "killed")],
-                         synchronous=True)
-        client.set_terminated(run.info.run_id, "KILLED")
-        statuses[run.info.run_id] = "KILLED"
-        log.warning("trackdiag: job %s of the sweep died without ending its MLflow run %s: ended KILLED (%d points "
-                    "added from its local record)", num, run.info.run_id, added)
+        if run.info.status == "RUNNING":  # else its orphaned delivery worker ended it KILLED already
+            client.log_batch(run.info.run_id, tags=[RunTag(STATUS_TAG, "KILLED"), RunTag("trackdiag.health", "killed")],
+                             synchronous=True)
+            client.set_terminated(run.info.run_id, "KILLED")
+            statuses[run.info.run_id] = "KILLED"
+        log.warning("trackdiag: job %s of the sweep died before it ended: MLflow run %s is %s, %d point(s) added "
+                    "from its local record", num, run.info.run_id, statuses[run.info.run_id], added)
     return client, parent, statuses
 
 
