@@ -53,6 +53,10 @@ def sweep_cmd(sweep: Path, uri: str, experiment: str, *overrides: str) -> tuple[
     """The multirun command line and environment: ``MLFLOW_TRACKING_URI`` names the team's server."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
     env["MLFLOW_TRACKING_URI"] = uri
+    # one intra-op thread per job, as on a cluster (cpus_per_task): parallel CPU jobs each with the
+    # default 2 OpenMP threads spin against each other on 2 cores (500 ms steps instead of 2 ms under
+    # submitit_local; loky already limits joblib's workers this way)
+    env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "train.py", "-m", *overrides, f"diag.sink.mlflow.experiment={experiment}",
            f"hydra.sweep.dir={sweep}"]
     return cmd, env

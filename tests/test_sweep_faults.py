@@ -64,7 +64,8 @@ def test_server_restarted_mid_sweep_loses_nothing(server: PgMlflowServer, app: P
     assert missing_points(client, kids) == {}
     assert all(json.loads((Path(r.data.tags["trackdiag.run_dir"]) / "summary.json").read_text())["steps"] == 1500
                for r in kids)  # training went on through the outage
-    assert "unreachable" in out["stderr"], (down_at, out["stderr"][-3000:])  # the outage hit the sweep
+    logs = out["stdout"] + out["stderr"]  # Hydra's job logging goes to stdout
+    assert "unreachable" in logs, (down_at, logs[-3000:])  # the outage hit the sweep
     assert not list(sweep.rglob("mlflow_spool/seg-*.jsonl"))  # nothing left behind
     assert {f.path for f in client.list_artifacts(parent.info.run_id, "trackdiag")} >= {"trackdiag/comparison.json"}
 

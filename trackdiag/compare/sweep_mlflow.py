@@ -9,6 +9,7 @@ I/O against the store the jobs used; none runs on a training thread.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
@@ -75,10 +76,10 @@ def deliver_spools(sweep: Path, uri: str) -> None:
         log.info("trackdiag: %s", line)
 
 
-def complete_from_record(client: Any, run_id: str, run_dir: Path) -> int:
+def complete_from_record(client: Any, run_id: str, run_dir: Path, fresh: bool = False) -> int:
     """Log every point of the local record ``run_dir`` that run ``run_id`` lacks (a killed job's last
     points never left its process). One history call per key (8 threads), then ``log_batch``
-    calls of <= 1000 points. Returns the number of points added."""
+    calls of <= 1000 points (``fresh``: a run just made, no history to read). Returns the points added."""
     from mlflow.entities import Metric
 
     from trackdiag.sinks._mlflow_ops import KeyMap, chunk_metrics
@@ -96,13 +97,58 @@ def complete_from_record(client: Any, run_id: str, run_dir: Path) -> int:
     def have(key: str) -> set[int]:
         return {m.step for m in client.get_metric_history(run_id, key)}
 
-    with ThreadPoolExecutor(THREADS) as pool:
-        stored = dict(zip(local, pool.map(have, local)))
+    if fresh:
+        stored: dict[str, set[int]] = {k: set() for k in local}
+    else:
+        with ThreadPoolExecutor(THREADS) as pool:
+            stored = dict(zip(local, pool.map(have, local)))
     missing = [Metric(k, v if not math.isinf(v) else math.copysign(1.7976931348623157e308, v), ts, s)
                for k, pts in local.items() for s, (v, ts) in sorted(pts.items()) if s not in stored[k]]
     for chunk in chunk_metrics(missing, lambda m: len(m.key)):
         client.log_batch(run_id, metrics=chunk, synchronous=True)
     return len(missing)
+
+
+def record_dirs(sweep: Path, nums: list[int]) -> dict[int, Path]:
+    """Job number -> local run dir (``run.json`` naming that job) under ``sweep``, for ``nums``."""
+    out: dict[int, Path] = {}
+    for meta in sweep.rglob("run.json"):
+        if any(part.startswith(".") for part in meta.relative_to(sweep).parts) or not nums:
+            continue
+        try:
+            num = json.loads(meta.read_text(encoding="utf-8")).get("job_num")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(num, int) and num in nums:
+            out[num] = meta.parent
+    return out
+
+
+def create_from_record(client: Any, experiment_id: str, parent: str, sweep: Path, run_dir: Path) -> str:
+    """A killed job that died before its run existed on the server (its delivery worker was still
+    starting): the child run made from its local record, as the sink would have (name, trackdiag
+    tags, params, every point), ended KILLED. Returns the run id. ~3 calls plus one per 1000 points."""
+    from mlflow.entities import Param
+
+    from trackdiag import __version__
+    from trackdiag.sinks._mlflow_ops import flatten, user_params
+    from trackdiag.sinks._mlflow_sweep import PARENT_TAG, STATUS_TAG, SWEEP_TAG
+
+    meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    level = str(meta.get("level") or "")
+    tags = {"trackdiag.level": level, "trackdiag.version": __version__, "trackdiag.run_dir": str(run_dir),
+            "trackdiag.run_name": str(meta.get("name")), "trackdiag.job_num": str(meta.get("job_num")),
+            "trackdiag.components": ",".join(map(str, meta.get("components") or [])), SWEEP_TAG: str(sweep),
+            PARENT_TAG: parent, STATUS_TAG: "KILLED", "trackdiag.health": "killed"}
+    start = meta.get("start_time")
+    run = client.create_run(experiment_id, run_name=str(meta.get("name")), tags=tags,
+                            start_time=int(start * 1000) if isinstance(start, (int, float)) else None)
+    params = [Param(k, v) for k, v in user_params(flatten(meta.get("hparams") or {}), level).items()]
+    for i in range(0, len(params), 100):
+        client.log_batch(run.info.run_id, params=params[i:i + 100], synchronous=True)
+    complete_from_record(client, run.info.run_id, run_dir, fresh=True)
+    client.set_terminated(run.info.run_id, "KILLED")
+    return str(run.info.run_id)
 
 
 def settle(uri: str, experiment: str, sweep: Path, dead: list[int]) -> tuple[Any, str, dict[str, str]] | None:
@@ -138,6 +184,15 @@ def settle(uri: str, experiment: str, sweep: Path, dead: list[int]) -> tuple[Any
             statuses[run.info.run_id] = "KILLED"
         log.warning("trackdiag: job %s of the sweep died before it ended: MLflow run %s is %s, %d point(s) added "
                     "from its local record", num, run.info.run_id, statuses[run.info.run_id], added)
+    seen = {int(n) for r in runs if (n := r.data.tags.get("trackdiag.job_num", "")).isdigit()}
+    unseen = [n for n in dead if n not in seen]
+    if unseen:
+        eid = client.get_run(parent).info.experiment_id
+        for num, run_dir in sorted(record_dirs(sweep, unseen).items()):
+            run_id = create_from_record(client, eid, parent, sweep, run_dir)
+            statuses[run_id] = "KILLED"
+            log.warning("trackdiag: job %d of the sweep died before its MLflow run existed: run %s made from its "
+                        "local record, KILLED", num, run_id)
     return client, parent, statuses
 
 

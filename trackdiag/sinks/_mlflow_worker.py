@@ -188,6 +188,9 @@ def main() -> None:
             return
         if msg.get("bye"):
             return
+        if os.getppid() != ppid:  # the parent died with requests still in the pipe: make no new run for it
+            _abandon(runner)
+            return
         try:
             if "init" in msg:
                 runner = Runner(msg["init"])
