@@ -180,28 +180,29 @@ def mlflow_store(config: DictConfig) -> str:
 
 def log_to_mlflow_parent(config: DictConfig, sweep: Path, files: list[Path]) -> bool:
     """Log ``files`` to the sweep's MLflow parent run (tags ``trackdiag.role=sweep``,
-    ``trackdiag.sweep=<sweep dir>``) under ``trackdiag/``, in the store the jobs used
-    (:func:`mlflow_store`, the default store included). False if MLflow is not in use; when it is
-    but the comparison cannot be logged, one warning says why.
+    ``trackdiag.sweep=<sweep dir>``; the earliest if there are several) under ``trackdiag/``, in the
+    store the jobs used (:func:`mlflow_store`, the default store included). False if MLflow is not
+    in use; when it is but the files cannot be logged, one warning says why. (The end of a sweep
+    does this itself, :mod:`trackdiag.compare.sweep_mlflow`; this is for logging more files.)
     """
-    sinks = OmegaConf.select(config, "diag.sinks", default=None) or []
-    uses = "mlflow" in list(sinks) or OmegaConf.select(config, "diag.sink.mlflow", default=None) is not None
-    if not uses:
+    from trackdiag.compare.sweep_mlflow import target
+
+    where = target(config)
+    if where is None:
         return False
-    uri = mlflow_store(config)
     try:
         from mlflow.tracking import MlflowClient
+
+        from trackdiag.sinks._mlflow_sweep import find_parents
     except ImportError:
         log.warning("trackdiag: sweep comparison not logged to MLflow: mlflow is not installed")
         return False
-    client = MlflowClient(tracking_uri=str(uri))
+    client = MlflowClient(tracking_uri=where[0])
     ids = [e.experiment_id for e in client.search_experiments()]
-    group = str(sweep).replace("'", "\\'")
-    flt = f"tags.`trackdiag.role` = 'sweep' and tags.`trackdiag.sweep` = '{group}'"
-    parents = client.search_runs(ids, filter_string=flt, max_results=10) if ids else []
+    parents = find_parents(client, ids, str(sweep)) if ids else []
     if not parents:
         log.warning("trackdiag: sweep comparison not logged to MLflow: no parent run for sweep %s in %s (the jobs' "
-                    "MLflow data may still be spooled: `trackdiag sync <job dir>` delivers it)", sweep, uri)
+                    "MLflow data may still be spooled: `trackdiag sync <job dir>` delivers it)", sweep, where[0])
         return False
     for f in files:
         client.log_artifact(parents[0].info.run_id, str(f), artifact_path="trackdiag")
