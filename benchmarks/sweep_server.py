@@ -93,8 +93,9 @@ def log_synthetic(client: Any, eid: str, parent: str, num: int, steps: int = 100
     rng = random.Random(num)
     lr, depth, seed = LRS[num % 5], DEPTHS[(num // 5) % 5], num // 25
     blowup = None if lr < 0.1 and depth < 32 else rng.randint(100, 900)
-    alerts = {} if blowup is None else {"loss_divergence": {"count": 1, "first_step": blowup + 3, "severity": "critical"},
-                                        "grad_explosion": {"count": 1, "first_step": blowup + 60, "severity": "warning"}}
+    alerts = {} if blowup is None else {
+        "loss_divergence": {"count": 1, "first_step": blowup + 3, "severity": "critical"},
+        "grad_explosion": {"count": 1, "first_step": blowup + 60, "severity": "warning"}}
     health = "critical" if alerts else "ok"
     tags = {"trackdiag.level": "basic", "trackdiag.job_num": str(num), "trackdiag.sweep": "/bench/compare500",
             "mlflow.parentRunId": parent, "trackdiag.status": "FINISHED", "trackdiag.health": health,
@@ -130,7 +131,9 @@ def bench_compare(server: Any, runs: int) -> dict[str, Any]:
         list(pool.map(lambda n: log_synthetic(client, eid, parent, n), range(runs)))
     t1 = time.perf_counter()
     out: dict[str, Any] = {"runs": runs, "logging_s": round(t1 - t0, 1)}
-    for label, kw in (("by_experiment", {}), ("by_parent", {"parent": parent}), ("by_sweep_id", {"sweep": "compare500"})):
+    cases: list[tuple[str, dict[str, str]]] = [("by_experiment", {}), ("by_parent", {"parent": parent}),
+                                               ("by_sweep_id", {"sweep": "compare500"})]
+    for label, kw in cases:
         t = time.perf_counter()
         c = compare("mlflow:compare500", tracking_uri=server.uri, **kw)
         to_csv(c)

@@ -31,7 +31,8 @@ def pg_bin() -> Path | None:
     """The newest ``/usr/lib/postgresql/<version>/bin`` holding ``initdb`` and ``pg_ctl``, or None."""
     if not PG_ROOT.is_dir():
         return None
-    found = [d / "bin" for d in PG_ROOT.iterdir() if (d / "bin" / "initdb").exists() and (d / "bin" / "pg_ctl").exists()]
+    found = [d / "bin" for d in PG_ROOT.iterdir()
+             if (d / "bin" / "initdb").exists() and (d / "bin" / "pg_ctl").exists()]
     return max(found, key=lambda p: float(p.parent.name) if p.parent.name.replace(".", "").isdigit() else 0.0) \
         if found else None
 
@@ -90,7 +91,8 @@ class Postgres:
         opts = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
                 f"-c synchronous_commit=off -c full_page_writes=off -c max_connections=300")
         subprocess.run(self._cmd("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", opts, "-w",
-                                 "-t", str(int(timeout)), "start"), check=True, capture_output=True, timeout=timeout + 10)
+                                 "-t", str(int(timeout)), "start"),
+                       check=True, capture_output=True, timeout=timeout + 10)
 
     def create_db(self, name: str) -> str:
         """``CREATE DATABASE name``; returns its ``postgresql://`` URI."""

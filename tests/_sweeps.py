@@ -1,6 +1,7 @@
 """Helpers for the sweep tests: the user's app outside the repo, the sweep command, server checks."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -33,13 +34,22 @@ def stop_server(srv: PgMlflowServer | None) -> None:
         srv.pg.stop()  # type: ignore[attr-defined]
 
 
+_SHARED: list[PgMlflowServer] = []
+
+
 def server_fixture(tmp_path_factory: Any) -> Iterator[PgMlflowServer]:
-    srv = None
-    try:
-        srv = start_server(tmp_path_factory.mktemp("mlflow_server"))
-        yield srv
-    finally:
-        stop_server(srv)
+    """The test process's one PostgreSQL + MLflow server (started on first use, ~30-50 s on 2 busy
+    cores; stopped at exit): every sweep test logs to its own experiment. A test that stopped it
+    must leave it running again."""
+    if not _SHARED:
+        srv = start_server(tmp_path_factory.getbasetemp() / "mlflow_server")
+        _SHARED.append(srv)
+        atexit.register(stop_server, srv)
+    elif not _SHARED[0].healthy():
+        _SHARED[0].stop()
+        _SHARED[0].start()
+        _SHARED[0].wait(240)
+    yield _SHARED[0]
 
 
 def copy_app(dest: Path) -> Path:

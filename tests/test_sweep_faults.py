@@ -23,7 +23,7 @@ from _sweeps import (copy_app, finalized, missing_points, record_lines, server_f
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgMlflowServer]:
     yield from server_fixture(tmp_path_factory)
 

@@ -47,20 +47,27 @@ def is_managed(group: str | None) -> bool:
     return group is not None and str(group) in _managed
 
 
-def quote(text: str) -> str:
-    """``text`` escaped for a single-quoted MLflow filter string."""
-    return text.replace("\\", "\\\\").replace("'", "\\'")
+def literal(text: str) -> str | None:
+    """``text`` as an MLflow filter string literal, or None when it cannot be one. MLflow's search
+    parser has no escapes (a backslash is itself): a value is quoted with the quote it does not
+    contain; one holding both kinds cannot be searched for (filter on something else and compare)."""
+    if "'" not in text:
+        return f"'{text}'"
+    return f'"{text}"' if '"' not in text else None
 
 
 def parent_filter(group: str) -> str:
-    """The ``search_runs`` filter for the parents of sweep ``group``."""
-    return f"tags.`{ROLE_TAG}` = 'sweep' and tags.`{SWEEP_TAG}` = '{quote(group)}'"
+    """The ``search_runs`` filter for the parents of sweep ``group`` (their role alone when the sweep
+    dir cannot be a literal; :func:`find_parents` compares the tag itself anyway)."""
+    role = f"tags.`{ROLE_TAG}` = 'sweep'"
+    value = literal(group)
+    return f"{role} and tags.`{SWEEP_TAG}` = {value}" if value else role
 
 
 def find_parents(client: Any, experiment_ids: list[str], group: str) -> list[Any]:
     """The live parent runs of sweep ``group``, earliest first (start time, then run id): the first
     is the canonical one. One ``search_runs`` call."""
-    found = client.search_runs(experiment_ids, filter_string=parent_filter(group), max_results=100)
+    found = client.search_runs(experiment_ids, filter_string=parent_filter(group), max_results=1000)
     return sorted((r for r in found if r.data.tags.get(SWEEP_TAG) == group),
                   key=lambda r: (r.info.start_time or 0, r.info.run_id))
 
@@ -97,7 +104,7 @@ def children(client: Any, experiment_ids: list[str], parent_id: str) -> list[Any
     out: list[Any] = []
     token: str | None = None
     while True:
-        page = client.search_runs(experiment_ids, filter_string=f"tags.`{PARENT_TAG}` = '{quote(parent_id)}'",
+        page = client.search_runs(experiment_ids, filter_string=f"tags.`{PARENT_TAG}` = {literal(parent_id)}",
                                   max_results=1000, page_token=token)
         out += list(page)
         token = page.token

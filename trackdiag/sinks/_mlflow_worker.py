@@ -208,7 +208,13 @@ def main() -> None:
             reply = {"error": f"{type(exc).__name__}: {exc}"[:4000], "permanent": is_permanent(exc),
                      "no_run": isinstance(exc, NoRun), "error_code": code if isinstance(code, str) else None,
                      "state": runner.state if runner else {}, "calls": runner.calls if runner else 0}
-        _send(proto, reply)
+        try:
+            _send(proto, reply)
+        except OSError:  # the parent is gone mid-request (killed): nobody reads the reply
+            time.sleep(0.2)
+            if os.getppid() != ppid:
+                _abandon(runner)
+            return
 
 
 if __name__ == "__main__":
