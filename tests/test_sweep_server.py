@@ -10,6 +10,8 @@ faulty jobs, the same from the server (no local dirs) as from the local records.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -76,6 +78,11 @@ def check_sweep(server: PgMlflowServer, experiment: str, sweep: Path, proc: Any)
     rows = lambda c: [{f: json.dumps(r.to_dict()[f]) for f in fields} for r in c.runs]  # noqa: E731
     assert rows(by_parent) == rows(local) == rows(by_sweep)
     assert by_parent.swept == local.swept and by_parent.risk_lines == local.risk_lines
+    cli = subprocess.run([sys.executable, "-m", "trackdiag", "compare", "mlflow:", "--parent", parent.info.run_id,
+                          "--tracking-uri", server.uri, "--format", "json"], capture_output=True, text=True, timeout=300,
+                         cwd="/")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert {r["job_num"] for r in json.loads(cli.stdout)["runs"] if r["display_health"] != "ok"} == flagged
     finalized = json.loads((sweep / ".trackdiag" / "finalized.json").read_text())
     assert finalized["jobs"] == list(range(16)) and finalized["dead"] == []
 
