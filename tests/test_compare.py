@@ -294,4 +294,5 @@ def test_same_sweep_through_mlflow_compares_identically(hydra_sweep: tuple[Path,
         filter_string="tags.`trackdiag.role` = 'sweep'")[0]
     assert len(compare("mlflow:train", tracking_uri=uri, parent=parent.info.run_id).runs) == 4
     files = {f.path for f in MlflowClient(tracking_uri=uri).list_artifacts(parent.info.run_id, "trackdiag")}
-    assert files == {"trackdiag/comparison.html", "trackdiag/comparison.csv"}  # logged by the callback
+    assert files == {"trackdiag/comparison.html", "trackdiag/comparison.csv",
+                     "trackdiag/comparison.json"}  # logged by the callback, once every job ended

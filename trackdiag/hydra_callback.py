@@ -1,4 +1,4 @@
-"""A Hydra callback that compares the runs of a multirun when it ends.
+"""A Hydra callback that compares the runs of a multirun once every job has ended.
 
 Writes ``comparison.html`` (self-contained), ``comparison.csv`` and ``comparison.json`` into the
 sweep dir, and logs them to the sweep's MLflow parent run when the MLflow sink is in use.
@@ -11,14 +11,17 @@ hand: ``+diag/callback=compare``, or in your own config::
         trackdiag_compare:
           _target_: trackdiag.hydra_callback.CompareCallback
 
-Hydra does not call ``on_multirun_end`` when a job fails, and under the joblib launcher each
-worker holds a pickled copy of the callback. So state goes through files in the sweep dir: every
-job end writes ``<sweep>/.trackdiag/jobs/<num>.json`` (its Hydra status); a failed job also writes
-``<sweep>/.trackdiag/failed``. Once a job of the sweep has failed, every later job end rewrites
-the comparison from what is on disk, so the last job to end leaves a complete one. A sweep
-without failures is compared once, in ``on_multirun_end``. Cost: one read of every run's
-local record per write (~5 ms per run) plus ~1-2 s of plotting. Nothing here ever raises:
-problems are logged (a callback exception would only become a Hydra warning anyway).
+Works with every launcher: the basic one (jobs one after another in the launcher's process),
+``joblib`` (parallel loky worker processes, each with a pickled copy of this callback) and
+``submitit`` (``submitit_local``, SLURM: job processes the launcher may not outlive). Hydra skips
+``on_multirun_end`` when a job failed, so state goes through files in the sweep dir
+(:mod:`trackdiag.compare.sweep_ledger`): the launcher records how many jobs to expect and creates
+the sweep's MLflow parent run before any job starts (so parallel jobs only find it); each job
+records its start and its end; whichever process sees the last job end (a job's ``on_job_end``,
+or the launcher at ``on_multirun_end`` or at exit) writes the comparison once, after making every
+run final (:mod:`trackdiag.compare.sweep_end`), and ends the parent run with the sweep's status. A
+job whose process died (killed) is recorded KILLED. Nothing here ever raises: problems are logged
+(a callback exception would only become a Hydra warning anyway).
 
 Every job end (single runs too) also closes the trackdiag sessions the job opened and left open
 (no ``with``, no ``close()``), with the job's status: Hydra catches a job's exception itself and
@@ -27,7 +30,7 @@ FINISHED.
 """
 from __future__ import annotations
 
-import json
+import atexit
 import logging
 import os
 import time
@@ -37,87 +40,108 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from trackdiag.compare import sweep_ledger as ledger
+
 log = logging.getLogger("trackdiag.compare")
 
-STATE_DIR = ".trackdiag"
+STATE_DIR = ledger.STATE_DIR
 
 
 class CompareCallback(Callback):
-    """Compare a Hydra multirun's runs at its end (also when some jobs failed).
+    """Compare a Hydra multirun's runs once every job has ended (also when some failed or were killed).
 
     plots: embed the plots in comparison.html (needs matplotlib; ~1-2 s).
-    mlflow: log the outputs to the sweep's MLflow parent run, if the MLflow sink made one.
+    mlflow: create the sweep's MLflow parent run up front and log the outputs to it, if the MLflow
+    sink is in use.
     """
 
     def __init__(self, plots: bool = True, mlflow: bool = True) -> None:
         self.plots = bool(plots)
         self.mlflow = bool(mlflow)
 
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Launcher process: a fresh ledger (the job count, when the sweeper's grid tells it), the MLflow
+        parent run, and an exit hook that compares the sweep if Hydra skips ``on_multirun_end``."""
+        try:
+            sweep = sweep_dir(config)
+            ledger.start_sweep(sweep, ledger.expected_jobs(config))
+            atexit.register(_at_launcher_exit, sweep, config, self.plots, self.mlflow, os.getpid())
+        except Exception as e:  # never break the user's sweep
+            log.warning("trackdiag compare callback: %s", e)
+            return
+        if self.mlflow:
+            try:
+                from trackdiag.compare.sweep_mlflow import create_parent
+
+                create_parent(config, sweep)
+            except Exception as e:  # the jobs create it then
+                log.warning("trackdiag: sweep parent run not created up front (%s: %s)", type(e).__name__, e)
+
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Sessions opened from now on belong to this job (see ``on_job_end``)."""
+        """Sessions opened from now on belong to this job (see ``on_job_end``); the ledger learns the
+        job runs in this process, and the MLflow sink that the parent run's end is ours."""
         from trackdiag import exit_status
 
         exit_status.job_started()
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Forget the job markers of an earlier multirun into the same sweep dir."""
+        if not _is_multirun(config):
+            return
         try:
-            state = sweep_dir(config) / STATE_DIR
-            for f in [*state.glob("jobs/*.json"), state / "failed"]:
-                f.unlink(missing_ok=True)
-        except Exception as e:  # never break the user's sweep
-            log.warning("trackdiag compare callback: %s", e)
+            from trackdiag.sinks._mlflow_sweep import manage
+
+            sweep = sweep_dir(config)
+            ledger.job_started(sweep, int(OmegaConf.select(config, "hydra.job.num")))
+            manage(str(sweep))
+        except Exception as e:
+            log.warning("trackdiag compare callback: on_job_start failed: %s", e)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        """Close the job's open sessions; record this job's status; once any job failed, rewrite the comparison."""
+        """Close the job's open sessions; record this job's status; if it was the last, compare."""
         _close_sessions(job_return)
         if not _is_multirun(config):
             return
         try:
             sweep = sweep_dir(config)
             status = getattr(getattr(job_return, "status", None), "name", "UNKNOWN")
-            num = OmegaConf.select(config, "hydra.job.num")
+            num = int(OmegaConf.select(config, "hydra.job.num"))
             marker: dict[str, Any] = {"status": status, "time": time.time(),
                                       "overrides": list(getattr(job_return, "overrides", None) or [])}
             if status == "FAILED":
                 err = getattr(job_return, "_return_value", None)
                 marker["error"] = f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else ""
-            jobs = sweep / STATE_DIR / "jobs"
-            jobs.mkdir(parents=True, exist_ok=True)
-            _write_json(jobs / f"{num}.json", marker)
-            if status == "FAILED":
-                (sweep / STATE_DIR / "failed").touch()
-            if (sweep / STATE_DIR / "failed").exists():  # on_multirun_end will not come
-                self._compare(sweep, config)
+            ledger.job_ended(sweep, num, marker)
+            self._maybe_finish(sweep, config, "job")
         except Exception as e:
             log.warning("trackdiag compare callback: on_job_end failed: %s", e, exc_info=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        """Every job succeeded: write the comparison once."""
+        """Launcher process, every job returned: compare (unless the last job did already)."""
         try:
-            self._compare(sweep_dir(config), config)
+            sweep = sweep_dir(config)
+            ledger.launcher_done(sweep, all_returned=True)
+            self._maybe_finish(sweep, config, "launcher")
         except Exception as e:
             log.warning("trackdiag compare callback: on_multirun_end failed: %s", e, exc_info=True)
 
-    def _compare(self, sweep: Path, config: DictConfig) -> None:
-        """Read every run under ``sweep`` and write the outputs there (and to MLflow)."""
-        from trackdiag.compare.comparison import Comparison, write_outputs
-        from trackdiag.compare.local import load_local
+    def _maybe_finish(self, sweep: Path, config: DictConfig, trigger: str) -> None:
+        from trackdiag.compare.sweep_end import maybe_finish
 
-        runs = load_local(sweep)
-        if not runs:
-            log.info("trackdiag: no trackdiag runs under %s, no comparison written", sweep)
-            return
-        comparison = Comparison.build(str(sweep), runs)
-        written = write_outputs(comparison, sweep, plots=self.plots, save_pngs=False)
-        log.info("trackdiag: sweep comparison (%s) -> %s", comparison.headline, written["html"])
-        for line in comparison.risk_lines:
-            log.info("trackdiag:   %s", line)
-        if self.mlflow:
-            try:
-                log_to_mlflow_parent(config, sweep, [written["html"], written["csv"]])
-            except Exception as e:  # a store that does not answer: one line, not a traceback
-                log.warning("trackdiag: sweep comparison not logged to MLflow (%s: %s)", type(e).__name__, e)
+        maybe_finish(sweep, config, plots=self.plots, mlflow=self.mlflow, trigger=trigger)
+
+
+def _at_launcher_exit(sweep: Path, config: DictConfig, plots: bool, mlflow: bool, pid: int) -> None:
+    """The launcher exits (after a failed job Hydra skips ``on_multirun_end``): mark it done and
+    compare if no job still runs; jobs still running (submitit's launcher returns at the first
+    failed result) compare when the last of them ends."""
+    if os.getpid() != pid:
+        return
+    try:
+        if ledger.read_json(ledger.state(sweep) / "launcher_done.json") is None:
+            ledger.launcher_done(sweep, all_returned=False)
+            from trackdiag.compare.sweep_end import maybe_finish
+
+            maybe_finish(sweep, config, plots=plots, mlflow=mlflow, trigger="launcher exit")
+    except Exception as e:
+        log.warning("trackdiag compare callback: at exit: %s", e)
 
 
 def sweep_dir(config: DictConfig) -> Path:
@@ -156,28 +180,29 @@ def mlflow_store(config: DictConfig) -> str:
 
 def log_to_mlflow_parent(config: DictConfig, sweep: Path, files: list[Path]) -> bool:
     """Log ``files`` to the sweep's MLflow parent run (tags ``trackdiag.role=sweep``,
-    ``trackdiag.sweep=<sweep dir>``) under ``trackdiag/``, in the store the jobs used
-    (:func:`mlflow_store`, the default store included). False if MLflow is not in use; when it is
-    but the comparison cannot be logged, one warning says why.
+    ``trackdiag.sweep=<sweep dir>``; the earliest if there are several) under ``trackdiag/``, in the
+    store the jobs used (:func:`mlflow_store`, the default store included). False if MLflow is not
+    in use; when it is but the files cannot be logged, one warning says why. (The end of a sweep
+    does this itself, :mod:`trackdiag.compare.sweep_mlflow`; this is for logging more files.)
     """
-    sinks = OmegaConf.select(config, "diag.sinks", default=None) or []
-    uses = "mlflow" in list(sinks) or OmegaConf.select(config, "diag.sink.mlflow", default=None) is not None
-    if not uses:
+    from trackdiag.compare.sweep_mlflow import target
+
+    where = target(config)
+    if where is None:
         return False
-    uri = mlflow_store(config)
     try:
         from mlflow.tracking import MlflowClient
+
+        from trackdiag.sinks._mlflow_sweep import find_parents
     except ImportError:
         log.warning("trackdiag: sweep comparison not logged to MLflow: mlflow is not installed")
         return False
-    client = MlflowClient(tracking_uri=str(uri))
+    client = MlflowClient(tracking_uri=where[0])
     ids = [e.experiment_id for e in client.search_experiments()]
-    group = str(sweep).replace("'", "\\'")
-    flt = f"tags.`trackdiag.role` = 'sweep' and tags.`trackdiag.sweep` = '{group}'"
-    parents = client.search_runs(ids, filter_string=flt, max_results=10) if ids else []
+    parents = find_parents(client, ids, str(sweep)) if ids else []
     if not parents:
         log.warning("trackdiag: sweep comparison not logged to MLflow: no parent run for sweep %s in %s (the jobs' "
-                    "MLflow data may still be spooled: `trackdiag sync <job dir>` delivers it)", sweep, uri)
+                    "MLflow data may still be spooled: `trackdiag sync <job dir>` delivers it)", sweep, where[0])
         return False
     for f in files:
         client.log_artifact(parents[0].info.run_id, str(f), artifact_path="trackdiag")
@@ -190,8 +215,3 @@ def _is_multirun(config: DictConfig) -> bool:
     return str(OmegaConf.select(config, "hydra.mode", default="")).endswith("MULTIRUN")
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    """Atomic JSON write (tmp + rename): concurrent workers never read half a marker."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, default=str), encoding="utf-8")
-    tmp.replace(path)

@@ -1,7 +1,9 @@
 """``trackdiag compare SOURCE``: which runs of a sweep broke, how, when, and which settings did it.
 
 SOURCE: a Hydra multirun dir (or any dir tree of trackdiag run dirs), ``mlflow:<experiment name or
-id>`` or ``wandb:<entity>/<project>[/<group>]``.
+id>`` (``mlflow:`` alone with ``--parent``) or ``wandb:<entity>/<project>[/<group>]``. A sweep that
+lives only on a tracking server: ``mlflow: --parent <run id>`` or ``mlflow:<experiment> --sweep
+<sweep id>``.
 """
 from __future__ import annotations
 
@@ -21,7 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="also write comparison.{csv,json,html} and the plots (PNG) into this dir")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
-    p.add_argument("--parent", default=None, help="MLflow: only the child runs of this parent run id (a sweep)")
+    p.add_argument("--parent", default=None, help="MLflow: only the child runs of this parent run id (a sweep); "
+                   "the experiment may be left out (mlflow:)")
+    p.add_argument("--sweep", default=None, help="MLflow: only the runs of the Hydra sweep whose dir ends with "
+                   "this (e.g. 2026-06-01/12-00-00), found by its parent run")
     p.add_argument("--no-plots", action="store_true", help="with --out: skip the plots (faster)")
     p.set_defaults(func=run)
 
@@ -46,7 +51,8 @@ def _run(args: argparse.Namespace) -> int:
     err = sys.stderr
     try:
         with _progress() as progress:
-            comparison = compare(args.source, tracking_uri=args.tracking_uri, parent=args.parent, progress=progress)
+            comparison = compare(args.source, tracking_uri=args.tracking_uri, parent=args.parent,
+                                 sweep=args.sweep, progress=progress)
     except CompareError as e:
         print(f"trackdiag compare: {e}", file=err)
         return 2

@@ -54,28 +54,31 @@ class Comparison:
 
 
 def load_runs(source: str | Path, *, tracking_uri: str | None = None, parent: str | None = None,
-              progress: Progress | None = None) -> list[RunSummary]:
-    """The runs of ``source``; raises :class:`CompareError` with what to do when it can't be read."""
+              sweep: str | None = None, progress: Progress | None = None) -> list[RunSummary]:
+    """The runs of ``source``; raises :class:`CompareError` with what to do when it can't be read.
+    ``parent`` / ``sweep`` (MLflow only): the children of that parent run, or of the sweep whose
+    dir ends with ``sweep``."""
     text = str(source)
-    if text.startswith("mlflow:"):
+    if text == "mlflow" or text.startswith("mlflow:"):
         from trackdiag.compare.mlflow_source import load_mlflow
 
-        return load_mlflow(text[len("mlflow:"):], tracking_uri=tracking_uri, parent=parent, progress=progress)
+        return load_mlflow(text[len("mlflow:"):], tracking_uri=tracking_uri, parent=parent, sweep=sweep,
+                           progress=progress)
     if text.startswith("wandb:"):
         from trackdiag.compare.wandb_source import load_wandb
 
         return load_wandb(text[len("wandb:"):], progress=progress)
-    if parent is not None:
-        raise CompareError("--parent only applies to mlflow:<experiment> sources")
+    if parent is not None or sweep is not None:
+        raise CompareError("--parent and --sweep only apply to mlflow:<experiment> sources")
     from trackdiag.compare.local import load_local
 
     return load_local(text, progress=progress)
 
 
 def compare(source: str | Path, *, tracking_uri: str | None = None, parent: str | None = None,
-            progress: Progress | None = None) -> Comparison:
+            sweep: str | None = None, progress: Progress | None = None) -> Comparison:
     """Load ``source`` and build its :class:`Comparison`. Raises :class:`CompareError` if it holds no run."""
-    runs = load_runs(source, tracking_uri=tracking_uri, parent=parent, progress=progress)
+    runs = load_runs(source, tracking_uri=tracking_uri, parent=parent, sweep=sweep, progress=progress)
     if not runs:
         raise CompareError(f"no runs found in {source}")
     return Comparison.build(str(source), runs)

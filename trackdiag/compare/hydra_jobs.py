@@ -1,7 +1,8 @@
 """Hydra job dirs: the status markers the callback writes, overrides, config, jobs without a record.
 
 The callback (:mod:`trackdiag.hydra_callback`) writes ``<sweep>/.trackdiag/jobs/<num>.json`` with the
-job's Hydra status (``COMPLETED`` | ``FAILED``) and error; a failed job is reported ``FAILED``
+job's Hydra status (``COMPLETED`` | ``FAILED``, or ``KILLED`` for a job whose process died before it
+ended, :mod:`~trackdiag.compare.sweep_end`) and error; a failed job is reported ``FAILED``
 whatever its ``run.json`` says, and a Hydra job dir without a trackdiag record is a job that
 died before diagnostics started (or ran with diagnostics off, if its marker says ``COMPLETED``).
 Every file is read bounded and type-checked (:mod:`trackdiag.compare.safe_read`): a malformed
@@ -50,6 +51,9 @@ def overlay(run: RunSummary, marker: dict[str, Any] | None) -> None:
     if marker.get("status") == "FAILED" and run.status != "FAILED":
         run.note = (run.note + "; " if run.note else "") + f"Hydra job failed: {_error(marker)}".rstrip(": ")
         run.status = "FAILED"
+    elif marker.get("status") == "KILLED" and run.status not in ("FAILED", "KILLED"):
+        run.note = f"killed: {_error(marker)}".rstrip(": ")
+        run.status = "KILLED"
     elif marker.get("status") == "COMPLETED" and run.status == "RUNNING":
         run.note = "the job completed but trackdiag was never closed (no `with diag:` / diag.close())"
 
@@ -72,7 +76,7 @@ def failed_job(job: Path, num: int | None, marker: dict[str, Any] | None) -> Run
             note="diagnostics disabled or not used" if status else "trackdiag not enabled in this job's config "
             "(no diag node, or diag.enabled=false)")
     return RunSummary(
-        name=",".join(overrides) or job.name, source_id=str(job), status="FAILED",
+        name=",".join(overrides) or job.name, source_id=str(job), status="KILLED" if status == "KILLED" else "FAILED",
         health="unknown", hparams=hparams, overrides=overrides, job_num=num,
         note=f"no trackdiag record: the job failed before diagnostics started {error}".strip(),
     )

@@ -14,14 +14,13 @@ from typing import Any
 
 from trackdiag.sinks._mlflow_note import fill_note
 from trackdiag.sinks._mlflow_ops import KeyMap
-from trackdiag.sinks._mlflow_store import default_artifact_location, sweep_lock
+from trackdiag.sinks._mlflow_store import default_artifact_location
+from trackdiag.sinks._mlflow_sweep import (PARENT_TAG, ROLE_TAG, STATUS_TAG, SWEEP_TAG,  # noqa: F401 (re-exported)
+                                           end_parent_after_job, get_or_create_parent)
 from trackdiag.sinks._mlflow_upload import Collected, send_batches, upload
 
 log = logging.getLogger("trackdiag")
 
-ROLE_TAG = "trackdiag.role"      # "sweep" on a Hydra multirun's parent run
-SWEEP_TAG = "trackdiag.sweep"    # the sweep dir, on the parent and on every job's run
-PARENT_TAG = "mlflow.parentRunId"
 KIND_TAG = "mlflow.experimentKind"   # the MLflow 3 UI's view: "Model training" for this value
 KIND = "custom_model_development"
 
@@ -32,7 +31,9 @@ class NoRun(RuntimeError):
 
 class Runner:
     """Applies ops to one run. ``state`` keys: ``tracking_uri``, ``run_id``, ``owns_run``,
-    ``parent_run_id``, ``experiment_id``; ``open`` fills them in. ``calls``: MLflow calls made."""
+    ``parent_run_id``, ``experiment_id``, ``sweep_managed`` (the Hydra callback ends the sweep's
+    parent run); ``open`` fills them in. ``calls``: MLflow calls made. ``ended``: the run's end
+    was sent (see :meth:`abandon`)."""
 
     def __init__(self, state: dict[str, Any]) -> None:
         from mlflow import MlflowClient  # lazy: importing mlflow costs ~2 s
@@ -44,6 +45,7 @@ class Runner:
         self.renderer: Any = None
         self.user_note: bool | None = None  # an attached run's own description (see _mlflow_note.fill_note)
         self.calls = 0
+        self.ended = False
 
     def run(self, op: dict[str, Any]) -> None:
         """Execute one op (a group of one); FileNotFoundError if its file is gone."""
@@ -92,14 +94,18 @@ class Runner:
         location = spec.get("artifact_location") or default_artifact_location(
             self.state["tracking_uri"], Path.cwd(), spec["experiment"])  # sync may target another store
         eid = self._experiment(spec["experiment"], location)
-        parent = self._parent(eid, spec["group"], spec.get("source")) if spec.get("group") else None
+        parent = None
+        if spec.get("group"):
+            parent, calls = get_or_create_parent(self.client, eid, spec["group"], run_tags(spec.get("source")))
+            self.calls += calls
         tags = run_tags(spec.get("source"))
         if parent:
             tags[PARENT_TAG] = parent
         self.calls += 1
         run = self.client.create_run(eid, start_time=spec.get("start_ms"), tags=tags, run_name=spec["run_name"])
         self.known_params = set()  # a run made here has no params yet: no get_run before the first batch
-        self.state.update(run_id=run.info.run_id, owns_run=True, parent_run_id=parent, experiment_id=eid)
+        self.state.update(run_id=run.info.run_id, owns_run=True, parent_run_id=parent, experiment_id=eid,
+                          sweep_managed=bool(spec.get("sweep_managed")))
 
     def _experiment(self, name: str, artifact_location: str | None) -> str:
         """The experiment's id, created if needed with ``mlflow.experimentKind`` =
@@ -124,25 +130,6 @@ class Runner:
             self.client.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
         return str(exp.experiment_id)
 
-    def _parent(self, eid: str, group: str, source: str | None) -> str:
-        """The sweep's parent run: found by its tags, else created, under a file lock in the sweep
-        dir so that jobs of one sweep never create two parents."""
-        with sweep_lock(Path(group)):
-            self.calls += 1
-            found = self.client.search_runs([eid], filter_string=f"tags.`{ROLE_TAG}` = 'sweep'",
-                                            order_by=["attributes.start_time ASC"], max_results=1000)
-            for run in found:
-                if run.data.tags.get(SWEEP_TAG) == group:
-                    if run.info.status not in ("RUNNING", "FAILED", "KILLED"):
-                        self.calls += 1
-                        self.client.update_run(run.info.run_id, status="RUNNING")
-                    return str(run.info.run_id)
-            name = f"sweep {Path(group).parent.name}/{Path(group).name}".strip()
-            self.calls += 1
-            run = self.client.create_run(eid, tags={ROLE_TAG: "sweep", SWEEP_TAG: group, **run_tags(source)},
-                                         run_name=name)
-            return str(run.info.run_id)
-
     def _get_run(self, run_id: str) -> Any:
         self.calls += 1
         return self.client.get_run(run_id)
@@ -153,12 +140,26 @@ class Runner:
             return  # the user's run: they end it
         self.calls += 1
         self.client.set_terminated(self.state["run_id"], status, end_time=ts)
+        self.ended = True
         parent = self.state.get("parent_run_id")
-        if parent:  # the sweep's status: FINISHED unless a job failed or was killed (sticky)
-            current = self._get_run(parent).info.status
-            new = status if status != "FINISHED" else (current if current in ("FAILED", "KILLED") else "FINISHED")
-            self.calls += 1
-            self.client.set_terminated(parent, new, end_time=ts)
+        if parent and not self.state.get("sweep_managed"):  # managed: the callback ends it after the last job
+            self.calls += end_parent_after_job(self.client, parent, status, ts)
+
+    def abandon(self) -> bool:
+        """The training process died without ending the run (killed: SIGKILL, the OOM killer): end it
+        KILLED with ``trackdiag.status``/``trackdiag.health`` saying so. Only a run we own that was
+        not ended; True if it was ended here. Two calls."""
+        if self.ended or not self.state.get("owns_run") or not self.state.get("run_id"):
+            return False
+        from mlflow.entities import RunTag
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.state["run_id"], tags=[RunTag(STATUS_TAG, "KILLED"),
+                                                           RunTag("trackdiag.health", "killed")], synchronous=True)
+        self.client.set_terminated(self.state["run_id"], "KILLED", end_time=now)
+        self.calls += 2
+        self.ended = True
+        return True
 
 
 def run_tags(source: str | None) -> dict[str, str]:

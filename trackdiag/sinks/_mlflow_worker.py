@@ -10,11 +10,14 @@ ends speak the protocol. The child starts through :func:`child_command` (trackdi
 without its package ``__init__``, so no torch import), in a session of its own and ignoring SIGINT:
 a terminal's Ctrl-C (SIGINT to the whole foreground process group) stops training, never the
 delivery of what training logged; the worker finishes when the session closes its stdin, or
-exits when its parent dies. Its own logs (and MLflow's prints) go to stderr; MLflow's own "View
-run at" line is switched off (trackdiag prints the run's link in the model-training view). It
-imports MLflow and (for a new store) creates its tables at normal priority, then lowers its
-priority (``nice`` +5) once the run exists: a worker niced from its start got ~10 % of a core on a
-busy machine and had not made its first call when training ended.
+exits when its parent dies. A parent that dies without saying goodbye (``{"bye": true}``, sent by
+:meth:`ProcessRunner.close`) was killed (SIGKILL, the OOM killer): the child then ends the run
+KILLED (``Runner.abandon``) before it exits, so a killed job's run does not stay RUNNING on the
+server. Its own logs (and MLflow's prints) go to stderr; MLflow's own "View run at" line is
+switched off (trackdiag prints the run's link in the model-training view). It imports MLflow and
+(for a new store) creates its tables at normal priority, then lowers its priority (``nice`` +5)
+once the run exists: a worker niced from its start got ~10 % of a core on a busy machine and had
+not made its first call when training ended.
 """
 from __future__ import annotations
 
@@ -96,6 +99,10 @@ class ProcessRunner:
         """End the child: close its stdin (it exits on EOF: MLflow's own shutdown takes ~1 s, nobody
         waits for that); with ``wait``, kill it if it has not exited after that many seconds."""
         try:
+            _send(self._proc.stdin, {"bye": True})  # type: ignore[arg-type]  # a goodbye: not killed
+        except (OSError, ValueError):
+            pass
+        try:
             self._proc.stdin.close()  # type: ignore[union-attr]
         except OSError:
             pass
@@ -137,10 +144,30 @@ def _receive(stream: IO[bytes]) -> Any:
     return pickle.loads(data)
 
 
-def _watch_parent(ppid: int) -> None:
+_abandon_lock = threading.Lock()
+_abandoned: list[bool] = []
+
+
+def _abandon(runner: Any) -> None:
+    """The parent died without a goodbye: end its run KILLED (once; best effort, one line on failure)."""
+    with _abandon_lock:
+        if _abandoned or runner is None:
+            return
+        _abandoned.append(True)
+        try:
+            if runner.abandon():
+                logging.getLogger("trackdiag").warning(
+                    "trackdiag: the training process died without ending MLflow run %s; ended it KILLED",
+                    runner.state.get("run_id"))
+        except Exception as exc:  # the store does not answer: the sweep's end (or sync) does it later
+            logging.getLogger("trackdiag").warning("trackdiag: could not end the killed run: %s", exc)
+
+
+def _watch_parent(ppid: int, holder: list[Any]) -> None:
     while True:
         time.sleep(1.0)
-        if os.getppid() != ppid:  # orphaned: the training process is gone
+        if os.getppid() != ppid:  # orphaned: the training process is gone (forked children may keep stdin open)
+            _abandon(holder[0] if holder else None)
             os._exit(0)
 
 
@@ -154,7 +181,9 @@ def main() -> None:
     sys.stdout = sys.stderr
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("urllib3").setLevel(logging.ERROR)  # outages: the parent warns once, not per retry
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    ppid = os.getppid()
+    holder: list[Any] = []
+    threading.Thread(target=_watch_parent, args=(ppid, holder), daemon=True).start()
     from trackdiag.sinks._mlflow_run import Runner
 
     runner: Runner | None = None
@@ -162,11 +191,20 @@ def main() -> None:
     while True:
         try:
             msg = _receive(sys.stdin.buffer)
-        except EOFError:
+        except EOFError:  # no goodbye: the parent died (a parent alive here closed us without one: not killed)
+            time.sleep(0.2)
+            if os.getppid() != ppid:
+                _abandon(runner)
+            return
+        if msg.get("bye"):
+            return
+        if os.getppid() != ppid:  # the parent died with requests still in the pipe: make no new run for it
+            _abandon(runner)
             return
         try:
             if "init" in msg:
                 runner = Runner(msg["init"])
+                holder[:] = [runner]
             elif runner is None:
                 raise NoRun("worker not initialised")
             refused = runner.run_many(msg["ops"]) if "ops" in msg else {}
@@ -180,7 +218,13 @@ def main() -> None:
             reply = {"error": f"{type(exc).__name__}: {exc}"[:4000], "permanent": is_permanent(exc),
                      "no_run": isinstance(exc, NoRun), "error_code": code if isinstance(code, str) else None,
                      "state": runner.state if runner else {}, "calls": runner.calls if runner else 0}
-        _send(proto, reply)
+        try:
+            _send(proto, reply)
+        except OSError:  # the parent is gone mid-request (killed): nobody reads the reply
+            time.sleep(0.2)
+            if os.getppid() != ppid:
+                _abandon(runner)
+            return
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from trackdiag.sinks._mlflow_note import NOTE_TAG, closing_lines, kinds_of, run_
 from trackdiag.sinks._mlflow_ops import MAX_METRICS, flatten, pair_ops, user_params
 from trackdiag.sinks._mlflow_run import SWEEP_TAG, Runner
 from trackdiag.sinks._mlflow_spool import Spool
+from trackdiag.sinks._mlflow_sweep import SUMMARY_TAG, is_managed, summary_tag
 from trackdiag.sinks._mlflow_store import (absolute_sqlite, default_artifact_location, default_tracking_uri,
                                            option_problems)
 from trackdiag.sinks._mlflow_worker import ProcessRunner
@@ -141,6 +142,7 @@ class MlflowSink(Sink):
                 "artifact_location": self.artifact_location or default_artifact_location(
                     self.tracking_uri, self._cwd, self.experiment),
                 "attach_run_id": self.attach_run_id, "group": run.group, "start_ms": int(run.start_time * 1000),
+                "sweep_managed": is_managed(run.group),  # the Hydra callback ends the sweep's parent run
                 "source": str((self._cwd / argv0).resolve()) if argv0 else None}  # the user's script
         self._state = {"tracking_uri": self.tracking_uri, "run_id": None, "spec": spec}
         leftovers = (lambda: self._start_leftovers(spool)) if self.deliver_leftovers else None
@@ -207,7 +209,8 @@ class MlflowSink(Sink):
         health = display_health({**summary, "status": status})
         report = f"{self._report['dir']}/report.html" if self._report else None
         note = run_note(health, status, summary.get("steps"), kinds_of(self._series.alerts, summary.get("alerts")), report)
-        self._tags += [("trackdiag.status", status), ("trackdiag.health", health), (NOTE_TAG, note)]
+        self._tags += [("trackdiag.status", status), ("trackdiag.health", health), (NOTE_TAG, note),
+                       (SUMMARY_TAG, summary_tag(summary))]
         self._pending += self._series.closing_points()
         self._cut()
         ops = [self._file(self._series.alerts, "alerts.json", None), self._file(summary, "summary.json", None),

@@ -1,0 +1,166 @@
+"""A real PostgreSQL and a real ``mlflow server`` on it, for the shared-server tests and benchmark.
+
+:class:`Postgres` runs PostgreSQL's own server (Debian's ``/usr/lib/postgresql/<v>/bin``, not on
+PATH) from a fresh data dir in a temporary directory, on a loopback port, with its socket in that
+dir; ``initdb`` refuses to run as root, so as root (CI) every PostgreSQL command runs as the
+``postgres`` system user (``runuser -u postgres --``) on a data dir that user owns.
+:func:`skip_reason` says why it cannot run here (no binaries, root without a ``postgres`` user).
+
+:class:`PgMlflowServer` is ``mlflow server --backend-store-uri postgresql://... --serve-artifacts``
+on another loopback port, in its own process group (it forks workers), killed whole by ``stop``.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from _procs import kill_group
+
+PG_ROOT = Path("/usr/lib/postgresql")
+
+
+def pg_bin() -> Path | None:
+    """The newest ``/usr/lib/postgresql/<version>/bin`` holding ``initdb`` and ``pg_ctl``, or None."""
+    if not PG_ROOT.is_dir():
+        return None
+    found = [d / "bin" for d in PG_ROOT.iterdir()
+             if (d / "bin" / "initdb").exists() and (d / "bin" / "pg_ctl").exists()]
+    return max(found, key=lambda p: float(p.parent.name) if p.parent.name.replace(".", "").isdigit() else 0.0) \
+        if found else None
+
+
+def skip_reason() -> str | None:
+    """Why a PostgreSQL server cannot be started here, or None."""
+    if pg_bin() is None:
+        return f"PostgreSQL server binaries not found under {PG_ROOT}/<version>/bin (apt-get install postgresql)"
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            return "running as root and there is no 'postgres' system user to run initdb as"
+        if shutil.which("runuser") is None:
+            return "running as root and runuser is missing"
+    try:
+        import psycopg  # noqa: F401  (MLflow opens postgresql:// stores with psycopg 3)
+    except ImportError:
+        return "psycopg is not installed (pip install 'psycopg[binary]')"
+    return None
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Postgres:
+    """One PostgreSQL cluster in a temp dir (``start``/``stop``); ``uri(db)`` for SQLAlchemy/MLflow."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.bin = pg_bin()
+        if self.bin is None:
+            raise RuntimeError(skip_reason() or "no PostgreSQL")
+        self.port = port or free_port()
+        self.root = Path(tempfile.mkdtemp(prefix="trackdiag-pg-"))  # /tmp: readable by the postgres user
+        self.data = self.root / "data"
+        self.log = self.root / "postgres.log"
+        self._as_root = os.geteuid() == 0
+
+    def _cmd(self, tool: str, *args: str) -> list[str]:
+        cmd = [str(self.bin / tool), *args]  # type: ignore[operator]
+        return ["runuser", "-u", "postgres", "--", *cmd] if self._as_root else cmd
+
+    def start(self, timeout: float = 120.0) -> None:
+        """initdb (trust auth on loopback, no fsync: a throwaway cluster) and ``pg_ctl start -w``."""
+        if self._as_root:
+            pw = pwd.getpwnam("postgres")
+            os.chown(self.root, pw.pw_uid, pw.pw_gid)
+        subprocess.run(self._cmd("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8",
+                                 "--no-sync", "--no-instructions"),
+                       check=True, capture_output=True, timeout=timeout)
+        opts = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+                f"-c synchronous_commit=off -c full_page_writes=off -c max_connections=300")
+        subprocess.run(self._cmd("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", opts, "-w",
+                                 "-t", str(int(timeout)), "start"),
+                       check=True, capture_output=True, timeout=timeout + 10)
+
+    def create_db(self, name: str) -> str:
+        """``CREATE DATABASE name``; returns its ``postgresql://`` URI."""
+        import psycopg
+
+        with psycopg.connect(self.uri("postgres"), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.uri(name)
+
+    def uri(self, db: str) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{db}"
+
+    def stop(self) -> None:
+        """``pg_ctl stop -m immediate``, then the temp dir is removed."""
+        if self.data.exists():
+            subprocess.run(self._cmd("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop"),
+                           capture_output=True, timeout=60)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class PgMlflowServer:
+    """``mlflow server`` with a PostgreSQL backend store and proxied artifacts (``--serve-artifacts``),
+    in its own process group. ``uri`` is its ``http://127.0.0.1:<port>``."""
+
+    def __init__(self, root: Path, store_uri: str, port: int | None = None, workers: int = 4) -> None:
+        self.root, self.store_uri, self.workers = root, store_uri, workers
+        self.port = port or free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+        root.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        self._log = open(self.root / "mlflow-server.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.store_uri, "--serve-artifacts",
+             "--artifacts-destination", str(self.root / "server_artifacts"), "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", str(self.workers)],
+            cwd=self.root, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait(self, timeout: float = 180.0) -> float:
+        """Seconds until ``/health`` answers; raises if the server exits or ``timeout`` passes."""
+        t0 = time.monotonic()
+        while not self.healthy():
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited ({self.proc.returncode}): {self.log_tail()}")
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"mlflow server not healthy after {timeout}s: {self.log_tail()}")
+            time.sleep(0.3)
+        return time.monotonic() - t0
+
+    def log_tail(self, n: int = 3000) -> str:
+        path = self.root / "mlflow-server.log"
+        return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+    def stop(self) -> None:
+        """Kill the server's whole process group."""
+        kill_group(self.proc)
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
