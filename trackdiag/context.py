@@ -90,6 +90,8 @@ class ProbeContext:
     compiled: bool = False
     #: what a probe cannot measure in this loop, once each (``summary()["notes"]``)
     notes: dict[str, str] = field(default_factory=dict)
+    #: the user's loss computation, ``loss_fn(batch) -> loss`` (:mod:`trackdiag.user_loss`), or None
+    loss_fn: Callable[[Any], Any] | None = None
 
     def is_due(self, schedule: Callable[[int], bool]) -> bool:
         return schedule(self.step) or (self.step <= self.anomaly_until and getattr(schedule, "anomaly", True))

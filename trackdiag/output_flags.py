@@ -1,0 +1,159 @@
+"""Which module's output went non-finite in a *real* training step: per-module flags kept on the device.
+
+A replay (:mod:`trackdiag.replay`) finds the module that makes a NaN when the fault reproduces. Some
+do not: a fault that happens once (hardware, a race, a transient condition), a model whose
+``forward`` trackdiag cannot call (a LightningModule without one), a script that died before a
+replay could run. :class:`OutputFlags` watches the forwards as they happen instead: after the
+forward of every module of the session's models (training mode, grad enabled, eager), a reference to
+its floating output is kept; at the end of the root model's forward (or every ``chunk`` outputs, or
+at ``Diagnostics.step``) ONE ``_foreach_norm(ord=inf)`` turns the kept outputs into one max-|x| per
+module call (NaN/Inf propagate: the flag is non-finite exactly when the output held a NaN/Inf) and the
+references are dropped. The flags of the last ``ring`` steps stay on the device; they are read back
+only when a non-finite alert or a crash asks which module was first (execution order: the innermost
+module that completed first), and at logging steps with the session's one host copy, to learn the
+modules whose output is non-finite on healthy steps too (``-inf`` attention masks): those are never
+blamed.
+
+Cost per module call: one Python call and a list append on the training thread (~1-2 us on CPU);
+per root forward: one ``_foreach_norm`` over its module outputs and one ``stack`` (device work, no
+host read; on the CPU the reduction reads every output once more). Memory: the outputs of one root
+forward (at most ``chunk``) are kept until its end; the flags of ``ring`` steps (4 bytes per module
+call).
+"""
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from trackdiag.context import ProbeContext
+from trackdiag.forward_watch import FORWARD
+from trackdiag.layers import ROOT
+
+Key = tuple[str, str]  # (component, module name)
+
+
+class OutputFlags:
+    """See module docstring."""
+
+    def __init__(self, ctx: ProbeContext, ring: int, chunk: int = 64) -> None:
+        self.ctx = ctx
+        self.ring, self.chunk = max(ring, 1), max(chunk, 1)
+        self._names: dict[int, Key] = {}
+        self._roots: set[int] = set()
+        for comp in ctx.components:
+            if comp.model is None:
+                continue
+            for name, m in comp.model.named_modules():
+                self._names.setdefault(id(m), (comp.name, name or ROOT))
+            self._roots.add(id(comp.model))
+            if comp.outer is not None:
+                self._roots.add(id(comp.outer))
+        self._pending: list[torch.Tensor] = []
+        self._pending_keys: list[Key] = []
+        self._keys: list[Key] = []  # the running step's module calls, in completion order
+        self._flags: list[torch.Tensor] = []
+        self._steps: collections.OrderedDict[int, tuple[list[Key], list[torch.Tensor]]] = collections.OrderedDict()
+        self.habitual: set[Key] = set()  # non-finite on healthy steps too: never blamed
+        self._stop: Any = None
+
+    def start(self) -> None:
+        if self._stop is None:
+            self._stop = FORWARD.watch_all(self._seen)
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop()
+            self._stop = None
+        self._pending.clear()
+        self._steps.clear()
+
+    def _seen(self, module: nn.Module, output: Any) -> None:
+        """Every eager module forward (hot path: host work only)."""
+        key = self._names.get(id(module))
+        if key is None or not module.training or not torch.is_grad_enabled():
+            return
+        t = output
+        if type(t) is not torch.Tensor:
+            t = output[0] if isinstance(output, (tuple, list)) and output else None
+            if not isinstance(t, torch.Tensor):
+                return
+        if not t.is_floating_point():
+            return
+        pending = self._pending
+        if pending and pending[-1] is t:  # a container handing on its last child's output
+            return
+        t0 = time.perf_counter()
+        pending.append(t)
+        self._pending_keys.append(key)
+        if len(pending) >= self.chunk or id(module) in self._roots:
+            self.flush()
+        self.ctx.hook_seconds += time.perf_counter() - t0  # inside the user's forward: the session's clock misses it
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """The kept outputs into flags: one ``_foreach_norm`` and one ``stack`` (device ops)."""
+        if not self._pending:
+            return
+        tensors, keys = self._pending, self._pending_keys
+        self._pending, self._pending_keys = [], []
+        try:
+            norms = torch._foreach_norm(tensors, math.inf, dtype=torch.float32)
+            flags = torch.stack(norms) if len({n.device for n in norms}) == 1 else torch.stack([n.cpu() for n in norms])
+        except (RuntimeError, TypeError):  # odd tensors (sparse, meta): one at a time
+            flags = torch.stack([t.detach().float().abs().amax().cpu() if t.numel() and t.layout is torch.strided
+                                 else torch.zeros((), dtype=torch.float32) for t in tensors])
+        self._flags.append(flags)
+        self._keys.extend(keys)
+
+    def end_step(self, step: int) -> None:
+        """``Diagnostics.step``: the running step's flags join the ring."""
+        self.flush()
+        if self._flags:
+            self._steps[step] = (self._keys, self._flags)
+            while len(self._steps) > self.ring:
+                self._steps.popitem(last=False)
+        self._keys, self._flags = [], []
+
+    def _entry(self, step: int, running: bool) -> tuple[list[Key], list[torch.Tensor]] | None:
+        if running:
+            self.flush()
+            if self._flags:
+                return self._keys, self._flags
+        return self._steps.get(step)
+
+    def device_flags(self, step: int) -> torch.Tensor | None:
+        """The flags of ``step`` as one device tensor (for the logging step's host copy), or None."""
+        entry = self._steps.get(step)
+        return torch.cat(entry[1]) if entry else None
+
+    def learn(self, step: int, values: Any) -> None:
+        """A healthy logging step's flags (host values): modules non-finite there are habitual."""
+        entry = self._steps.get(step)
+        if entry is None or len(entry[0]) != len(values):
+            return
+        self.habitual.update(k for k, v in zip(entry[0], values) if not math.isfinite(float(v)))
+
+    def first_bad(self, step: int, running: bool = False) -> tuple[Key, int, int] | None:
+        """``((component, module), calls, flagged)`` for the first module call of ``step`` whose output
+        held a NaN/Inf (habitual modules left out), with the number of module calls recorded and how
+        many were non-finite; None when every output was finite or nothing was recorded. One host read
+        (alert and crash paths only). ``running``: the step in progress (not yet ended by ``step()``)."""
+        entry = self._entry(step, running)
+        if entry is None:
+            return None
+        keys, flags = entry
+        values = torch.cat([f.float().cpu() for f in flags]).tolist()
+        bad = [k for k, v in zip(keys, values) if not math.isfinite(v) and k not in self.habitual]
+        return (bad[0], len(keys), len(bad)) if bad else None
+
+    def recorded(self, step: int, running: bool = False) -> int:
+        """How many module calls of ``step`` were recorded (0: none: compiled, or no eager forward)."""
+        if running:
+            return len(self._keys) + len(self._pending_keys)
+        entry = self._steps.get(step)
+        return len(entry[0]) if entry else 0
