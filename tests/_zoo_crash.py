@@ -56,19 +56,18 @@ class NanGate(nn.Module):
 
 
 class TransientGate(nn.Module):
-    """``inner``'s output, NaN in exactly its ``at``-th training call (a hardware glitch: a replay of
-    that step calls it again and sees a later count)."""
+    """``inner``'s output, NaN in the first training forward of step ``at`` only (the loop sets
+    ``now``): a glitch that a replay of that step (or the pre-flight's copy) never sees again."""
 
     def __init__(self, inner: nn.Module, at: int = -1) -> None:
         super().__init__()
-        self.inner, self.at, self.calls = inner, at, 0
+        self.inner, self.at, self.now, self.fired = inner, at, -1, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.inner(x)
-        if self.training:
-            self.calls += 1
-            if self.calls - 1 == self.at:
-                out = out * torch.nan
+        if self.training and self.now == self.at and not self.fired:
+            self.fired = True
+            out = out * torch.nan
         return out
 
 
@@ -167,6 +166,7 @@ def mlp(level: str, out: Any, transient_at: int | None = None, steps: int = 30, 
     x_all, y_all = digits()
     with one_thread(), diag:
         for step in range(steps):
+            model[2].now = step
             x, y = x_all[step * 64 % 1700:][:64], y_all[step * 64 % 1700:][:64]
             out_ = model(x)
             loss = F.cross_entropy(out_, y)
@@ -200,6 +200,7 @@ def gru(level: str, out: Any, transient_at: int | None = None, steps: int = 30, 
     gen = torch.Generator().manual_seed(1)
     with one_thread(), diag:
         for step in range(steps):
+            model.proj.now = step
             seq = torch.randint(1, 27, (16, 12), generator=gen)
             x, y = seq[:, :-1], seq[:, 1:]
             logits = model(x)
@@ -252,21 +253,28 @@ class CellModel(nn.Module):
         self.head = nn.Linear(24, 1)
 
 
-def cellloop(level: str, out: Any, onset: int | None = None, steps: int = 30, **kw: Any) -> trackdiag.Diagnostics:
-    """A recurrent regressor driven step by step by the loop through ``.forward`` (no root forward)."""
+def cell_step(model: CellModel, seq: torch.Tensor) -> torch.Tensor:
+    """The loop's forward and loss for one batch (also the ``loss_fn`` a user would hand over)."""
+    h = torch.zeros(seq.shape[0], 24)
+    for t in range(seq.shape[1]):
+        h = torch.tanh(model.mix.forward(model.cell.forward(seq[:, t], h)))
+    return F.mse_loss(model.head.forward(h).squeeze(1), seq[:, :, 0].mean(1))
+
+
+def cellloop(level: str, out: Any, onset: int | None = None, steps: int = 30, user_loss: bool = False,
+             **kw: Any) -> trackdiag.Diagnostics:
+    """A recurrent regressor driven step by step by the loop through ``.forward`` (no root forward);
+    ``user_loss``: the session gets ``loss_fn=lambda seq: cell_step(model, seq)``."""
     torch.manual_seed(0)
     model = CellModel()
     opt = torch.optim.Adam(model.parameters(), 3e-3)
-    diag = session(model, opt, out, level, **kw)
+    diag = session(model, opt, out, level, loss_fn=(lambda seq: cell_step(model, seq)) if user_loss else None, **kw)
     gen = torch.Generator().manual_seed(2)
     with one_thread(), diag:
         for step in range(steps):
             model.mix.fault.fill_(1.0 if onset is not None and step >= onset else 0.0)
             seq = torch.randn(16, 6, 8, generator=gen)
-            h = torch.zeros(16, 24)
-            for t in range(seq.shape[1]):
-                h = torch.tanh(model.mix.forward(model.cell.forward(seq[:, t], h)))
-            loss = F.mse_loss(model.head.forward(h).squeeze(1), seq[:, :, 0].mean(1))
+            loss = cell_step(model, seq)
             opt.zero_grad()
             loss.backward()
             opt.step()

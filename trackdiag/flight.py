@@ -32,6 +32,7 @@ from trackdiag.probes.flight import FlightProbe
 from trackdiag.record import Record
 from trackdiag.replay import Finding
 from trackdiag.replay_hints import replay_hint
+from trackdiag.replay_report import input_note
 from trackdiag.user_loss import checked
 
 log = logging.getLogger("trackdiag")
@@ -135,10 +136,10 @@ class FlightRecorder:
         if probe.flags is not None:
             seen = probe.flags.first_bad(step, running=True)
             if seen is not None:
-                (comp, module), calls, bad = seen
-                return comp, Finding(step, "observed", module, None, (
-                    f"the first non-finite output of the step's forward came out of {module} ({bad} of the {calls} "
-                    f"module outputs recorded in that step held NaN/Inf).")), False
+                (comp, module), inp, calls, bad = seen
+                return comp, Finding(step, "observed", module, inp, (
+                    f"the first non-finite output of the step's forward came out of {module}{input_note(inp)} ({bad} "
+                    f"of the {calls} module outputs recorded in that step held NaN/Inf).")), False
         recorded = probe.flags.recorded(step, running=True) if probe.flags is not None else 0
         if recorded:  # the real step was watched: no replay needed
             return "", Finding(step, "none", detail=f"all {recorded} module outputs recorded in step {step}'s own "

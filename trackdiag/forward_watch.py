@@ -10,7 +10,7 @@ does nothing while Dynamo traces (``torch.compiler.is_compiling()`` is constant-
 model compiled after the hooks were installed has no graph break and no extra guard failure).
 
 ``paused()``: nothing is called inside (trackdiag's own forwards: replays, pre-flight, landscapes).
-``watch_all(fn)`` calls ``fn(module, output)`` after the forward of *every* module (the flight
+``watch_all(fn)`` calls ``fn(module, args, output)`` after the forward of *every* module (the flight
 recorder's per-module output flags, :mod:`trackdiag.output_flags`).
 
 Cost while installed: PyTorch takes its slower ``_call_impl`` path for every module call in the
@@ -32,7 +32,7 @@ log = logging.getLogger("trackdiag")
 
 PreFn = Callable[[nn.Module, tuple[Any, ...]], None]
 PostFn = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]
-AllFn = Callable[[nn.Module, Any], None]
+AllFn = Callable[[nn.Module, tuple[Any, ...], Any], None]
 
 
 class _ForwardWatch:
@@ -76,7 +76,7 @@ class _ForwardWatch:
         return stop
 
     def watch_all(self, fn: AllFn) -> Callable[[], None]:
-        """Call ``fn(module, output)`` after every eager forward of every module. Returns the stopper."""
+        """Call ``fn(module, args, output)`` after every eager forward of every module. Returns the stopper."""
         with self._lock:
             self._every.append(fn)
             self._install()
@@ -116,7 +116,7 @@ class _ForwardWatch:
             return None
         for every in self._every:
             try:
-                every(module, output)
+                every(module, args, output)
             except Exception as exc:  # noqa: BLE001 - never raise into the user's forward
                 log.debug("trackdiag: output watcher failed (%s: %s)", type(exc).__name__, exc)
         fns = self._post.get(id(module))

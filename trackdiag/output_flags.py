@@ -37,6 +37,18 @@ from trackdiag.layers import ROOT
 Key = tuple[str, str]  # (component, module name)
 
 
+class _Step:
+    """The flags of one step: per module call (completion order) its key and the positions of its
+    output's and its input's flag in the concatenated chunks (-1: input not recorded)."""
+
+    def __init__(self) -> None:
+        self.keys: list[Key] = []
+        self.outs: list[int] = []
+        self.ins: list[int] = []
+        self.chunks: list[torch.Tensor] = []
+        self.size = 0
+
+
 class OutputFlags:
     """See module docstring."""
 
@@ -54,10 +66,10 @@ class OutputFlags:
             if comp.outer is not None:
                 self._roots.add(id(comp.outer))
         self._pending: list[torch.Tensor] = []
+        self._pending_in: list[torch.Tensor | None] = []
         self._pending_keys: list[Key] = []
-        self._keys: list[Key] = []  # the running step's module calls, in completion order
-        self._flags: list[torch.Tensor] = []
-        self._steps: collections.OrderedDict[int, tuple[list[Key], list[torch.Tensor]]] = collections.OrderedDict()
+        self._now = _Step()  # the running step
+        self._steps: collections.OrderedDict[int, _Step] = collections.OrderedDict()
         self.habitual: set[Key] = set()  # non-finite on healthy steps too: never blamed
         self._stop: Any = None
 
@@ -69,10 +81,10 @@ class OutputFlags:
         if self._stop is not None:
             self._stop()
             self._stop = None
-        self._pending.clear()
+        self._pending, self._pending_in, self._pending_keys = [], [], []
         self._steps.clear()
 
-    def _seen(self, module: nn.Module, output: Any) -> None:
+    def _seen(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """Every eager module forward (hot path: host work only)."""
         key = self._names.get(id(module))
         if key is None or not module.training or not torch.is_grad_enabled():
@@ -88,7 +100,9 @@ class OutputFlags:
         if pending and pending[-1] is t:  # a container handing on its last child's output
             return
         t0 = time.perf_counter()
+        x = args[0] if args else None
         pending.append(t)
+        self._pending_in.append(x if type(x) is torch.Tensor and x.is_floating_point() else None)
         self._pending_keys.append(key)
         if len(pending) >= self.chunk or id(module) in self._roots:
             self.flush()
@@ -96,64 +110,80 @@ class OutputFlags:
 
     @torch.no_grad()
     def flush(self) -> None:
-        """The kept outputs into flags: one ``_foreach_norm`` and one ``stack`` (device ops)."""
+        """The kept outputs (and the inputs that are not one of them) into flags: one
+        ``_foreach_norm`` and one ``stack`` (device ops)."""
         if not self._pending:
             return
-        tensors, keys = self._pending, self._pending_keys
-        self._pending, self._pending_keys = [], []
+        tensors, inputs, keys = self._pending, self._pending_in, self._pending_keys
+        self._pending, self._pending_in, self._pending_keys = [], [], []
+        where = {id(t): i for i, t in enumerate(tensors)}
+        ins = []
+        for x in inputs:  # an input that is a recorded output (a Sequential's chain) costs nothing more
+            if x is not None and id(x) not in where:
+                where[id(x)] = len(tensors)
+                tensors.append(x)
+            ins.append(where[id(x)] if x is not None else -1)
         try:
             norms = torch._foreach_norm(tensors, math.inf, dtype=torch.float32)
             flags = torch.stack(norms) if len({n.device for n in norms}) == 1 else torch.stack([n.cpu() for n in norms])
         except (RuntimeError, TypeError):  # odd tensors (sparse, meta): one at a time
             flags = torch.stack([t.detach().float().abs().amax().cpu() if t.numel() and t.layout is torch.strided
                                  else torch.zeros((), dtype=torch.float32) for t in tensors])
-        self._flags.append(flags)
-        self._keys.extend(keys)
+        now = self._now
+        now.keys.extend(keys)
+        now.outs.extend(now.size + j for j in range(len(keys)))
+        now.ins.extend(now.size + i if i >= 0 else -1 for i in ins)
+        now.chunks.append(flags)
+        now.size += len(tensors)
 
     def end_step(self, step: int) -> None:
         """``Diagnostics.step``: the running step's flags join the ring."""
         self.flush()
-        if self._flags:
-            self._steps[step] = (self._keys, self._flags)
+        if self._now.keys:
+            self._steps[step] = self._now
             while len(self._steps) > self.ring:
                 self._steps.popitem(last=False)
-        self._keys, self._flags = [], []
+        self._now = _Step()
 
-    def _entry(self, step: int, running: bool) -> tuple[list[Key], list[torch.Tensor]] | None:
+    def _entry(self, step: int, running: bool) -> _Step | None:
         if running:
             self.flush()
-            if self._flags:
-                return self._keys, self._flags
+            if self._now.keys:
+                return self._now
         return self._steps.get(step)
 
     def device_flags(self, step: int) -> torch.Tensor | None:
         """The flags of ``step`` as one device tensor (for the logging step's host copy), or None."""
         entry = self._steps.get(step)
-        return torch.cat(entry[1]) if entry else None
+        return torch.cat(entry.chunks) if entry else None
 
     def learn(self, step: int, values: Any) -> None:
         """A healthy logging step's flags (host values): modules non-finite there are habitual."""
         entry = self._steps.get(step)
-        if entry is None or len(entry[0]) != len(values):
+        if entry is None or entry.size != len(values):
             return
-        self.habitual.update(k for k, v in zip(entry[0], values) if not math.isfinite(float(v)))
+        self.habitual.update(k for k, i in zip(entry.keys, entry.outs) if not math.isfinite(float(values[i])))
 
-    def first_bad(self, step: int, running: bool = False) -> tuple[Key, int, int] | None:
-        """``((component, module), calls, flagged)`` for the first module call of ``step`` whose output
-        held a NaN/Inf (habitual modules left out), with the number of module calls recorded and how
-        many were non-finite; None when every output was finite or nothing was recorded. One host read
-        (alert and crash paths only). ``running``: the step in progress (not yet ended by ``step()``)."""
+    def first_bad(self, step: int, running: bool = False) -> tuple[Key, bool | None, int, int] | None:
+        """``((component, module), input finite, calls, flagged)`` for the first module call of ``step``
+        whose output held a NaN/Inf (habitual modules left out): whether its input was finite (None:
+        not recorded), the number of module calls recorded and how many were non-finite; None when
+        every output was finite or nothing was recorded. One host read (alert and crash paths only).
+        ``running``: the step in progress (not yet ended by ``step()``)."""
         entry = self._entry(step, running)
         if entry is None:
             return None
-        keys, flags = entry
-        values = torch.cat([f.float().cpu() for f in flags]).tolist()
-        bad = [k for k, v in zip(keys, values) if not math.isfinite(v) and k not in self.habitual]
-        return (bad[0], len(keys), len(bad)) if bad else None
+        values = torch.cat([f.float().cpu() for f in entry.chunks]).tolist()
+        bad = [(k, i) for k, o, i in zip(entry.keys, entry.outs, entry.ins)
+               if not math.isfinite(values[o]) and k not in self.habitual]
+        if not bad:
+            return None
+        (key, i) = bad[0]
+        return key, (math.isfinite(values[i]) if i >= 0 else None), len(entry.keys), len(bad)
 
     def recorded(self, step: int, running: bool = False) -> int:
         """How many module calls of ``step`` were recorded (0: none: compiled, or no eager forward)."""
         if running:
-            return len(self._keys) + len(self._pending_keys)
+            return len(self._now.keys) + len(self._pending_keys)
         entry = self._steps.get(step)
-        return len(entry[0]) if entry else 0
+        return len(entry.keys) if entry else 0

@@ -71,7 +71,8 @@ class Finding:
         if self.phase == "forward":
             return f"{mod} ({typed}input {'finite' if self.input_finite else 'non-finite'})"
         if self.phase == "observed":
-            return f"{mod} ({typed}seen in the step's forward)"
+            state = {True: "input finite, ", False: "input non-finite, "}.get(self.input_finite, "")  # type: ignore[arg-type]
+            return f"{mod} ({typed}{state}seen in the step's forward)"
         if self.phase == "backward":
             return f"{mod} ({typed}backward)"
         if self.phase == "loss":

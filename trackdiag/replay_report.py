@@ -77,12 +77,13 @@ def observed(ctx: ProbeContext, found: Finding, comp: str) -> tuple[str, Finding
     flags = ctx.extra.get(FLAGS_KEY)
     seen = flags.first_bad(found.step) if flags is not None else None
     if seen is not None:
-        (where_comp, module), calls, bad = seen
-        why = found.detail or found.phase
-        return where_comp, Finding(found.step, "observed", module, None, (
-            f"the hooks saw the first non-finite output of step {found.step}'s own forward come out of {module} "
-            f"({bad} of the {calls} module outputs recorded in that step held NaN/Inf); the replay did not locate "
-            f"it ({why})"))
+        (where_comp, module), inp, calls, bad = seen
+        why = {"none": "it did not reproduce", "error": found.detail.rstrip("."), "unavailable": found.detail.rstrip(".")}.get(
+            found.phase, "the weights were already non-finite")
+        return where_comp, Finding(found.step, "observed", module, inp, (
+            f"the hooks saw the first non-finite output of step {found.step}'s own forward come out of {module}"
+            f"{input_note(inp)} ({bad} of the {calls} module outputs recorded in that step held NaN/Inf); "
+            f"the replay did not locate it ({why})."))
     if found.phase == "error":
         if ctx.loss_fn is None:
             skipped(ctx, "nan_replay", found.detail)
@@ -92,6 +93,14 @@ def observed(ctx: ProbeContext, found: Finding, comp: str) -> tuple[str, Finding
     if found.phase == "unavailable":
         return comp, dataclasses.replace(found, detail=f"{NOT_FOUND}: {found.detail}")
     return comp, found
+
+
+def input_note(inp: bool | None) -> str:
+    """What the flags say about the input of the first non-finite module."""
+    if inp is False:
+        return (", whose input already held NaN/Inf: the NaN/Inf was made before it, in code the hooks cannot see "
+                "(functional ops between modules, layers called as .forward()); the culprit could not be narrowed further")
+    return " from a finite input" if inp else ""
 
 
 def enrich(probe: "NanReplayProbe", ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> list[tuple[Any, Alert]]:
