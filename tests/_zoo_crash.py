@@ -41,17 +41,23 @@ def one_thread() -> Iterator[None]:
 
 
 class NanGate(nn.Module):
-    """``inner``'s output, times NaN once the ``fault`` buffer is 1 (``0 * log(0)``)."""
+    """``inner``'s output, NaN once the ``fault`` buffer is 1 (``0 * log(0)``); with ``backward=True``
+    the forward stays finite and the backward makes the NaN instead (``x + sqrt(0 * x)``: the
+    gradient of sqrt at 0 is infinite, times 0 is NaN)."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, backward: bool = False) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.backward = inner, backward
         self.register_buffer("fault", torch.zeros(()), persistent=False)
 
     def forward(self, *args: Any) -> Any:
         out = self.inner(*args)
         first = out[0] if isinstance(out, tuple) else out
-        first = first + torch.log(1 - self.fault) * 0  # log(1) * 0 = 0 when off; log(0) * 0 = NaN when on
+        if self.backward:
+            if bool(self.fault):  # the user's model reads its own flag
+                first = first + torch.sqrt(first * 0)
+        else:
+            first = first + torch.log(1 - self.fault) * 0  # log(1) * 0 = 0 when off; log(0) * 0 = NaN when on
         return (first, *out[1:]) if isinstance(out, tuple) else first
 
 

@@ -15,11 +15,12 @@ Cost: one Python call per optimizer step per live session; nothing else.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -129,6 +130,16 @@ class _Dispatch:
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         self._handles: list[Any] = []
         self._lock = threading.Lock()
+        self._paused = 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No listener hears an optimizer step inside (trackdiag's own: the pre-flight's copies)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def add(self, listener: StepListener) -> None:
         with self._lock:
@@ -146,7 +157,7 @@ class _Dispatch:
                 self._handles = []
 
     def _fan(self, method: str, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not len(self._listeners):
+        if self._paused or not len(self._listeners):
             return
         closure = closure_of(args, kwargs)
         for listener in list(self._listeners):

@@ -78,10 +78,11 @@ def observed(ctx: ProbeContext, found: Finding, comp: str) -> tuple[str, Finding
     seen = flags.first_bad(found.step) if flags is not None else None
     if seen is not None:
         (where_comp, module), inp, calls, bad = seen
+        label = f"{where_comp}.{module}" if where_comp and len(ctx.components) > 1 else module
         why = {"none": "it did not reproduce", "error": found.detail.rstrip("."), "unavailable": found.detail.rstrip(".")}.get(
             found.phase, "the weights were already non-finite")
         return where_comp, Finding(found.step, "observed", module, inp, (
-            f"the hooks saw the first non-finite output of step {found.step}'s own forward come out of {module}"
+            f"the hooks saw the first non-finite output of step {found.step}'s own forward come out of {label}"
             f"{input_note(inp)} ({bad} of the {calls} module outputs recorded in that step held NaN/Inf); "
             f"the replay did not locate it ({why})."))
     if found.phase == "error":

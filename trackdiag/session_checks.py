@@ -7,11 +7,12 @@ import time
 from typing import Any
 
 from trackdiag.context import StepInputs
-from trackdiag.errors import AlertRaised
+from trackdiag.errors import AlertRaised, brief
 from trackdiag.preflight import PreflightReport, run_preflight
 from trackdiag.probes.data_wait import DataWaitProbe
 from trackdiag.record import Record
 from trackdiag.rules.preflight import Preflight
+from trackdiag.user_loss import skipped
 
 log = logging.getLogger("trackdiag")
 
@@ -39,17 +40,21 @@ class SetupChecks:
     def preflight(self, batch: Any, loss_fn: Any = None, *, forward: Any = None, component: str | None = None,
                   auto: bool = False) -> PreflightReport:
         """Sanity checks of the set-up on one batch (see :mod:`trackdiag.preflight`), on copies of the
-        model and optimizer; each failed check is emitted as a ``preflight`` alert. ``loss_fn(outputs,
-        batch)``; ``forward(model, batch)`` (default ``model(batch[0])``). Returns the report."""
+        models and optimizers; each failed check is emitted as a ``preflight`` alert. The loss: the
+        session's ``loss_fn(batch)`` (every model at once) unless ``loss_fn(outputs, batch)`` or
+        ``forward(model, batch)`` (default ``model(batch[0])``) is given here. Returns the report."""
         self._preflighted = True
         if not self._opened:
             self._open()
         rule = next((r for r in self.rules if isinstance(r, Preflight)), None) or Preflight()
-        comp = next((c for c in self.components if component in (None, c.name) and c.model is not None), None)
-        if comp is None:
+        comps = [c for c in self.components if component in (None, c.name) and c.model is not None]
+        if not comps:
             return PreflightReport()
-        report = run_preflight(comp.model, comp.optimizer, batch, loss_fn or rule.loss_fn, forward,
-                               overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop, lenient=auto)
+        batch_loss = self._ctx.loss_fn if loss_fn is None and forward is None else None
+        parts = [(c.name, c.model, c.optimizers or c.optimizer) for c in comps] if batch_loss is not None else None
+        report = run_preflight(comps[0].model, comps[0].optimizers or comps[0].optimizer, batch, loss_fn or rule.loss_fn, forward,
+                               overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop, lenient=auto,
+                               batch_loss=batch_loss, parts=parts)
         record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(len(report.failed))})
         raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.level, rule.hint)])
         if raised is not None:
@@ -63,11 +68,18 @@ class SetupChecks:
         ``forward=``/``loss_fn=`` runs it for real)."""
         self._preflighted = True
         if inputs.batch is not None and any(isinstance(r, Preflight) and r.enabled and r.auto for r in self.rules):
+            user = self._ctx.loss_fn is not None
             try:
-                log.info("trackdiag: pre-flight\n%s", self.preflight(inputs.batch, forward=self._captured_forward(),
-                                                                     auto=True))
+                report = self.preflight(inputs.batch, forward=None if user else self._captured_forward(), auto=True)
             except AlertRaised:
                 raise
             except Exception as exc:  # noqa: BLE001
-                log.warning("trackdiag: pre-flight could not run: %s: %s", type(exc).__name__, exc)
+                log.warning("trackdiag: pre-flight could not run: %s", brief(exc))
+                return
+            log.info("trackdiag: pre-flight\n%s", report)
+            forward = next((c for c in report.checks if c.name == "forward"), None)
+            if not user and forward is not None and (forward.ok is None or "surrogate" in forward.detail):
+                why = forward.detail.rstrip(".") if forward.ok is None else \
+                    "no loss follows from the model's outputs and the batch; its loss checks ran on a surrogate"
+                skipped(self._ctx, "pre-flight", why)
 

@@ -77,8 +77,8 @@ def skipped(ctx: ProbeContext, probe: str, why: str) -> None:
         return
     notes[probe] = why
     first = len(notes) == 1
-    names = ", ".join(notes)
-    ctx.notes[NOTE_KEY] = f"skipped for want of a loss computation: {names} ({why}); to enable them, {ENABLE}."
+    names = "; ".join(f"{name} ({reason})" for name, reason in notes.items())
+    ctx.notes[NOTE_KEY] = f"skipped for want of a loss computation: {names}. To enable them, {ENABLE}."
     if first:
         log.warning("trackdiag: %s skipped: it cannot compute this model's loss from the batch given to step() "
                     "(%s). To enable it and the other probes that re-evaluate the loss (landscape, pre-flight, "
