@@ -79,6 +79,8 @@ class TransientGate(nn.Module):
 
 def session(model: Any, opt: Any, out: Any, level: str, every: int = 5, **kw: Any) -> trackdiag.Diagnostics:
     probes = {**LEAN, **kw.pop("probes", {})}
+    if kw.get("loss_fn", 0) is None:
+        kw.pop("loss_fn")  # not given: the session's default
     return trackdiag.Diagnostics(model, opt, level=level, every=every, sinks=kw.pop("sinks", ["local"]),
                                  output_dir=str(out), probes=probes, **kw)
 

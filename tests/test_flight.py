@@ -24,7 +24,7 @@ from trackdiag.sinks.local import read_records
 import _zoo_crash as zoo
 
 REPO = Path(__file__).resolve().parents[1]
-LOCATED = {"basic": "", "advanced": "{m} ({t}, input finite)", "extreme": "{m} ({t}, seen in the step's forward)"}
+LOCATED = {"basic": "", "advanced": "{m} ({t}, input finite)", "extreme": "{m} ({t}, input finite, seen in the step's forward)"}
 
 
 @pytest.fixture(autouse=True)

@@ -36,7 +36,7 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 @pytest.mark.parametrize("backward", [False, True])
 def test_sparse_embedding_bags_nan_is_named(tmp_path, caplog, level, optim, backward):
     caplog.set_level(logging.INFO, logger="trackdiag")
-    diag = zoo.recsys(level, tmp_path, optim=optim, onset=10, backward=backward, loss_fn=True)
+    diag = zoo.recsys(level, tmp_path, optim=optim, onset=10, backward=backward)
     alert = _nan(diag)
     assert alert.step == 10 and _raised(diag, alert) <= 20
     if level != "basic":  # basic has no replay: the rule's own where

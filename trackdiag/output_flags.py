@@ -5,20 +5,21 @@ do not: a fault that happens once (hardware, a race, a transient condition), a m
 ``forward`` trackdiag cannot call (a LightningModule without one), a script that died before a
 replay could run. :class:`OutputFlags` watches the forwards as they happen instead: after the
 forward of every module of the session's models (training mode, grad enabled, eager), a reference to
-its floating output is kept; at the end of the root model's forward (or every ``chunk`` outputs, or
-at ``Diagnostics.step``) ONE ``_foreach_norm(ord=inf)`` turns the kept outputs into one max-|x| per
-module call (NaN/Inf propagate: the flag is non-finite exactly when the output held a NaN/Inf) and the
-references are dropped. The flags of the last ``ring`` steps stay on the device; they are read back
+its floating output (and to its input when that is not an output already kept) is kept; at the end of
+the root model's forward (or every ``chunk`` outputs, or at ``Diagnostics.step``) the kept tensors
+become one fp32 sum each (NaN and Inf propagate: the flag is non-finite exactly when the tensor held a
+NaN/Inf; on CUDA one multi-tensor kernel) and the references are dropped. The flags of the last ``ring`` steps stay on the device; they are read back
 only when a non-finite alert or a crash asks which module was first (execution order: the innermost
 module that completed first), and at logging steps with the session's one host copy, to learn the
 modules whose output is non-finite on healthy steps too (``-inf`` attention masks): those are never
 blamed.
 
 Cost per module call: one Python call and a list append on the training thread (~1-2 us on CPU);
-per root forward: one ``_foreach_norm`` over its module outputs and one ``stack`` (device work, no
-host read; on the CPU the reduction reads every output once more). Memory: the outputs of one root
-forward (at most ``chunk``) are kept until its end; the flags of ``ring`` steps (4 bytes per module
-call).
+per root forward: the sums and one ``stack`` (device work, no host read). On the CPU the sums read
+every module output once more (~50 us per million values on one core: 3-15 % of a step of a small
+conv net or transformer, see docs/crash-and-replay.md); on CUDA one kernel per forward. Memory: the
+outputs of one root forward (at most ``chunk``) are kept until its end; the flags of ``ring`` steps
+(4 bytes per module call).
 """
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ from trackdiag.forward_watch import FORWARD
 from trackdiag.layers import ROOT
 
 Key = tuple[str, str]  # (component, module name)
+
+
+def _sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One fp32 value per tensor that is non-finite exactly when the tensor holds a NaN/Inf: its sum
+    (NaN and Inf propagate; a finite sum overflows only past 3e38). On CUDA one multi-tensor kernel
+    (``_foreach_norm``, L1 in fp32); on the CPU one vectorised ``sum`` per tensor (the CPU's
+    ``_foreach_norm`` is 10-200x slower per element). Device ops only."""
+    if tensors[0].is_cuda and len({(t.device, t.dtype) for t in tensors}) == 1:
+        return torch.stack(torch._foreach_norm(tensors, 1, dtype=torch.float32))
+    return torch.stack([t.sum(dtype=torch.float32) for t in tensors])
 
 
 class _Step:
@@ -124,10 +135,9 @@ class OutputFlags:
                 tensors.append(x)
             ins.append(where[id(x)] if x is not None else -1)
         try:
-            norms = torch._foreach_norm(tensors, math.inf, dtype=torch.float32)
-            flags = torch.stack(norms) if len({n.device for n in norms}) == 1 else torch.stack([n.cpu() for n in norms])
-        except (RuntimeError, TypeError):  # odd tensors (sparse, meta): one at a time
-            flags = torch.stack([t.detach().float().abs().amax().cpu() if t.numel() and t.layout is torch.strided
+            flags = _sums(tensors)
+        except (RuntimeError, TypeError):  # odd tensors (sparse, meta, several devices): one at a time, on the host
+            flags = torch.stack([t.detach().sum(dtype=torch.float32).cpu() if t.numel() and t.layout is torch.strided
                                  else torch.zeros((), dtype=torch.float32) for t in tensors])
         now = self._now
         now.keys.extend(keys)
