@@ -141,3 +141,40 @@ def test_a_lightning_module_without_forward(tmp_path, how):
 def test_a_healthy_lightning_module_without_forward_is_silent(tmp_path):
     cb = _fit(tmp_path, None, probes=FLAGS)
     assert [a for a in cb.alerts if a.severity != "info"] == [], [a.describe() for a in cb.alerts]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_output_flags_name_the_first_module_and_its_input(batched):
+    """OutputFlags alone, on the CPU path (one sum per output) and on the CUDA path's batching
+    (tensors wait for one multi-tensor kernel; exercised here on CPU tensors)."""
+    from trackdiag.context import Component, ProbeContext
+    from trackdiag.layers import LayerIndex
+    from trackdiag.output_flags import OutputFlags
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), zoo.NanGate(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2))
+    comp = Component("", model, None, LayerIndex.build(model, list(model.parameters()), 64))
+    flags = OutputFlags(ProbeContext([comp], 5, 64), ring=3, chunk=2)
+    if batched:
+        flags.batched = lambda t: True  # type: ignore[method-assign]
+    flags.start()
+    try:
+        for step in range(4):
+            model[2].fault.fill_(1.0 if step == 2 else 0.0)
+            model(torch.randn(3, 4)).sum().backward()
+            with torch.no_grad():
+                model(torch.full((3, 4), torch.nan))  # an evaluation forward: not recorded
+            flags.end_step(step)
+        model[2].fault.fill_(1.0)
+        model(torch.randn(3, 4))  # the step in progress (a crash before step() ends it)
+        assert flags.first_bad(1) is None and flags.recorded(1) == 6  # the Sequential hands its child's output on
+        assert flags.first_bad(2) == (("", "2"), True, 6, 3)  # 2, 3 and 4 non-finite (2.inner not); 2's input finite
+        assert flags.first_bad(4, running=True) == (("", "2"), True, 6, 3)
+        assert flags.first_bad(0) is None  # out of the ring of 3 steps
+        # 6 outputs + 2 inputs that were not the output just recorded (the batch; 2's input, after 2.inner's output)
+        assert flags.device_flags(3) is not None and flags.device_flags(3).shape == (8,)
+        values = [0.0] * 8
+        values[flags._steps[3].outs[0]] = float("nan")
+        flags.learn(3, values)  # module 0 non-finite on a healthy step: habitual
+        assert ("", "0") in flags.habitual
+    finally:
+        flags.stop()

@@ -4,22 +4,22 @@ A replay (:mod:`trackdiag.replay`) finds the module that makes a NaN when the fa
 do not: a fault that happens once (hardware, a race, a transient condition), a model whose
 ``forward`` trackdiag cannot call (a LightningModule without one), a script that died before a
 replay could run. :class:`OutputFlags` watches the forwards as they happen instead: after the
-forward of every module of the session's models (training mode, grad enabled, eager), a reference to
-its floating output (and to its input when that is not an output already kept) is kept; at the end of
-the root model's forward (or every ``chunk`` outputs, or at ``Diagnostics.step``) the kept tensors
-become one fp32 sum each (NaN and Inf propagate: the flag is non-finite exactly when the tensor held a
-NaN/Inf; on CUDA one multi-tensor kernel) and the references are dropped. The flags of the last ``ring`` steps stay on the device; they are read back
-only when a non-finite alert or a crash asks which module was first (execution order: the innermost
-module that completed first), and at logging steps with the session's one host copy, to learn the
-modules whose output is non-finite on healthy steps too (``-inf`` attention masks): those are never
-blamed.
+forward of every module of the session's models (training mode, grad enabled, eager) its floating
+output, and its input when that is not the output just recorded, become one fp32 sum each: NaN and
+Inf propagate, so the flag is non-finite exactly when the tensor held a NaN/Inf (a finite sum
+overflows only past 3e38). On the CPU the sum is taken at once (nothing is kept); on CUDA the
+tensors wait, at most ``chunk`` of them and ``max_mb`` MB, for one multi-tensor kernel at the end of
+the root model's forward. The flags of the last ``ring`` steps stay on the device as one tensor per
+step; they are read back only when a non-finite alert or a crash asks which module was first
+(completion order: the innermost module that completed first, and whether its input was finite),
+and at logging steps with the session's one host copy, to learn the modules whose output is
+non-finite on healthy steps too (``-inf`` attention masks): those are never blamed.
 
-Cost per module call: one Python call and a list append on the training thread (~1-2 us on CPU);
-per root forward: the sums and one ``stack`` (device work, no host read). On the CPU the sums read
-every module output once more (~50 us per million values on one core: 3-15 % of a step of a small
-conv net or transformer, see docs/crash-and-replay.md); on CUDA one kernel per forward. Memory: the
-outputs of one root forward (at most ``chunk``) are kept until its end; the flags of ``ring`` steps
-(4 bytes per module call).
+Cost per module call: a few Python operations (~2-5 us on the CPU) and one sum (CPU: ~3 us plus a
+read of the output, ~50 us per million values on one core); per step one ``stack``. No host read.
+Measured (benchmarks/flight.py, docs/crash-and-replay.md): +1 to +4.5 % of a step of the overhead
+benchmark's CPU workloads. Memory: on CUDA, at most ``max_mb`` of module outputs kept until the
+end of their forward; 4 bytes per module call for ``ring`` steps.
 """
 from __future__ import annotations
 
@@ -38,34 +38,24 @@ from trackdiag.layers import ROOT
 Key = tuple[str, str]  # (component, module name)
 
 
-def _sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One fp32 value per tensor that is non-finite exactly when the tensor holds a NaN/Inf: its sum
-    (NaN and Inf propagate; a finite sum overflows only past 3e38). On CUDA one multi-tensor kernel
-    (``_foreach_norm``, L1 in fp32); on the CPU one vectorised ``sum`` per tensor (the CPU's
-    ``_foreach_norm`` is 10-200x slower per element). Device ops only."""
-    if tensors[0].is_cuda and len({(t.device, t.dtype) for t in tensors}) == 1:
-        return torch.stack(torch._foreach_norm(tensors, 1, dtype=torch.float32))
-    return torch.stack([t.sum(dtype=torch.float32) for t in tensors])
-
-
 class _Step:
     """The flags of one step: per module call (completion order) its key and the positions of its
-    output's and its input's flag in the concatenated chunks (-1: input not recorded)."""
+    output's and its input's flag in ``flags`` (-1: input not recorded)."""
 
     def __init__(self) -> None:
         self.keys: list[Key] = []
         self.outs: list[int] = []
         self.ins: list[int] = []
-        self.chunks: list[torch.Tensor] = []
-        self.size = 0
+        self.vals: list[torch.Tensor | None] = []  # 0-d sums (None: waiting for the CUDA kernel)
+        self.flags: torch.Tensor | None = None      # ``vals`` stacked at the end of the step
 
 
 class OutputFlags:
     """See module docstring."""
 
-    def __init__(self, ctx: ProbeContext, ring: int, chunk: int = 64) -> None:
+    def __init__(self, ctx: ProbeContext, ring: int, chunk: int = 64, max_mb: float = 64.0) -> None:
         self.ctx = ctx
-        self.ring, self.chunk = max(ring, 1), max(chunk, 1)
+        self.ring, self.chunk, self.max_bytes = max(ring, 1), max(chunk, 1), int(max_mb * 2**20)
         self._names: dict[int, Key] = {}
         self._roots: set[int] = set()
         for comp in ctx.components:
@@ -76,10 +66,11 @@ class OutputFlags:
             self._roots.add(id(comp.model))
             if comp.outer is not None:
                 self._roots.add(id(comp.outer))
-        self._pending: list[torch.Tensor] = []
-        self._pending_in: list[torch.Tensor | None] = []
-        self._pending_keys: list[Key] = []
         self._now = _Step()  # the running step
+        self._waiting: list[tuple[int, torch.Tensor]] = []  # CUDA: (position, tensor) until the kernel
+        self._bytes = 0
+        self._last: torch.Tensor | None = None  # the output recorded last (a container hands it on)
+        self._last_at = -1
         self._steps: collections.OrderedDict[int, _Step] = collections.OrderedDict()
         self.habitual: set[Key] = set()  # non-finite on healthy steps too: never blamed
         self._stop: Any = None
@@ -92,85 +83,104 @@ class OutputFlags:
         if self._stop is not None:
             self._stop()
             self._stop = None
-        self._pending, self._pending_in, self._pending_keys = [], [], []
+        self._now, self._waiting, self._last = _Step(), [], None
         self._steps.clear()
 
     def _seen(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """Every eager module forward (hot path: host work only)."""
+        """Every eager module forward (hot path: host work and one sum)."""
         key = self._names.get(id(module))
         if key is None or not module.training or not torch.is_grad_enabled():
             return
         t = output
         if type(t) is not torch.Tensor:
             t = output[0] if isinstance(output, (tuple, list)) and output else None
-            if not isinstance(t, torch.Tensor):
-                return
-        if not t.is_floating_point():
-            return
-        pending = self._pending
-        if pending and pending[-1] is t:  # a container handing on its last child's output
+        if not isinstance(t, torch.Tensor) or t is self._last or not t.is_floating_point():
+            if id(module) in self._roots:  # a container handing on its last child's output, or no tensor
+                self._last = None
+                self.flush()
             return
         t0 = time.perf_counter()
         x = args[0] if args else None
-        pending.append(t)
-        self._pending_in.append(x if type(x) is torch.Tensor and x.is_floating_point() else None)
-        self._pending_keys.append(key)
-        if len(pending) >= self.chunk or id(module) in self._roots:
+        torch._C._set_grad_enabled(False)  # the sums are no part of the user's graph
+        try:
+            now = self._now
+            if type(x) is not torch.Tensor or not x.is_floating_point():
+                now.ins.append(-1)
+            else:
+                now.ins.append(self._last_at if x is self._last else self._add(x))
+            self._last, self._last_at = t, self._add(t)
+            now.outs.append(self._last_at)
+            now.keys.append(key)
+        finally:
+            torch._C._set_grad_enabled(True)
+        if id(module) in self._roots:
+            self._last = None  # the model's output: not kept past its forward
+            self.flush()
+        elif self._waiting and (len(self._waiting) >= self.chunk or self._bytes >= self.max_bytes):
             self.flush()
         self.ctx.hook_seconds += time.perf_counter() - t0  # inside the user's forward: the session's clock misses it
 
+    def _add(self, t: torch.Tensor) -> int:
+        """The position of ``t``'s flag in the running step (its sum now, or after the CUDA kernel)."""
+        vals = self._now.vals
+        if t.layout is not torch.strided:
+            vals.append(torch.zeros((), dtype=torch.float32, device=t.device))
+        elif self.batched(t):
+            self._waiting.append((len(vals), t))
+            self._bytes += t.numel() * t.element_size()
+            vals.append(None)
+        else:
+            vals.append(t.sum(dtype=torch.float32))
+        return len(vals) - 1
+
+    @staticmethod
+    def batched(t: torch.Tensor) -> bool:
+        """Whether ``t`` waits for the multi-tensor kernel (CUDA) instead of its own sum (CPU)."""
+        return t.is_cuda
+
     @torch.no_grad()
     def flush(self) -> None:
-        """The kept outputs (and the inputs that are not one of them) into flags: one
-        ``_foreach_norm`` and one ``stack`` (device ops)."""
-        if not self._pending:
+        """CUDA: the waiting tensors into flags, one multi-tensor kernel (per device and dtype)."""
+        if not self._waiting:
             return
-        tensors, inputs, keys = self._pending, self._pending_in, self._pending_keys
-        self._pending, self._pending_in, self._pending_keys = [], [], []
-        where = {id(t): i for i, t in enumerate(tensors)}
-        ins = []
-        for x in inputs:  # an input that is a recorded output (a Sequential's chain) costs nothing more
-            if x is not None and id(x) not in where:
-                where[id(x)] = len(tensors)
-                tensors.append(x)
-            ins.append(where[id(x)] if x is not None else -1)
-        try:
-            flags = _sums(tensors)
-        except (RuntimeError, TypeError):  # odd tensors (sparse, meta, several devices): one at a time, on the host
-            flags = torch.stack([t.detach().sum(dtype=torch.float32).cpu() if t.numel() and t.layout is torch.strided
-                                 else torch.zeros((), dtype=torch.float32) for t in tensors])
-        now = self._now
-        now.keys.extend(keys)
-        now.outs.extend(now.size + j for j in range(len(keys)))
-        now.ins.extend(now.size + i if i >= 0 else -1 for i in ins)
-        now.chunks.append(flags)
-        now.size += len(tensors)
+        waiting, self._waiting, self._bytes = self._waiting, [], 0
+        groups: dict[tuple[Any, Any], list[tuple[int, torch.Tensor]]] = {}
+        for i, t in waiting:
+            groups.setdefault((t.device, t.dtype), []).append((i, t))
+        vals = self._now.vals
+        for group in groups.values():
+            sums = torch._foreach_norm([t for _, t in group], 1, dtype=torch.float32)  # L1: one fused pass
+            for (i, _), s in zip(group, sums):
+                vals[i] = s
 
     def end_step(self, step: int) -> None:
-        """``Diagnostics.step``: the running step's flags join the ring."""
+        """``Diagnostics.step``: the running step's flags join the ring (one ``stack``)."""
         self.flush()
-        if self._now.keys:
-            self._steps[step] = self._now
+        now, self._now, self._last = self._now, _Step(), None
+        if now.keys:
+            now.flags = _stacked(now.vals)
+            now.vals = []
+            self._steps[step] = now
             while len(self._steps) > self.ring:
                 self._steps.popitem(last=False)
-        self._now = _Step()
 
     def _entry(self, step: int, running: bool) -> _Step | None:
         if running:
             self.flush()
             if self._now.keys:
+                self._now.flags = _stacked(self._now.vals)
                 return self._now
         return self._steps.get(step)
 
     def device_flags(self, step: int) -> torch.Tensor | None:
         """The flags of ``step`` as one device tensor (for the logging step's host copy), or None."""
         entry = self._steps.get(step)
-        return torch.cat(entry.chunks) if entry else None
+        return entry.flags if entry is not None else None
 
     def learn(self, step: int, values: Any) -> None:
         """A healthy logging step's flags (host values): modules non-finite there are habitual."""
         entry = self._steps.get(step)
-        if entry is None or entry.size != len(values):
+        if entry is None or entry.flags is None or entry.flags.numel() != len(values):
             return
         self.habitual.update(k for k, i in zip(entry.keys, entry.outs) if not math.isfinite(float(values[i])))
 
@@ -181,19 +191,24 @@ class OutputFlags:
         every output was finite or nothing was recorded. One host read (alert and crash paths only).
         ``running``: the step in progress (not yet ended by ``step()``)."""
         entry = self._entry(step, running)
-        if entry is None:
+        if entry is None or entry.flags is None:
             return None
-        values = torch.cat([f.float().cpu() for f in entry.chunks]).tolist()
+        values = entry.flags.float().cpu().tolist()
         bad = [(k, i) for k, o, i in zip(entry.keys, entry.outs, entry.ins)
                if not math.isfinite(values[o]) and k not in self.habitual]
         if not bad:
             return None
-        (key, i) = bad[0]
+        key, i = bad[0]
         return key, (math.isfinite(values[i]) if i >= 0 else None), len(entry.keys), len(bad)
 
     def recorded(self, step: int, running: bool = False) -> int:
         """How many module calls of ``step`` were recorded (0: none: compiled, or no eager forward)."""
-        if running:
-            return len(self._now.keys) + len(self._pending_keys)
-        entry = self._steps.get(step)
-        return len(entry.keys) if entry else 0
+        entry = self._now if running else self._steps.get(step)
+        return len(entry.keys) if entry is not None else 0
+
+
+def _stacked(vals: list[torch.Tensor | None]) -> torch.Tensor:
+    """The step's flags as one tensor (on the first value's device; every value is set after a flush)."""
+    got = [v for v in vals if v is not None]
+    device = got[0].device
+    return torch.stack([v if v.device == device else v.to(device) for v in got])
