@@ -170,9 +170,9 @@ def test_output_flags_name_the_first_module_and_its_input(batched):
         assert flags.first_bad(2) == (("", "2"), True, 6, 3)  # 2, 3 and 4 non-finite (2.inner not); 2's input finite
         assert flags.first_bad(4, running=True) == (("", "2"), True, 6, 3)
         assert flags.first_bad(0) is None  # out of the ring of 3 steps
-        # 6 outputs + 2 inputs that were not the output just recorded (the batch; 2's input, after 2.inner's output)
-        assert flags.device_flags(3) is not None and flags.device_flags(3).shape == (8,)
-        values = [0.0] * 8
+        # 6 outputs + the batch (every other input is one of the last outputs recorded: 2's is 1's)
+        assert flags.device_flags(3) is not None and flags.device_flags(3).shape == (7,)
+        values = [0.0] * 7
         values[flags._steps[3].outs[0]] = float("nan")
         flags.learn(3, values)  # module 0 non-finite on a healthy step: habitual
         assert ("", "0") in flags.habitual

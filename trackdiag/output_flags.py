@@ -5,7 +5,7 @@ do not: a fault that happens once (hardware, a race, a transient condition), a m
 ``forward`` trackdiag cannot call (a LightningModule without one), a script that died before a
 replay could run. :class:`OutputFlags` watches the forwards as they happen instead: after the
 forward of every module of the session's models (training mode, grad enabled, eager) its floating
-output, and its input when that is not the output just recorded, become one fp32 sum each: NaN and
+output, and its input when that is not one of the last outputs recorded, become one fp32 sum each: NaN and
 Inf propagate, so the flag is non-finite exactly when the tensor held a NaN/Inf (a finite sum
 overflows only past 3e38). On the CPU the sum is taken at once (nothing is kept); on CUDA the
 tensors wait, at most ``chunk`` of them and ``max_mb`` MB, for one multi-tensor kernel at the end of
@@ -71,6 +71,7 @@ class OutputFlags:
         self._bytes = 0
         self._last: torch.Tensor | None = None  # the output recorded last (a container hands it on)
         self._last_at = -1
+        self._recent: list[tuple[torch.Tensor, int]] = []  # the last few outputs: a module's input is often one
         self._steps: collections.OrderedDict[int, _Step] = collections.OrderedDict()
         self.habitual: set[Key] = set()  # non-finite on healthy steps too: never blamed
         self._stop: Any = None
@@ -83,7 +84,7 @@ class OutputFlags:
         if self._stop is not None:
             self._stop()
             self._stop = None
-        self._now, self._waiting, self._last = _Step(), [], None
+        self._now, self._waiting, self._last, self._recent = _Step(), [], None, []
         self._steps.clear()
 
     def _seen(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -96,7 +97,7 @@ class OutputFlags:
             t = output[0] if isinstance(output, (tuple, list)) and output else None
         if not isinstance(t, torch.Tensor) or t is self._last or not t.is_floating_point():
             if id(module) in self._roots:  # a container handing on its last child's output, or no tensor
-                self._last = None
+                self._last, self._recent = None, []
                 self.flush()
             return
         t0 = time.perf_counter()
@@ -107,14 +108,19 @@ class OutputFlags:
             if type(x) is not torch.Tensor or not x.is_floating_point():
                 now.ins.append(-1)
             else:
-                now.ins.append(self._last_at if x is self._last else self._add(x))
+                now.ins.append(next((i for r, i in self._recent if r is x), -1) if self._recent else -1)
+                if now.ins[-1] < 0:
+                    now.ins[-1] = self._add(x)
             self._last, self._last_at = t, self._add(t)
+            self._recent.append((t, self._last_at))
+            if len(self._recent) > 4:
+                del self._recent[0]
             now.outs.append(self._last_at)
             now.keys.append(key)
         finally:
             torch._C._set_grad_enabled(True)
         if id(module) in self._roots:
-            self._last = None  # the model's output: not kept past its forward
+            self._last, self._recent = None, []  # the model's outputs: not kept past its forward
             self.flush()
         elif self._waiting and (len(self._waiting) >= self.chunk or self._bytes >= self.max_bytes):
             self.flush()
@@ -156,7 +162,7 @@ class OutputFlags:
     def end_step(self, step: int) -> None:
         """``Diagnostics.step``: the running step's flags join the ring (one ``stack``)."""
         self.flush()
-        now, self._now, self._last = self._now, _Step(), None
+        now, self._now, self._last, self._recent = self._now, _Step(), None, []
         if now.keys:
             now.flags = _stacked(now.vals)
             now.vals = []
