@@ -1,6 +1,6 @@
 """The flight recorder's and the NaN culprit's rows of the README's detection table: each fault of
 issues 27 (#6, #7) and 30 planted in loops of several styles (tests/_zoo_crash.py, _zoo_styles.py),
-at one preset, logging every 10 steps, onset at step 40. A cell: the first alert of warning or worse,
+at one preset, logging every 10 steps, onset at step 43 (between two logging steps). A cell: the first alert of warning or worse,
 its ``where``, and steps from the onset to the step the alert names / to the logging step (or the
 crash) that raised it.
 
@@ -23,7 +23,7 @@ import _zoo_styles as styles  # noqa: E402
 import trackdiag  # noqa: E402
 from trackdiag.sinks.local import read_records  # noqa: E402
 
-ONSET = 40
+ONSET = 43  # not a logging step: the "raised" column shows the wait for the next one (50)
 FLAGS = {"flight": {"modules": True}}
 CASES: list[tuple[str, str, Callable[..., Any], dict[str, Any]]] = [
     ("NaN forward, then the loss raises", "vae", crash.vae, {"onset": ONSET}),
