@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from trackdiag.errors import brief
+
 log = logging.getLogger("trackdiag")
 
 PreFn = Callable[[nn.Module, tuple[Any, ...]], None]
@@ -130,7 +132,7 @@ def _safe(fn: Callable[..., None], *args: Any) -> None:
     try:
         fn(*args)
     except Exception as exc:  # noqa: BLE001 - never raise into the user's forward
-        log.warning("trackdiag: forward watcher failed (%s: %s)", type(exc).__name__, exc)
+        log.warning("trackdiag: forward watcher failed (%s)", brief(exc))
 
 
 FORWARD = _ForwardWatch()

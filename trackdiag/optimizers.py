@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from trackdiag.errors import brief
+
 log = logging.getLogger("trackdiag")
 
 #: attributes under which wrappers keep the optimizer they wrap, tried in order
@@ -165,7 +167,7 @@ class _Dispatch:
             try:
                 fn(opt, closure)
             except Exception as exc:  # noqa: BLE001 - never raise into the user's optimizer.step()
-                log.warning("trackdiag: optimizer hook failed (%s: %s); this step is not measured", type(exc).__name__, exc)
+                log.warning("trackdiag: optimizer hook failed (%s); this step is not measured", brief(exc))
 
     def _pre(self, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._fan("optimizer_pre_step", opt, args, kwargs)
