@@ -244,3 +244,15 @@ def test_sigterm_mid_step_is_recorded_everywhere(tmp_path, level, use_with):
     assert got == alerts
     loss = sorted(m.step for m in client.get_metric_history(mrun.info.run_id, "diag/loss"))
     assert loss == list(range(17))  # nothing lost
+
+
+def test_health_shown_for_a_crash_is_the_status_unless_other_alerts_say_worse():
+    from trackdiag.sinks.console import display_health
+
+    crash = {"count": 1, "first_step": 5, "severity": "critical"}
+    assert display_health({"health": "critical", "status": "FAILED", "alerts": {"crash": crash}}) == "failed"
+    assert display_health({"health": "critical", "status": "KILLED", "alerts": {"crash": crash}}) == "killed"
+    both = {"crash": crash, "nonfinite_loss": {**crash, "first_step": 3}}
+    assert display_health({"health": "critical", "status": "FAILED", "alerts": both}) == "critical"
+    spike = {"crash": crash, "loss_spike": {**crash, "severity": "warning"}}
+    assert display_health({"health": "critical", "status": "FAILED", "alerts": spike}) == "warning"
