@@ -77,6 +77,15 @@ def test_preflight_on_sparse_gradients(tmp_path, optim):
     assert all(p.grad is None for p in model.parameters()) and all(not o.state for o in opts)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize(("script", "kw"), [("recsys", {"optim": "sparseadam"}), ("recsys", {"optim": "sgd"}),
+                                            ("ddpm", {}), ("twotower", {}), ("seq2seq", {})])
+def test_healthy_style_loops_are_silent(tmp_path, level, script, kw):
+    diag = getattr(zoo, script)(level, tmp_path, loss_fn=True, steps=20, **kw)
+    assert [a for a in diag.alerts if a.severity != "info"] == [], [a.describe() for a in diag.alerts]
+    assert diag.summary()["disabled_probes"] == {}
+
+
 # ------------------------------------------------------------------------------------- the user's loss
 @pytest.mark.parametrize("script", ["ddpm", "twotower", "recsys", "seq2seq"])
 def test_with_the_users_loss_every_probe_runs(tmp_path, caplog, script):

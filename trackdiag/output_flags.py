@@ -17,8 +17,8 @@ non-finite on healthy steps too (``-inf`` attention masks): those are never blam
 
 Cost per module call: a few Python operations (~2-5 us on the CPU) and one sum (CPU: ~3 us plus a
 read of the output, ~50 us per million values on one core); per step one ``stack``. No host read.
-Measured (benchmarks/flight.py, docs/crash-and-replay.md): +1 to +4.5 % of a step of the overhead
-benchmark's CPU workloads. Memory: on CUDA, at most ``max_mb`` of module outputs kept until the
+Measured (benchmarks/flight.py, docs/crash-and-replay.md): +1 to +3 % of a step of the overhead
+benchmark's 25-50 ms CPU workloads, ~12 us per module call on small outputs. Memory: on CUDA, at most ``max_mb`` of module outputs kept until the
 end of their forward; 4 bytes per module call for ``ring`` steps.
 """
 from __future__ import annotations
