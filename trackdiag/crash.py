@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from types import FrameType, TracebackType
-from typing import Any, Iterable
+from typing import Iterable
 
 from torch import nn
 
