@@ -123,9 +123,10 @@ def crash_hint(exc: BaseException | None, signalled: bool, watched: bool) -> str
                 "autocast; if memory grew over the run (diag/mem/*), something keeps tensors alive (a loss kept "
                 "without .item(), a graph retained).")
     if nonfinite_text(exc) and watched:
-        return ("The exception is about non-finite values, but no module output of the step held one: the NaN/Inf "
-                "arose outside the modules (functional ops in the loop, the loss, the data). Check the batch and the "
-                "ops between the model and this call.")
+        return ("The exception is about non-finite values, but no module output of the step's forward held one: the "
+                "NaN/Inf arose in the backward pass (an exception from autograd names the backward function: add an "
+                "eps to sqrt/log/div, see the torch.where gradient trap) or outside the modules (functional ops in the "
+                "loop, the loss, the data): check the batch and the ops between the model and this call.")
     if nonfinite_text(exc):
         return ("The exception is about non-finite values, and nothing watched the step's module outputs (this preset "
                 "has no NaN replay and no per-module flags): rerun with level='advanced' (a replay of the step at the "
