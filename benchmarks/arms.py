@@ -76,9 +76,10 @@ class Arm:
         if name == "disabled":
             diag = trackdiag.Diagnostics.from_config(None, model=self.net, optimizer=self.opt, scaler=self.scaler)
             self.after = lambda loss, out, x: diag.step(loss, outputs=out, batch=x)
-        elif name in PRESETS:
-            diag = trackdiag.Diagnostics(self.net, self.opt, self.scaler, level=name, sinks=["local"],
-                                         output_dir=str(tmp / f"{wl.name}-{name}"), **_excluded())
+        elif name.partition("+")[0] in PRESETS:  # a preset, or a preset+variant (see VARIANTS)
+            level, _, variant = name.partition("+")
+            diag = trackdiag.Diagnostics(self.net, self.opt, self.scaler, level=level, sinks=["local"],
+                                         output_dir=str(tmp / f"{wl.name}-{name}"), **_excluded(variant))
             diag.__enter__()
             self.after = lambda loss, out, x: diag.step(loss, outputs=out, batch=x)
             self.closer = diag.close
@@ -209,8 +210,22 @@ class Arm:
                 self.error = "Cockpit logged no quantity"
 
 
-def _excluded() -> dict[str, Any]:
-    """Expensive scheduled artifacts (landscapes) are timed separately, not in the preset arms."""
+#: ``<preset>+<variant>`` arms: the preset with one feature switched (the flight recorder's cost)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "modules": {"flight": {"modules": True}},     # per-module output flags in every training forward
+    "nomodules": {"flight": {"modules": False}},
+    "noflight": {"flight": {"enabled": False}},   # no flight recorder at all
+}
+
+
+def _excluded(variant: str = "") -> dict[str, Any]:
+    """Expensive scheduled artifacts (landscapes) are timed separately, not in the preset arms; a
+    ``variant`` (:data:`VARIANTS`) switches one feature."""
     from trackdiag.registry import PROBES
 
-    return {"probes": {"landscape": {"enabled": False}}} if "landscape" in PROBES else {}
+    probes: dict[str, Any] = {"landscape": {"enabled": False}} if "landscape" in PROBES else {}
+    if variant:
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown arm variant {variant!r}; accepted: {', '.join(VARIANTS)}")
+        probes.update(VARIANTS[variant])
+    return {"probes": probes} if probes else {}

@@ -43,3 +43,18 @@ def batches(x: torch.Tensor, y: torch.Tensor, batch_size: int = 64, seed: int = 
     while True:
         idx = torch.randint(0, len(x), (batch_size,), generator=gen)
         yield x[idx], y[idx]
+
+
+@pytest.fixture(autouse=True)
+def _close_sessions_left_open():
+    """A test that leaves a session open (it would be closed at exit) keeps torch's global hooks installed
+    for every later test: close it when the test ends, as the interpreter's exit would."""
+    yield
+    from trackdiag.optimizers import DISPATCH
+
+    for session in list(DISPATCH._listeners):  # every session not closed yet, opened or not
+        if not getattr(session, "_closed", True):
+            try:
+                session.close("FINISHED")
+            except Exception:  # noqa: BLE001 - a test's leftover must not fail the next test
+                pass

@@ -128,6 +128,22 @@ def test_overhead_eager_table_with_cockpit_arm(tmp_path: Path) -> None:
     assert ("gpt_tiny", "cockpit") not in rows and any("gpt_tiny / cockpit: BackPACK has no LayerNorm" in s for s in res["skipped"])
 
 
+def test_flight_recorder_arms_and_benchmark(tmp_path: Path) -> None:
+    """The flight recorder's cost is measurable: ``<preset>+modules`` / ``+nomodules`` arms in the
+    overhead benchmark, and benchmarks/flight.py's table (flags per module call, crash path)."""
+    res, _ = _overhead(tmp_path, "--workloads", "small", "--arms", "advanced+modules", "extreme+nomodules",
+                       "--rounds", "1", "--steps", "10", "--warmup", "5")
+    rows = {r["arm"]: r for r in res["rows"]}
+    assert _finite(rows["advanced+modules"]) and _finite(rows["extreme+nomodules"]), rows
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(BENCH / "flight.py"), "--workloads", "small", "--rounds", "2", "--steps", "3"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| small |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 10 and all(math.isfinite(float(c.rstrip(" %"))) for c in cells[1:]), row
+
+
 @pytest.mark.slow
 def test_overhead_compiled_table_counts_dynamo(tmp_path: Path) -> None:
     """``--compile``: bare/basic/advanced on compiled models, finite ratios (or a reported failure,

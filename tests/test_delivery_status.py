@@ -105,6 +105,8 @@ def test_crash_sigterm_and_ctrl_c_without_with(tmp_path: Path) -> None:
     rc, err = done["crash"]
     _, out, store = started["crash"]
     assert rc == 1 and "GAN blew up at step 5" in err  # the traceback still prints
+    (crash,) = json.loads((out / "alerts.json").read_text())  # sys.excepthook -> the close at exit
+    assert crash["kind"] == "crash" and crash["step"] == 5 and "GAN blew up" in crash["message"]
     assert json.loads((out / "run.json").read_text())["status"] == "FAILED"
     assert json.loads((out / "summary.json").read_text())["status"] == "FAILED"
     assert "run FAILED" in err and "health OK" not in err, err[-2000:]
@@ -199,6 +201,8 @@ def test_crashed_hydra_jobs_are_failed_not_healthy(tmp_path: Path) -> None:
         out = tmp_path / name / "out"
         assert proc.returncode == 1 and "planted crash" in stderr, stderr[-3000:]
         assert json.loads((out / "diag" / "run.json").read_text())["status"] == "FAILED", name
+        crash = json.loads((out / "diag" / "alerts.json").read_text())[-1]  # the flight recorder's finding
+        assert crash["kind"] == "crash" and "RuntimeError: planted crash" in crash["message"], (name, crash)
         assert "run FAILED" in stderr and "health OK" not in stderr, (name, stderr[-2000:])
         client = MlflowClient(f"sqlite:///{tmp_path / name / 'mlflow.db'}")  # the default store
         [run] = client.search_runs([client.get_experiment_by_name("crash").experiment_id],

@@ -109,6 +109,20 @@ def test_non_logging_steps_read_nothing_back(digits, tmp_path, monkeypatch, leve
     assert len(copies) == len({s for s in range(21) if s % every == 0 or s < early})
 
 
+@pytest.mark.parametrize("level", ["basic", "advanced"])
+def test_flight_recorder_module_flags_read_nothing_back(digits, tmp_path, monkeypatch, level: str) -> None:
+    """The per-module output flags (``probes.flight.modules``) are device work: they reach the host
+    only in the logging step's one batched copy."""
+    copies = _copies(monkeypatch)
+    probes = {**LEAN_PROBES, "flight": {"modules": True}}
+    make = lambda m, o, s: trackdiag.Diagnostics(m, o, s, level=level, every=5, sinks=["local"],  # noqa: E731
+                                                 output_dir=str(tmp_path), probes=probes)
+    seen = _train(digits, 16, make)
+    assert {step: dict(ops) for step, ops in enumerate(seen) if ops} == {}
+    early = 10 if level != "basic" else 0
+    assert len(copies) == len({s for s in range(16) if s % 5 == 0 or s < early})
+
+
 def test_exact_step_nan_replay_reads_one_flag_per_step(digits, tmp_path) -> None:
     """``nan_replay: {mode: step}`` pays exactly one host read per step, by design (the finiteness flag)."""
     make = lambda m, o, s: trackdiag.Diagnostics(m, o, s, level="basic", every=5, sinks=["local"],  # noqa: E731

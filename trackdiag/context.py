@@ -95,6 +95,8 @@ class ProbeContext:
     #: training phases so far (0: the first) and the step the newest began (see ``session_steps``)
     phase: int = 0
     phase_start: int = 0
+    #: the user's loss computation, ``loss_fn(batch) -> loss`` (:mod:`trackdiag.user_loss`), or None
+    loss_fn: Callable[[Any], Any] | None = None
 
     def is_due(self, schedule: Callable[[int], bool]) -> bool:
         return schedule(self.step) or (self.step <= self.anomaly_until and getattr(schedule, "anomaly", True))

@@ -11,6 +11,7 @@ class DisabledDiagnostics:
 
     enabled = False
     should_stop = False
+    loss_fn = None  # settable, unused (see Diagnostics.loss_fn)
 
     def __enter__(self) -> "DisabledDiagnostics":
         return self

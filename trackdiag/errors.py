@@ -26,3 +26,13 @@ class AlertRaised(TrackdiagError):
     def __init__(self, alert: "Alert") -> None:
         self.alert = alert
         super().__init__(alert.describe())
+
+
+def brief(exc: BaseException, limit: int = 240) -> str:
+    """``"TypeName: first line of the message"``, cut to ``limit`` characters: what a console line may
+    carry of an exception (a PyTorch dispatcher error is ~100 lines; the full text goes to the record)."""
+    text = str(exc).strip()
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if len(line) > limit:
+        line = line[: limit - 3].rstrip() + "..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__

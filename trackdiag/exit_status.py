@@ -11,9 +11,11 @@ script is gone. :func:`install` (once per process, from the first session that o
   ``SystemExit(143)`` so ``finally`` blocks and ``atexit`` (the sessions' close) still run. A second
   SIGTERM, or one in a forked child, gets the default behaviour at once.
 
-:func:`current` turns that into a status. :func:`track`/:func:`close_job_sessions` let the Hydra
-callback close the sessions a failed job left open (Hydra catches the job's exception itself and
-calls ``sys.exit(1)``, so no hook sees it). Costs: nothing per step; a dict update per event.
+:func:`current` turns that into a status; :func:`exception` gives the exception itself (the ``crash``
+finding of :mod:`trackdiag.flight` describes it) and :func:`signal_frame` the frame SIGTERM
+interrupted. :func:`track`/:func:`close_job_sessions` let the Hydra callback close the sessions a
+failed job left open (Hydra catches the job's exception itself and calls ``sys.exit(1)``, so no hook
+sees it). Costs: nothing per step; a dict update per event.
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ _lock = threading.Lock()
 _installed_pid: int | None = None
 _signalled: str | None = None                 # KILLED once SIGTERM arrived
 _uncaught: dict[int, str] = {}                # thread ident -> FAILED | KILLED (uncaught exception)
+_errors: dict[int, BaseException] = {}        # thread ident -> the uncaught exception itself
+_noted: "weakref.WeakKeyDictionary[Any, BaseException]" = weakref.WeakKeyDictionary()  # session -> exception given
+_frame: list[FrameType | None] = [None]       # the frame SIGTERM interrupted
 _main_ident = threading.main_thread().ident
 _sessions: list[tuple[weakref.ref[Any], int, int]] = []   # (session, opening thread, job generation)
 _job = 0
@@ -71,6 +76,43 @@ def current(session: Any = None) -> str:
     return FINISHED
 
 
+def note(session: Any, exc: BaseException | None) -> None:
+    """Remember the exception that ends ``session``'s run (its ``with`` block's, a framework's)."""
+    if exc is not None:
+        try:
+            _noted[session] = exc
+        except TypeError:  # not weak-referenceable
+            pass
+
+
+def exception(session: Any = None) -> BaseException | None:
+    """The exception ending the run of ``session``, seen from its ``close()``: the one noted for it
+    (``with`` block, Hydra job), the one being handled right now, or the uncaught one of the main
+    thread or of the session's own thread; None (also for SIGTERM outside a ``with``: see
+    :func:`signal_frame`)."""
+    noted = _noted.get(session) if session is not None else None
+    if noted is not None:
+        return noted
+    handling = sys.exc_info()[1]
+    if handling is not None:
+        return handling
+    thread = _thread_of(session)
+    for ident in (_main_ident, thread):
+        if ident is not None and ident in _errors:
+            return _errors[ident]
+    return None
+
+
+def signalled() -> bool:
+    """Whether SIGTERM arrived (and is ending the run)."""
+    return _signalled is not None
+
+
+def signal_frame() -> FrameType | None:
+    """The Python frame SIGTERM interrupted (None before one arrived)."""
+    return _frame[0]
+
+
 def install() -> None:
     """Chain the hooks (idempotent per process; a forked child installs its own)."""
     global _installed_pid
@@ -82,6 +124,7 @@ def install() -> None:
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         _uncaught[threading.get_ident()] = status_of(value)
+        _errors[threading.get_ident()] = value
         prev_hook(kind, value, tb)
 
     sys.excepthook = excepthook
@@ -90,6 +133,7 @@ def install() -> None:
     def thread_hook(args: Any) -> None:
         if args.exc_value is not None and args.thread is not None and args.thread.ident is not None:
             _uncaught[args.thread.ident] = status_of(args.exc_value)
+            _errors[args.thread.ident] = args.exc_value
         prev_thread_hook(args)
 
     threading.excepthook = thread_hook
@@ -118,6 +162,7 @@ def _install_sigterm() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
             return None
         _signalled = KILLED
+        _frame[0] = frame
         if callable(prev):
             return prev(signum, frame)
         raise SystemExit(128 + signum)  # unwind: with-blocks and atexit close the sessions as KILLED
@@ -148,14 +193,17 @@ def job_started() -> None:
         _job += 1
 
 
-def close_job_sessions(status: str, closer: Callable[[Any, str], None] | None = None) -> int:
-    """Close, with ``status``, the sessions opened during the current Hydra job and still open.
+def close_job_sessions(status: str, closer: Callable[[Any, str], None] | None = None,
+                       exc: BaseException | None = None) -> int:
+    """Close, with ``status``, the sessions opened during the current Hydra job and still open
+    (``exc``: the job's exception, for their ``crash`` finding).
     Returns how many were closed. Each close delivers to the trackers (see the sinks' close)."""
     with _lock:
         mine = [ref() for ref, _, job in _sessions if job == _job]
     n = 0
     for session in mine:
         if session is not None and not getattr(session, "_closed", True):
+            note(session, exc)
             (closer or (lambda s, st: s.close(st)))(session, status)
             n += 1
     return n
@@ -173,3 +221,5 @@ def _reset_for_tests() -> None:
     global _signalled
     _signalled = None
     _uncaught.clear()
+    _errors.clear()
+    _frame[0] = None

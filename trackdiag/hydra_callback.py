@@ -161,7 +161,7 @@ def _close_sessions(job_return: Any) -> None:
         failed = getattr(getattr(job_return, "status", None), "name", "") == "FAILED"
         err = getattr(job_return, "_return_value", None) if failed else None
         status = exit_status.status_of(err) if isinstance(err, BaseException) else "FAILED" if failed else None
-        n = exit_status.close_job_sessions(status or exit_status.current())
+        n = exit_status.close_job_sessions(status or exit_status.current(), exc=err if isinstance(err, BaseException) else None)
         if n:
             log.info("trackdiag: closed %d session(s) the job left open (%s)", n, status or "job ended")
     except Exception as e:

@@ -124,14 +124,19 @@ def grid_steps(dims: int, steps: int, max_evals: int | None) -> int:
 
 def loss_landscape(model: nn.Module, batch: Any, loss: str | Callable[..., torch.Tensor] = "cross_entropy", *,
                    dims: int = 2, steps: int = 21, span: float = 1.0, max_evals: int | None = None, seed: int = 0,
-                   progress: bool = False) -> Landscape:
-    """See module docstring. ``batch`` is ``(inputs, targets)``; ``model(inputs)`` is scored by ``loss``."""
+                   progress: bool = False, evaluate: Callable[[], torch.Tensor] | None = None) -> Landscape:
+    """See module docstring. ``batch`` is ``(inputs, targets)``; ``model(inputs)`` is scored by ``loss``.
+    ``evaluate()``: the loss at the current weights instead (the user's own loss computation on a
+    batch, :mod:`trackdiag.user_loss`; ``batch`` and ``loss`` are then unused)."""
     if dims not in (1, 2):
         raise TrackdiagError(f"landscape dims must be 1 or 2, got {dims!r}")
-    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
-        raise TrackdiagError(f"landscape needs the batch as (inputs, targets), got {type(batch).__name__}")
-    fn = loss_function(loss)
-    x, y = batch[0], batch[1]
+    user = evaluate is not None
+    if evaluate is None:
+        if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+            raise TrackdiagError(f"landscape needs the batch as (inputs, targets), got {type(batch).__name__}")
+        fn = loss_function(loss)
+        x, y = batch[0], batch[1]
+        evaluate = lambda: fn(model(x), y)  # noqa: E731
     n = grid_steps(dims, steps, max_evals)
     if n != steps:
         log.info("trackdiag: landscape grid %d -> %d points per axis (max_evals=%s, odd)", steps, n, max_evals)
@@ -159,7 +164,7 @@ def loss_landscape(model: nn.Module, batch: Any, loss: str | Callable[..., torch
                     torch._foreach_add_(params, dirs[0], alpha=a)
                 if b:
                     torch._foreach_add_(params, dirs[1], alpha=b)
-                values[i] = fn(model(x), y).detach().double().to(values.device)
+                values[i] = evaluate().detach().double().reshape(()).to(values.device)
         finally:
             torch._foreach_copy_(params, saved)
             for b, v in buffers:
@@ -169,5 +174,5 @@ def loss_landscape(model: nn.Module, batch: Any, loss: str | Callable[..., torch
     host = values.cpu().tolist()  # the one host copy
     losses: Any = host if dims == 1 else [host[r * n : (r + 1) * n] for r in range(len(betas))]
     center = host[(len(host) - 1) // 2]
-    name = loss if isinstance(loss, str) else getattr(loss, "__name__", "custom")
+    name = "loss_fn" if user else loss if isinstance(loss, str) else getattr(loss, "__name__", "custom")
     return Landscape(dims, alphas, betas, losses, center, span, seed, len(host), time.perf_counter() - t0, name, dirs)

@@ -15,14 +15,17 @@ Cost: one Python call per optimizer step per live session; nothing else.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from trackdiag.errors import brief
 
 log = logging.getLogger("trackdiag")
 
@@ -128,11 +131,25 @@ class _Dispatch:
     def __init__(self) -> None:
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         self._handles: list[Any] = []
-        self._lock = threading.Lock()
+        # reentrant: a listener's finalizer (``_collected``) may run inside a garbage collection that an
+        # allocation under this lock set off
+        self._lock = threading.RLock()
+        self._paused = 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No listener hears an optimizer step inside (trackdiag's own: the pre-flight's copies)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def add(self, listener: StepListener) -> None:
         with self._lock:
             self._listeners.add(listener)
+            # a session dropped without close() (never opened) must not leave torch's global hooks behind
+            weakref.finalize(listener, self._collected)
             if not self._handles:
                 self._handles = [register_optimizer_step_pre_hook(self._pre),
                                  register_optimizer_step_post_hook(self._post)]
@@ -140,13 +157,21 @@ class _Dispatch:
     def discard(self, listener: StepListener) -> None:
         with self._lock:
             self._listeners.discard(listener)
-            if not len(self._listeners) and self._handles:
-                for h in self._handles:
-                    h.remove()
-                self._handles = []
+            self._release()
+
+    def _collected(self) -> None:
+        with self._lock:
+            self._release()
+
+    def _release(self) -> None:
+        """Remove the global hooks once no listener is left (the lock is held)."""
+        if not len(self._listeners) and self._handles:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
 
     def _fan(self, method: str, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not len(self._listeners):
+        if self._paused or not len(self._listeners):
             return
         closure = closure_of(args, kwargs)
         for listener in list(self._listeners):
@@ -154,7 +179,7 @@ class _Dispatch:
             try:
                 fn(opt, closure)
             except Exception as exc:  # noqa: BLE001 - never raise into the user's optimizer.step()
-                log.warning("trackdiag: optimizer hook failed (%s: %s); this step is not measured", type(exc).__name__, exc)
+                log.warning("trackdiag: optimizer hook failed (%s); this step is not measured", brief(exc))
 
     def _pre(self, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._fan("optimizer_pre_step", opt, args, kwargs)

@@ -19,14 +19,17 @@
 
 Everything after ``optimizer`` runs on a deep copy of the model and a copy of the optimizer (same
 class, hyperparameters and state): the user's model, optimizer, gradients and RNG stream are never
-touched. Cost: one model + optimizer copy in memory while it runs, and 1 + ``overfit_steps``
-training steps on one batch. The loss is ``loss_fn(outputs, batch)``, else cross-entropy/MSE when
-the batch's targets allow (see :mod:`trackdiag.tensors`), else a surrogate (then ``overfit`` is
-skipped). The model is called as ``forward(model, batch)``, default ``model(inputs_of(batch))``.
+touched (:mod:`trackdiag.preflight_trial`). Cost: one model + optimizer copy in memory while it runs,
+and 1 + ``overfit_steps`` training steps on one batch. The loss is the session's ``loss_fn(batch)``
+(the user's own computation, run with the models' tensors swapped for the copies': several inputs,
+a model that returns its loss, several models and optimizers all work), else ``loss_fn(outputs,
+batch)`` on ``forward(model, batch)`` (default ``model(inputs_of(batch))``), else the model's own
+loss (a 0-d output, ``.loss``), else cross-entropy/MSE when the batch's targets allow (see
+:mod:`trackdiag.tensors`), else a surrogate (then ``overfit`` is skipped). Sparse gradients
+(``EmbeddingBag(sparse=True)``) are checked through their stored values.
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -35,11 +38,11 @@ import torch
 from torch import nn
 
 from trackdiag.alert import Alert
+from trackdiag.errors import brief
+from trackdiag.preflight_trial import Forward, LossFn, Trial, clone_model, copy_optimizer  # noqa: F401 (re-exported)
 from trackdiag.replay import nonfinite_state
-from trackdiag.tensors import default_loss, float_tensors, inputs_of, iter_tensors
-
-Forward = Callable[[nn.Module, Any], Any]
-LossFn = Callable[[Any, Any], torch.Tensor]
+from trackdiag.sparse import all_finite, any_nonzero, dense
+from trackdiag.tensors import iter_tensors
 
 
 @dataclass
@@ -88,64 +91,7 @@ class PreflightReport:
         return out
 
 
-def _loss(outputs: Any, batch: Any, loss_fn: LossFn | None) -> tuple[torch.Tensor, bool]:
-    """The loss and whether it is a real one (not the surrogate)."""
-    if loss_fn is not None:
-        return loss_fn(outputs, batch), True
-    guessed = default_loss(outputs, batch)
-    if guessed is not None:
-        return guessed, True
-    outs = [t.float().pow(2).mean() for _, t in float_tensors(outputs, "") if t.requires_grad]
-    return (sum(outs[1:], outs[0]) if outs else torch.zeros(())), False
-
-
-def copy_optimizer(opt: torch.optim.Optimizer, model: nn.Module, clone: nn.Module) -> torch.optim.Optimizer | None:
-    """An optimizer of the same class and hyperparameters (and state) stepping ``clone``'s
-    parameters; ``None`` when some of ``opt``'s parameters are not ``model``'s."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    cparams = dict(clone.named_parameters())
-    if any(id(p) not in names for g in opt.param_groups for p in g["params"]):
-        return None
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [cparams[names[id(p)]] for p in g["params"]]}
-              for g in opt.param_groups]
-    try:
-        new = type(opt)(groups, **opt.defaults)
-    except TypeError:
-        new = type(opt)(groups)
-    try:  # a deep copy: load_state_dict would otherwise share the state tensors with the user's optimizer
-        new.load_state_dict(copy.deepcopy(opt.state_dict()))
-    except (ValueError, KeyError, RuntimeError):
-        pass  # a fresh state is fine for these checks
-    return new
-
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-def _ours(hook: Any) -> bool:
-    """A hook registered by trackdiag (a probe's bound method, a partial of one, a SafeHook)."""
-    fn = getattr(hook, "func", hook)
-    owner = getattr(fn, "__self__", None)
-    module = type(owner).__module__ if owner is not None else (getattr(fn, "__module__", None) or type(fn).__module__)
-    return module.startswith("trackdiag.")
-
-
-def clone_model(model: nn.Module) -> nn.Module:
-    """``copy.deepcopy(model)`` in which every trackdiag hook is a no-op (the probes are not copied)."""
-    memo: dict[int, Any] = {}
-    for m in model.modules():
-        for attr in _HOOK_DICTS:
-            for hook in getattr(m, attr, {}).values():
-                if _ours(hook):
-                    memo[id(hook)] = _noop
-    return copy.deepcopy(model, memo)
-
-
-def _noop(*_: Any, **__: Any) -> None:
-    return None
-
-
-def _static_checks(model: nn.Module, opt: Any, batch: Any) -> list[Check]:
+def _static_checks(model: nn.Module, opts: list[torch.optim.Optimizer], batch: Any) -> list[Check]:
     out = []
     evals = [n for n, m in model.named_modules() if n and not m.training]
     if not model.training:
@@ -167,11 +113,10 @@ def _static_checks(model: nn.Module, opt: Any, batch: Any) -> list[Check]:
     named_bad = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
     out.append(Check("finite_state", not bad, f"{len(bad)} parameter/buffer tensor(s) hold NaN/Inf: {named_bad}." if bad
                      else "all finite (-inf attention masks allowed).", bad[0] if bad else ""))
-    opts = [o for o in (opt if isinstance(opt, (list, tuple)) else [opt]) if o is not None]
     if not opts:
         out.append(Check("optimizer", None, "no optimizer given."))
         return out
-    in_opt = {id(p) for o in opts for g in o.param_groups for p in g["params"]}  # every optimizer of the model
+    in_opt = {id(p) for opt in opts for g in opt.param_groups for p in g["params"]}
     named = list(model.named_parameters())
     missing = [n for n, p in named if p.requires_grad and id(p) not in in_opt]
     frozen = [n for n, p in named if not p.requires_grad and id(p) in in_opt]
@@ -188,51 +133,53 @@ def _static_checks(model: nn.Module, opt: Any, batch: Any) -> list[Check]:
 
 def run_preflight(model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn | None = None,
                   forward: Forward | None = None, *, overfit_steps: int = 30, overfit_drop: float = 0.1,
-                  lenient: bool = False, reference: float | None = None) -> PreflightReport:
+                  lenient: bool = False, batch_loss: Callable[[Any], Any] | None = None,
+                  parts: list[tuple[str, nn.Module, Any]] | None = None, reference: float | None = None) -> PreflightReport:
     """Run every check (see module docstring) and return the report. Never modifies its arguments.
-    ``optimizer``: one, or a list (every optimizer of the model: the ``optimizer`` check covers them
-    all, the experiments use the first). ``lenient`` (the automatic pre-flight): a forward or loss that
-    cannot be run is inconclusive, not a failed check (the calling convention was guessed).
+    ``lenient`` (the automatic pre-flight): a forward or loss that cannot be run is inconclusive, not a
+    failed check (the calling convention was guessed). ``batch_loss(batch)``: the user's loss
+    computation, evaluated with every model of ``parts`` (default: ``model`` alone) on its copy.
+    ``optimizer`` (and each part's): one optimizer, a list of them (``SparseAdam`` + ``Adam``), or None.
     ``reference``: the loss the training step itself computed on this batch; a guessed loss (no
     ``loss_fn``) that differs from it is not the task being trained (a VAE's reconstruction beside
     digit labels is no 64-class classifier), so the checks built on it are inconclusive."""
-    report = PreflightReport(_static_checks(model, optimizer, batch))
-    if isinstance(optimizer, (list, tuple)):
-        optimizer = next((o for o in optimizer if o is not None), None)
-    call = forward or (lambda m, b: m(inputs_of(b)))
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    parts = [(n, m, _listed(o)) for n, m, o in (parts or [("", model, optimizer)])]
+    report = PreflightReport([c for name, m, o in parts for c in _prefixed(name, len(parts) > 1, _static_checks(m, o, batch))])
+    devices = sorted({p.device.index or 0 for _, m, _ in parts for p in m.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
-        clone = clone_model(model)
-        opt = copy_optimizer(optimizer, model, clone) if optimizer is not None else None
-        clone.zero_grad(set_to_none=True)
-        try:
-            loss, real = _loss(call(clone, batch), batch, loss_fn)
-            loss0 = float(loss.detach())
-        except Exception as exc:  # noqa: BLE001 - the check reports it
-            report.checks.append(Check("forward", None if lenient else False,
-                                       f"the forward or the loss raised {type(exc).__name__}: {exc}"
-                                       + (" (automatic pre-flight: pass forward=/loss_fn= to diag.preflight to check it)"
-                                          if lenient else "")))
-            return report
-        what = "loss" if real else "surrogate loss (no loss_fn and no targets to guess one)"
-        report.checks.append(Check("forward", math.isfinite(loss0), f"{what} = {loss0:.4g}."))
-        if not math.isfinite(loss0):
-            return report
-        if loss_fn is None and reference is not None and not (real and _same(loss0, reference)):
-            report.checks.append(Check("loss", None, f"the guessed {what} ({loss0:.4g}) is not the training step's "
-                                                     f"({reference:.4g}): pass forward=/loss_fn= to diag.preflight to "
-                                                     f"check the training itself."))
-            return report
-        if not loss.requires_grad:
-            report.checks.append(Check("grads", False, "the loss does not require grad: no trainable parameter is on its "
-                                                       "path (all frozen, or the graph is cut by .detach()/no_grad)."))
-            return report
-        loss.backward()
-        report.checks.append(_grad_check(model, clone))
-        if opt is None:
-            return report
-        report.checks.append(_change_check(model, clone, opt))
-        report.checks.append(_overfit(clone, opt, batch, call, loss_fn, real, loss0, overfit_steps, overfit_drop))
+        trial = Trial(parts, batch, loss_fn=loss_fn, forward=forward, batch_loss=batch_loss)
+        with trial.swapped():
+            for clone in trial.clones:
+                clone.zero_grad(set_to_none=True)
+            try:
+                loss, real = trial.loss()
+                loss0 = float(loss.detach())
+            except Exception as exc:  # noqa: BLE001 - the check reports it
+                report.checks.append(Check("forward", None if lenient else False,
+                                           f"the forward or the loss raised {brief(exc)}"
+                                           + (" (automatic pre-flight: pass loss_fn=lambda batch: ... to the session to "
+                                              "check it)" if lenient else "")))
+                return report
+            what = "loss" if real else "surrogate loss (no loss_fn and no targets to guess one)"
+            report.checks.append(Check("forward", math.isfinite(loss0), f"{what} = {loss0:.4g}."))
+            if not math.isfinite(loss0):
+                return report
+            guessed = loss_fn is None and batch_loss is None
+            if guessed and reference is not None and not (real and _same(loss0, reference)):
+                report.checks.append(Check("loss", None, f"the guessed {what} ({loss0:.4g}) is not the training step's "
+                                                         f"({reference:.4g}): give the session loss_fn=lambda batch: ... "
+                                                         f"to check the training itself."))
+                return report
+            if not loss.requires_grad:
+                report.checks.append(Check("grads", False, "the loss does not require grad: no trainable parameter is on "
+                                                           "its path (all frozen, or the graph is cut by .detach()/no_grad)."))
+                return report
+            loss.backward()
+            report.checks.append(_grad_check(trial))
+            if not trial.opts or any(o is None for o in trial.opts):
+                return report
+            report.checks.append(_change_check(trial))
+            report.checks.append(_overfit(trial, real, loss0, overfit_steps, overfit_drop))
     return report
 
 
@@ -240,42 +187,67 @@ def _same(a: float, b: float, tol: float = 0.02) -> bool:
     return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= tol * max(abs(a), abs(b), 1e-12)
 
 
-def _grad_check(model: nn.Module, clone: nn.Module) -> Check:
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    none = [n for n, p in clone.named_parameters() if n in trainable and p.grad is None]
+def _listed(opt: Any) -> list[Any]:
+    return [] if opt is None else [o for o in opt if o is not None] if isinstance(opt, (list, tuple)) else [opt]
+
+
+def _prefixed(name: str, multi: bool, checks: list[Check]) -> list[Check]:
+    """With several models, each static check names its model."""
+    if not multi:
+        return checks
+    return [Check(c.name, c.ok, f"{name}: {c.detail}", f"{name}.{c.where}" if c.where else name) for c in checks]
+
+
+def _named(trial: Trial) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+    """(report name, original parameter, its copy) for every trainable parameter of every model."""
+    out = []
+    for i, (originals, clone) in enumerate(zip(trial.originals, trial.clones)):
+        copies = dict(clone.named_parameters())
+        out += [(trial.named(i, n), p, copies[n]) for n, p in originals if n in copies]
+    return out
+
+
+def _grad_check(trial: Trial) -> Check:
+    named = _named(trial)
+    none = [n for n, _, c in named if c.grad is None]
     if none:
         return Check("grads", False, f"{len(none)} trainable parameter(s) get no gradient, e.g. {none[0]}: not used in "
                                      f"the forward, or cut from the loss (.detach(), .data, torch.no_grad, a NumPy round-trip).", none[0])
-    bad = [n for n, p in clone.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    bad = [n for n, _, c in named if c.grad is not None and not all_finite(c.grad)]  # sparse gradients by their values
     if bad:
         return Check("grads", False, f"{len(bad)} gradient(s) hold NaN/Inf on this batch, e.g. {bad[0]}.", bad[0])
-    return Check("grads", True, f"all {len(trainable)} trainable parameter(s) get a finite gradient.")
+    return Check("grads", True, f"all {len(named)} trainable parameter(s) get a finite gradient.")
 
 
-def _change_check(model: nn.Module, clone: nn.Module, opt: torch.optim.Optimizer) -> Check:
-    if all(float(g.get("lr", 1.0)) == 0.0 for g in opt.param_groups):
-        opt.step()
+def _change_check(trial: Trial) -> Check:
+    opts = [o for o in trial.opts if o is not None]
+    if all(float(g.get("lr", 1.0)) == 0.0 for o in opts for g in o.param_groups):
+        for o in opts:
+            o.step()
         return Check("params_change", None, "the learning rate is 0 (warm-up start?): nothing can change yet.")
-    moved = {n: bool(p.grad is not None and p.grad.any()) for n, p in clone.named_parameters()}
-    opt.step()
-    original = dict(model.named_parameters())
-    stuck = [n for n, p in clone.named_parameters() if moved[n] and torch.equal(p.detach(), original[n].detach())]
+    named = _named(trial)
+    moved = {n: bool(c.grad is not None and any_nonzero(c.grad)) for n, _, c in named}
+    for o in opts:
+        o.step()
+    stuck = [n for n, p, c in named if moved[n] and torch.equal(dense(c.detach()), dense(p.detach()))]
     if stuck:
         return Check("params_change", False, f"{len(stuck)} parameter(s) with a non-zero gradient did not change after an "
                                              f"optimizer step, e.g. {stuck[0]} (a learning rate of 0 for its group?).", stuck[0])
     return Check("params_change", True, "one optimizer step changes every parameter with a gradient.")
 
 
-def _overfit(clone: nn.Module, opt: torch.optim.Optimizer, batch: Any, call: Forward, loss_fn: LossFn | None,
-             real: bool, loss0: float, steps: int, drop: float) -> Check:
+def _overfit(trial: Trial, real: bool, loss0: float, steps: int, drop: float) -> Check:
     if steps <= 0 or not real:
         return Check("overfit", None, "skipped" + ("" if real else ": no loss_fn and no targets to guess a loss."))
     last = loss0
+    opts = [o for o in trial.opts if o is not None]
     for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        loss, _ = _loss(call(clone, batch), batch, loss_fn)
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        loss, _ = trial.loss()
         loss.backward()
-        opt.step()
+        for o in opts:
+            o.step()
         last = float(loss.detach())
         if not math.isfinite(last):
             break

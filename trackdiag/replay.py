@@ -1,21 +1,26 @@
-"""NaN root cause by replay: run one batch again with hooks on every module and find where the
-first non-finite value appears.
+"""NaN root cause by replay: run one batch again, watching every module, and find where the first
+non-finite value appears.
 
 ``replay(model, calls, ...)`` re-runs the captured forward calls of the bad step (same arguments,
-same autocast state) with a forward pre-hook and a forward hook on every module: the first module
-(execution order, so the innermost) whose output holds a NaN/Inf is the culprit, and its input
-tells whether the value was already there. When every output is finite, the loss (``loss_fn`` or
-the guessed cross-entropy/MSE) and a backward pass (``torch.autograd.grad`` on the loss, or on the
-sum of the outputs) locate a non-finite gradient: the innermost module whose output gradient is
-finite but whose input or parameter gradients are not.
+same autocast state) or, when the user handed trackdiag their loss computation (``batch_loss``,
+:mod:`trackdiag.user_loss`) and the step's batch is held, that computation on the batch, with every
+module's forward watched (:mod:`trackdiag.replay_recorder`; layers called as ``layer.forward(x)``
+are seen too): the first module (execution order, so the innermost) whose output holds a NaN/Inf is
+the culprit, and its input tells whether the value was already there. When every output is finite,
+the loss (``batch_loss``, the model's own loss, ``loss_fn`` or the guessed cross-entropy/MSE) and a
+backward pass (``torch.autograd.grad`` on the loss, or on the sum of the outputs) locate a non-finite
+gradient: the innermost module whose output gradient is finite but whose input or parameter
+gradients are not. Sparse gradients are read through their coalesced values.
 
 Side effects: none that survive. Parameters' ``.grad`` are never touched (``autograd.grad``), the
-optimizer is not used, buffers (BatchNorm statistics) are restored, the RNG is forked, every hook is
-removed and every module's ``training`` flag is put back. Cost: one forward (+ one backward) of one
+optimizer is not used, buffers (BatchNorm statistics) are restored, the RNG is forked, every wrapper
+is removed and every module's ``training`` flag is put back. Cost: one forward (+ one backward) of one
 batch, and one host sync per module and tensor (only when a replay runs).
 
 If the parameters already hold NaN/Inf (the optimizer applied the bad step's gradients before the
 fault was noticed), a replay would blame the first layer: this is detected and reported as such.
+A replay that stays finite does not name a culprit: it says which weights it ran on, and that the
+fault did not reproduce there (a transient fault, state the replay cannot restore, other weights).
 """
 from __future__ import annotations
 
@@ -27,18 +32,24 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from trackdiag.forward_watch import FORWARD
 from trackdiag.gradtap import TAP_QUEUE
 from trackdiag.isolation import eager, isolated
 from trackdiag.layers import ROOT
+from trackdiag.replay_recorder import Recorder, finite
 from trackdiag.snapshot import ParamSnapshot
+from trackdiag.sparse import finite_flag
 from trackdiag.tensors import default_loss, float_tensors
+from trackdiag.user_loss import loss_value, own_loss
 
 Call = tuple[tuple[Any, ...], dict[str, Any], tuple[str, torch.dtype] | None]  # args, kwargs, autocast
+NOT_FOUND = "The culprit could not be found"
 
 
 @dataclass(frozen=True)
 class Finding:
-    """What a replay found. ``phase``: ``forward`` | ``backward`` | ``loss`` | ``params`` | ``none``
+    """What a replay (or the flight recorder's flags) found. ``phase``: ``forward`` | ``backward`` |
+    ``loss`` | ``params`` | ``observed`` (seen by the hooks in the real step, not replayed) | ``none``
     | ``unavailable`` | ``error``; ``module``: the culprit (``""`` when none)."""
 
     step: int
@@ -47,6 +58,11 @@ class Finding:
     input_finite: bool | None = None
     detail: str = ""
 
+    @property
+    def located(self) -> bool:
+        """A module (or the loss function) was named."""
+        return self.phase in ("forward", "backward", "loss", "observed") or (self.phase == "params" and bool(self.module))
+
     def where(self, component: str = "", kind: str = "") -> str:
         """The alert's ``where``: ``encoder.3 (input finite)``, ``head (backward)``, ``loss function``;
         with the module's type ``kind`` (given for bare indices): ``0 (Linear, input finite)``."""
@@ -54,6 +70,9 @@ class Finding:
         typed = f"{kind}, " if kind else ""
         if self.phase == "forward":
             return f"{mod} ({typed}input {'finite' if self.input_finite else 'non-finite'})"
+        if self.phase == "observed":
+            state = {True: "input finite, ", False: "input non-finite, "}.get(self.input_finite, "")  # type: ignore[arg-type]
+            return f"{mod} ({typed}{state}seen in the step's forward)"
         if self.phase == "backward":
             return f"{mod} ({typed}backward)"
         if self.phase == "loss":
@@ -64,26 +83,13 @@ class Finding:
         return ""
 
 
-def _finite(obj: Any) -> bool:
-    """True when no floating tensor in ``obj`` holds a NaN/Inf (one host sync per tensor)."""
-    return all(bool(torch.isfinite(t).all()) for _, t in float_tensors(obj, ""))
-
-
-def _describe(obj: Any) -> str:
-    ts = [t for _, t in float_tensors(obj, "")]
-    nan = sum(int(torch.isnan(t).sum()) for t in ts)
-    inf = sum(int(torch.isinf(t).sum()) for t in ts)
-    total = sum(t.numel() for t in ts)
-    return f"{nan} NaN and {inf} Inf of {total} values"
-
-
 def nonfinite_state(model: nn.Module) -> list[str]:
     """Names of the parameters that hold a NaN/Inf and of the buffers that hold a NaN (or an Inf in
     a normalisation running statistic). An infinite buffer value is otherwise legitimate: attention
     masks (``nn.Transformer.generate_square_subsequent_mask``) are made of ``-inf``."""
     params = [(n, t, True) for n, t in model.named_parameters()]
     buffers = [(n, b, n.endswith(("running_mean", "running_var"))) for n, b in model.named_buffers() if b.is_floating_point()]
-    named = params + buffers
+    named = [(n, t, strict) for n, t, strict in params + buffers if t.layout is torch.strided]
     if not named:
         return []
     flags = torch.stack([(torch.isfinite(t.detach()) if strict else ~torch.isnan(t.detach())).all().cpu()
@@ -100,110 +106,73 @@ def nonfinite_params(model: nn.Module) -> list[str]:
     return [n for (n, _), ok in zip(named, flags.tolist()) if not ok]
 
 
-def _layer(name: str) -> str:
+def layer_of(name: str) -> str:
     head = name.rpartition(".")[0]
     return head or ROOT
 
 
-class _Recorder:
-    """Forward/backward hooks on every module of a model, recording finiteness in execution order."""
-
-    def __init__(self, model: nn.Module, backward: bool) -> None:
-        self.names = {m: (n or ROOT) for n, m in model.named_modules()}
-        self.backward = backward
-        self.first: tuple[str, bool, str] | None = None  # (module, input finite, description)
-        self.order: dict[str, int] = {}
-        self.in_ok: dict[str, bool] = {}
-        self.grad_out: dict[str, list[torch.Tensor]] = {}
-        self.grad_in: dict[str, list[torch.Tensor]] = {}
-        self.handles: list[Any] = []
-        for m in self.names:
-            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._post))
-
-    def _grad_hooks(self, store: dict[str, list[torch.Tensor]], name: str, obj: Any) -> None:
-        for _, t in float_tensors(obj, ""):
-            if t.requires_grad:
-                with contextlib.suppress(RuntimeError):
-                    t.register_hook(lambda g, n=name: store.setdefault(n, []).append(torch.isfinite(g).all()))
-
-    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        name = self.names[module]
-        self.in_ok.setdefault(name, _finite((args, kwargs)))
-        if self.backward:
-            self._grad_hooks(self.grad_in, name, (args, kwargs))
-
-    def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        name = self.names[module]
-        self.order.setdefault(name, len(self.order))
-        if self.first is None and not _finite(output):
-            self.first = (name, self.in_ok.get(name, True), f"{type(module).__name__}; its output holds {_describe(output)}")
-        if self.backward:
-            self._grad_hooks(self.grad_out, name, output)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-
-    def backward_culprit(self, param_ok: dict[str, bool]) -> str | None:
-        """Innermost module whose output gradient is finite but input/parameter gradients are not;
-        the latest in forward order (the first to run in backward) wins."""
-        ok = lambda flags: None if not flags else bool(torch.stack(flags).all())  # noqa: E731
-        out_ok = {n: ok(f) for n, f in self.grad_out.items()}
-        in_ok = {n: ok(f) for n, f in self.grad_in.items()}
-        cands = [n for n in self.order if out_ok.get(n) is not False and (in_ok.get(n) is False or param_ok.get(n) is False)]
-        inner = [n for n in cands if not any(c != n and (n == ROOT or c.startswith(n + ".")) for c in cands)]
-        if inner:
-            return max(inner, key=self.order.__getitem__)
-        bad_out = [n for n in self.order if out_ok.get(n) is False]
-        return max(bad_out, key=self.order.__getitem__) if bad_out else None
-
-
 def replay(model: nn.Module, calls: list[Call], *, step: int, batch: Any = None,
            loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backward: bool = True,
-           snapshot: ParamSnapshot | None = None) -> Finding:
-    """Replay ``calls`` (captured forward arguments of step ``step``) on ``model``; see module doc.
-    When the weights already hold NaN/Inf, the replay runs on ``snapshot`` (weights of an earlier,
-    finite step) if there is one."""
-    if not calls:
+           snapshot: ParamSnapshot | None = None, batch_loss: Callable[[Any], Any] | None = None,
+           weights: str = "the current weights") -> Finding:
+    """Replay step ``step`` on ``model`` (see module doc): ``batch_loss(batch)`` when both are given,
+    else the captured ``calls``. ``weights`` says which weights the current ones are (for the account
+    of a replay that stays finite). When the weights already hold NaN/Inf, the replay runs on
+    ``snapshot`` (weights of an earlier, finite step) if there is one."""
+    runs = [_batch_run(batch_loss, batch)] if batch_loss is not None and batch is not None else [_call_run(model, c) for c in calls]
+    if not runs:
         return Finding(step, "unavailable", detail=f"no forward call of step {step} was captured.")
-    with TAP_QUEUE.pause(), eager():
+    user_loss = batch_loss is not None and batch is not None
+    with TAP_QUEUE.pause(), eager(), FORWARD.paused():
         bad_state = nonfinite_params(model)  # a training forward does not read BatchNorm's running stats
         if not bad_state:
-            return _replay(model, calls, step, batch, loss_fn, backward)
-        inputs_ok = _finite([c[:2] for c in calls])
+            return _replay(model, runs, step, batch, loss_fn, backward, weights, user_loss)
+        inputs_ok = finite([c[:2] for c in calls]) if calls else None
         why = snapshot.refused if snapshot is not None and snapshot.refused else "no earlier weights were kept"
         if snapshot is not None and snapshot.step is not None and snapshot.step <= step:
             with snapshot.applied() as at:
                 if not nonfinite_params(model):
-                    found = _replay(model, calls, step, batch, loss_fn, backward)
+                    found = _replay(model, runs, step, batch, loss_fn, backward, f"the weights kept at step {at}", user_loss)
                     return dataclasses.replace(found, detail=(
                         f"{found.detail} (replayed on the weights of step {at}, {step - at} step(s) before the bad "
                         f"step: by the time it was noticed, the optimizer had already written NaN/Inf into the weights.)"))
             why = f"the weights kept at step {snapshot.step} are not finite either"
-        return Finding(step, "params", _layer(bad_state[0]), inputs_ok, (
+        data = "finite" if inputs_ok else "NON-finite" if inputs_ok is False else "not captured"
+        return Finding(step, "params", layer_of(bad_state[0]), inputs_ok, (
             f"{len(bad_state)} parameter/buffer tensor(s) already hold NaN/Inf (first: {bad_state[0]}): the optimizer "
             f"applied the bad step's update before the fault was noticed, and {why}. The input batch was "
-            f"{'finite' if inputs_ok else 'NON-finite'}. To replay before the update, set diag.probes.nan_replay.mode=step "
+            f"{data}. To replay before the update, set diag.probes.nan_replay.mode=step "
             f"(Python: probes={{'nan_replay': {{'mode': 'step'}}}}: one host sync per step)."))
 
 
-def _replay(model: nn.Module, calls: list[Call], step: int, batch: Any,
-            loss_fn: Callable[[Any, Any], torch.Tensor] | None, backward: bool) -> Finding:
+Run = tuple[Callable[[], Any], tuple[str, torch.dtype] | None, bool]  # forward, autocast, returns the loss
+
+
+def _call_run(model: nn.Module, call: Call) -> Run:
+    args, kwargs, autocast = call
+    return (lambda: model(*args, **kwargs)), autocast, False
+
+
+def _batch_run(batch_loss: Callable[[Any], Any], batch: Any) -> Run:
+    return (lambda: batch_loss(batch)), None, True
+
+
+def _replay(model: nn.Module, runs: list[Run], step: int, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+            backward: bool, weights: str, user_loss: bool) -> Finding:
     found = Finding(step, "none")
     with isolated(model), torch.enable_grad():
-        for args, kwargs, autocast in calls:  # micro-batches of the step, in order
-            rec = _Recorder(model, backward)
+        for run, autocast, is_loss in runs:  # micro-batches of the step, in order
+            rec = Recorder(model, backward)
             try:
                 with torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext():
-                    outputs = model(*args, **kwargs)
+                    outputs = run()
                 if rec.first is not None:
                     name, inp, desc = rec.first
                     src = "its input already held NaN/Inf" if not inp else "from a finite input"
                     return Finding(step, "forward", name, inp,
                                    f"the first non-finite value comes out of {name} ({desc}); {src}.")
-                found = _after_forward(model, rec, outputs, batch, loss_fn, backward, step)
+                loss = loss_value(outputs) if is_loss else None
+                found = _after_forward(model, rec, outputs, loss, batch, loss_fn, backward, step, weights, user_loss)
             finally:
                 rec.remove()
             if found.phase != "none":
@@ -211,33 +180,55 @@ def _replay(model: nn.Module, calls: list[Call], step: int, batch: Any,
     return found
 
 
-def _after_forward(model: nn.Module, rec: _Recorder, outputs: Any, batch: Any,
-                   loss_fn: Callable[[Any, Any], torch.Tensor] | None, backward: bool, step: int) -> Finding:
+def _after_forward(model: nn.Module, rec: Recorder, outputs: Any, loss: torch.Tensor | None, batch: Any,
+                   loss_fn: Callable[[Any, Any], torch.Tensor] | None, backward: bool, step: int, weights: str,
+                   user_loss: bool) -> Finding:
     """Every module output of the replayed forward is finite: check the loss, then the backward."""
-    try:
-        loss = loss_fn(outputs, batch) if loss_fn is not None else (default_loss(outputs, batch) if batch is not None else None)
-    except Exception:  # noqa: BLE001 - a loss_fn that needs the batch we do not have (step mode)
-        loss = None
-    if loss is not None and not _finite(loss):
+    if loss is None:
+        try:
+            loss = own_loss(outputs)
+            if loss is None:
+                loss = loss_fn(outputs, batch) if loss_fn is not None else (default_loss(outputs, batch) if batch is not None else None)
+        except Exception:  # noqa: BLE001 - a loss_fn that needs the batch we do not have (step mode)
+            loss = None
+    if loss is not None and not finite(loss):
         return Finding(step, "loss", detail=f"every module output is finite but the loss computed from them is "
                                              f"{float(loss.detach().float().sum())}: the NaN/Inf arises in the loss function.")
     if not backward:
-        return Finding(step, "none", detail="every module output is finite (backward replay off).")
+        return Finding(step, "none", detail=f"every module output is finite (backward replay off). {_not_found(step, weights, loss is not None, user_loss)}")
     target = loss if loss is not None else sum(t.float().sum() for _, t in float_tensors(outputs, "") if t.requires_grad)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not isinstance(target, torch.Tensor) or not target.requires_grad or not params:
-        return Finding(step, "none", detail="every module output is finite and no gradient can be replayed.")
+        return Finding(step, "none", detail=f"every module output is finite and no gradient can be replayed. "
+                                            f"{_not_found(step, weights, loss is not None, user_loss)}")
     grads = torch.autograd.grad(target, [p for _, p in params], allow_unused=True)
     param_ok: dict[str, bool] = {}
     for (n, _), g in zip(params, grads):
         if g is not None:
-            layer = _layer(n)
-            param_ok[layer] = param_ok.get(layer, True) and bool(torch.isfinite(g).all())
+            layer = layer_of(n)
+            param_ok[layer] = param_ok.get(layer, True) and bool(finite_flag(g))
     culprit = rec.backward_culprit(param_ok)
     if culprit is not None:
         return Finding(step, "backward", culprit, True, f"every forward value is finite; the first non-finite gradient "
                                                          f"is produced in the backward of {culprit}.")
-    what = "the loss" if loss is not None else "the sum of the outputs (no loss_fn: the loss itself was not replayed)"
-    return Finding(step, "none", detail=(
-        f"the replay is finite in forward and in the backward of {what}: the non-finite value arises outside the model "
-        f"(in the loss computation — pass loss_fn to the nan_replay probe — or from state not replayed)."))
+    what = "the loss" if loss is not None else "the sum of the outputs"
+    return Finding(step, "none", detail=f"the replay is finite in forward and in the backward of {what}. "
+                                        f"{_not_found(step, weights, loss is not None, user_loss)}")
+
+
+def _not_found(step: int, weights: str, real_loss: bool, user_loss: bool) -> str:
+    """Why a finite replay names no culprit, said plainly."""
+    exact = weights.startswith("the weights of step")
+    causes = ["a transient fault (hardware, a race, a non-deterministic op)",
+              "state the replay cannot restore (a counter, a random draw, a condition outside the model)"]
+    if not exact:
+        causes.insert(0, f"a fault that needs the exact weights of step {step} (this replay ran on {weights}; "
+                         f"diag.probes.nan_replay.mode=step replays before the update)")
+    if not real_loss:
+        causes.append("a NaN/Inf made in the loss computation, which was not replayed (hand trackdiag your loss: "
+                      "Diagnostics(..., loss_fn=lambda batch: ...))")
+    elif not user_loss:
+        causes.append("a loss computed differently from the guessed one (hand trackdiag yours: loss_fn=lambda batch: ...)")
+    return (f"{NOT_FOUND}: the NaN/Inf of step {step} did not reappear when it was replayed on {weights}. Possible "
+            f"causes: {'; '.join(causes)}. With diag.probes.flight.modules=true the hooks record every module's "
+            f"output in the real step and name it.")

@@ -27,6 +27,16 @@ def replay_hint(found: Finding, alert: Alert, where: str, data: bool) -> str:
         return (f"{mod} turned finite inputs into NaN/Inf: guard the log/div/sqrt/exp it computes with an eps or a clamp "
                 "(log(x + 1e-8), x / (y + 1e-8)); if its weights or inputs grew huge, lower the learning rate and clip "
                 "gradients; under fp16 autocast use bf16 or a GradScaler.")
+    if found.phase == "observed" and found.input_finite is False:
+        return (f"The input of {mod} already held NaN/Inf although no module the hooks saw before it produced one: the "
+                "value was made in code hooks cannot see -- functional ops between modules in forward() (torch.log, "
+                "division, sqrt, exp) or layers called as .forward(). Guard those ops with an eps or a clamp; call "
+                "layers as layer(x), or hand trackdiag your loss (loss_fn=lambda batch: ...) so the replay watches them.")
+    if found.phase == "observed":
+        return (f"{mod} produced the step's first non-finite output (seen by the hooks in the real forward). Guard the "
+                "log/div/sqrt/exp it computes with an eps or a clamp; check its inputs and weights for huge values (lower "
+                "the learning rate, clip gradients); under fp16 autocast use bf16 or a GradScaler. If a replay of the "
+                "step did not reproduce it, the fault may be transient (hardware, a race, a condition that passed).")
     if found.phase == "backward":
         return (f"The backward of {mod} produced NaN/Inf from finite values: typical of sqrt/pow/norm at 0, log of 0, "
                 "division by ~0 or torch.where over a NaN branch; add an eps (sqrt(x + 1e-12)), clamp, or compute the "

@@ -16,7 +16,8 @@ from trackdiag.components import batch_size_of, build_components
 from trackdiag.config import resolve, to_plain
 from trackdiag.context import Component, ProbeContext, StepInputs
 from trackdiag.distributed import DistSync, is_main_process
-from trackdiag.errors import AlertRaised
+from trackdiag.errors import AlertRaised, brief
+from trackdiag.flight import FlightRecorder
 from trackdiag.forward_watch import compiled_parts
 from trackdiag.incidents import Incidents, order
 from trackdiag.objectives import Objectives
@@ -42,7 +43,7 @@ def _build(family: dict[str, str], name: str, entry: Mapping[str, Any] | None) -
     return lookup(family, name, entry)(**{k: v for k, v in entry.items() if k != "_target_"})
 
 
-class Diagnostics(OptimizerEvents, SetupChecks):
+class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder):
     """Training diagnostics for one run. See the README for the metric keys and alert kinds.
 
     Args:
@@ -53,6 +54,9 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         scaler: the AMP ``GradScaler``, if any.
         level: preset name (``basic`` | ``advanced`` | ``extreme``).
         sinks: sink names (default: the preset's). hparams: the user's config, logged with the run.
+        loss_fn: your loss computation, ``loss_fn(batch) -> loss`` (or an object with ``.loss``, or a
+            ``(loss, outputs)`` tuple), used by every probe that re-evaluates the loss (landscape,
+            pre-flight, NaN replay); also settable later as ``diag.loss_fn``. See docs/crash-and-replay.md.
         **overrides: any preset key (``every=5``, ``rules={"grad_explosion": {"threshold": 50}}``).
     Raises:
         ConfigError: listing every problem of the merged config, before anything is hooked.
@@ -61,15 +65,16 @@ class Diagnostics(OptimizerEvents, SetupChecks):
     enabled = True
 
     def __init__(self, model: Any, optimizer: Any = None, scaler: Any = None, *, level: str = "advanced",
-                 sinks: list[str] | None = None, hparams: Any = None, **overrides: Any) -> None:
+                 sinks: list[str] | None = None, hparams: Any = None, loss_fn: Any = None, **overrides: Any) -> None:
         cfg: dict[str, Any] = {"level": level, **overrides}
         if sinks is not None:
             cfg["sinks"] = list(sinks)
         self._setup(resolve(cfg), model, optimizer, scaler, hparams)
+        self.loss_fn = loss_fn
 
     @classmethod
     def from_config(cls, cfg: Any, *, model: Any, optimizer: Any = None, scaler: Any = None,
-                    hparams: Any = None) -> "Diagnostics | DisabledDiagnostics":
+                    hparams: Any = None, loss_fn: Any = None) -> "Diagnostics | DisabledDiagnostics":
         """A session from a Hydra ``diag`` node; a no-op session when ``cfg`` is None or disabled."""
         from trackdiag.disabled import DisabledDiagnostics
 
@@ -78,6 +83,7 @@ class Diagnostics(OptimizerEvents, SetupChecks):
             return DisabledDiagnostics()
         self = cls.__new__(cls)
         self._setup(resolve(plain), model, optimizer, scaler, hparams)
+        self.loss_fn = loss_fn
         return self
 
     # ------------------------------------------------------------------ set-up
@@ -153,8 +159,9 @@ class Diagnostics(OptimizerEvents, SetupChecks):
     def _fail(self, probe: Probe, method: str, exc: Exception) -> None:
         probe.enabled = False
         self._schedules = self._distinct_schedules()
-        self._disabled[probe.name] = f"{type(exc).__name__} in {method}: {exc}"
-        log.warning("trackdiag: probe %r disabled: %s", probe.name, self._disabled[probe.name])
+        self._disabled[probe.name] = f"{type(exc).__name__} in {method}: {exc}"  # full text: summary, record
+        log.warning("trackdiag: probe %r disabled (%s in %s; full text in summary()['disabled_probes'])",
+                    probe.name, brief(exc), method)
 
     def _distinct_schedules(self) -> list[Any]:
         """The enabled probes' schedules, each once: a step is a logging step if any fires."""
@@ -176,6 +183,7 @@ class Diagnostics(OptimizerEvents, SetupChecks):
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._note_exit(exc)  # for the crash finding (flight.py)
         self.close(exit_status.status_of(exc))  # KeyboardInterrupt: KILLED, other exceptions: FAILED
 
     def _open(self) -> None:
@@ -385,6 +393,8 @@ class Diagnostics(OptimizerEvents, SetupChecks):
             pending = self._judge("at_close", last, self._history, self.components)
             if pending:
                 self._emit(last, pending)
+        if self._opened:
+            self._report_crash(status)  # an exception or SIGTERM: the crash finding (flight.py)
         for p in self.probes:
             self._guard(p, "detach")
         if self._opened:

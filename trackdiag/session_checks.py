@@ -10,11 +10,12 @@ from typing import Any
 import torch
 
 from trackdiag.context import StepInputs
-from trackdiag.errors import AlertRaised
+from trackdiag.errors import AlertRaised, brief
 from trackdiag.preflight import PreflightReport, run_preflight
 from trackdiag.probes.data_wait import DataWaitProbe
 from trackdiag.record import Record
 from trackdiag.rules.preflight import Preflight
+from trackdiag.user_loss import skipped
 
 log = logging.getLogger("trackdiag")
 
@@ -42,18 +43,21 @@ class SetupChecks:
     def preflight(self, batch: Any, loss_fn: Any = None, *, forward: Any = None, component: str | None = None,
                   auto: bool = False, reference: float | None = None) -> PreflightReport:
         """Sanity checks of the set-up on one batch (see :mod:`trackdiag.preflight`), on copies of the
-        model and optimizer; each failed check is emitted as a ``preflight`` alert. ``loss_fn(outputs,
-        batch)``; ``forward(model, batch)`` (default ``model(batch[0])``). Returns the report."""
+        models and optimizers; each failed check is emitted as a ``preflight`` alert. The loss: the
+        session's ``loss_fn(batch)`` (every model at once) unless ``loss_fn(outputs, batch)`` or
+        ``forward(model, batch)`` (default ``model(batch[0])``) is given here. Returns the report."""
         self._preflighted = True
         if not self._opened:
             self._open()
         rule = next((r for r in self.rules if isinstance(r, Preflight)), None) or Preflight()
-        comp = next((c for c in self.components if component in (None, c.name) and c.model is not None), None)
-        if comp is None:
+        comps = [c for c in self.components if component in (None, c.name) and c.model is not None]
+        if not comps:
             return PreflightReport()
-        report = run_preflight(comp.model, comp.optimizers or comp.optimizer, batch, loss_fn or rule.loss_fn, forward,
+        batch_loss = self._ctx.loss_fn if loss_fn is None and forward is None else None
+        parts = [(c.name, c.model, c.optimizers or c.optimizer) for c in comps] if batch_loss is not None else None
+        report = run_preflight(comps[0].model, comps[0].optimizers or comps[0].optimizer, batch, loss_fn or rule.loss_fn, forward,
                                overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop, lenient=auto,
-                               reference=reference)
+                               batch_loss=batch_loss, parts=parts, reference=reference)
         record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(len(report.failed))})
         raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.pinned, rule.hint)])
         if raised is not None:
@@ -67,18 +71,25 @@ class SetupChecks:
         ``forward=``/``loss_fn=`` runs it for real)."""
         self._preflighted = True
         if inputs.batch is not None and any(isinstance(r, Preflight) and r.enabled and r.auto for r in self.rules):
-            forward = self._captured_forward()
+            user = self._ctx.loss_fn is not None
+            forward = None if user else self._captured_forward()
             loss = inputs.losses.get("") if len(inputs.losses) == 1 else None
-            # the step's own loss on this batch tells whether a guessed loss is the one being trained (a host
-            # read at the first step only); with the model called another way than the step did, no check of
-            # the training is possible without forward=/loss_fn=
-            reference = float(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 and forward is not None \
-                else (math.nan if forward is None else None)
+            # without the user's loss_fn, the step's own loss on this batch tells whether a guessed loss is the one
+            # being trained (a host read at the first step only); called another way than the step did, no check of
+            # the training is possible
+            reference = None if user else (float(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1
+                                           and forward is not None else math.nan)
             try:
-                log.info("trackdiag: pre-flight\n%s", self.preflight(inputs.batch, forward=forward, auto=True,
-                                                                     reference=reference))
+                report = self.preflight(inputs.batch, forward=forward, auto=True, reference=reference)
             except AlertRaised:
                 raise
             except Exception as exc:  # noqa: BLE001
-                log.warning("trackdiag: pre-flight could not run: %s: %s", type(exc).__name__, exc)
+                log.warning("trackdiag: pre-flight could not run: %s", brief(exc))
+                return
+            log.info("trackdiag: pre-flight\n%s", report)
+            forward = next((c for c in report.checks if c.name == "forward"), None)
+            if not user and forward is not None and (forward.ok is None or "surrogate" in forward.detail):
+                why = forward.detail.rstrip(".") if forward.ok is None else \
+                    "no loss follows from the model's outputs and the batch; its loss checks ran on a surrogate"
+                skipped(self._ctx, "pre-flight", why)
 

@@ -49,11 +49,12 @@ def join_trackers(overrides: Mapping[str, Any], joined: Sequence[str]) -> dict[s
 
 
 def build_session(model: Any, optimizer: Any, scaler: Any, level: str, overrides: Mapping[str, Any],
-                  hparams: Any) -> Diagnostics | DisabledDiagnostics:
-    """The session (a no-op one when ``enabled=False`` is among the overrides)."""
+                  hparams: Any, loss_fn: Any = None) -> Diagnostics | DisabledDiagnostics:
+    """The session (a no-op one when ``enabled=False`` is among the overrides); ``loss_fn``: the
+    user's ``loss_fn(batch) -> loss`` (see :mod:`trackdiag.user_loss`)."""
     if overrides.get("enabled", True) is False:
         return DisabledDiagnostics()
-    return Diagnostics(model, optimizer, scaler, level=level, hparams=hparams, **overrides)
+    return Diagnostics(model, optimizer, scaler, level=level, hparams=hparams, loss_fn=loss_fn, **overrides)
 
 
 def start_at(diag: Diagnostics | DisabledDiagnostics, step: int, state: Mapping[str, Any] | None = None) -> None:

@@ -44,8 +44,11 @@ process's callback stay empty.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Mapping, Sequence
+
+from trackdiag import exit_status
 
 from trackdiag.alert import Alert
 from trackdiag.components import batch_size_of
@@ -55,6 +58,7 @@ from trackdiag.integrations._common import (build_session, check_config, combine
                                             join_trackers, start_at, status_of)
 from trackdiag.integrations._mlflow_join import FluentRun
 from trackdiag.session import Diagnostics
+from trackdiag.user_loss import checked
 
 try:
     import lightning.pytorch as pl
@@ -87,6 +91,10 @@ class DiagnosticsCallback(pl.Callback):
         eval_keys: other ``callback_metrics`` to send to ``log_eval``; default every ``val*`` metric.
         join_loggers: write into the run of the Trainer's ``MLFlowLogger`` / ``WandbLogger``.
         hparams: logged with the session (default: the LightningModule's ``hparams``).
+        loss_fn: ``loss_fn(batch) -> loss`` (or ``(pl_module, batch) -> loss``), your loss computation
+            for the probes that re-evaluate it (landscape, pre-flight, NaN replay): needed for a
+            LightningModule without ``forward`` (``training_step`` calls the sub-modules) to be replayed.
+            E.g. ``loss_fn=lambda m, b: F.cross_entropy(m.head(m.body(b[0])), b[1])``.
         **overrides: preset keys for :class:`~trackdiag.Diagnostics` (``every=5``, ``sinks=[...]``,
             ``rules={"nonfinite_loss": {"action": "stop"}}``, ``output_dir=...``).
     Raises:
@@ -95,13 +103,14 @@ class DiagnosticsCallback(pl.Callback):
     """
 
     def __init__(self, level: str = "advanced", *, monitor: str = "val_loss", eval_keys: Sequence[str] | None = None,
-                 join_loggers: bool = True, hparams: Any = None, **overrides: Any) -> None:
+                 join_loggers: bool = True, hparams: Any = None, loss_fn: Any = None, **overrides: Any) -> None:
         if not isinstance(monitor, str) or not monitor:
             raise ValueError(f"DiagnosticsCallback(monitor=...): expected the name of a logged metric, got {monitor!r}")
         check_config(level, overrides)
         self.level, self.monitor, self.join_loggers = level, monitor, join_loggers
         self.eval_keys = list(eval_keys) if eval_keys is not None else None
         self.hparams, self.overrides = hparams, dict(overrides)
+        self.loss_fn = checked(loss_fn)
         self.diag: Diagnostics | DisabledDiagnostics | None = None
         self._losses: list[Any] = []  # micro-batch losses of the optimizer step in progress
         self._sizes: list[int] = []
@@ -129,7 +138,7 @@ class DiagnosticsCallback(pl.Callback):
         hparams = self.hparams if self.hparams is not None else dict(getattr(pl_module, "hparams", {}) or {})
         try:
             self.diag = build_session(pl_module, optimizer, scaler, self.level,
-                                      join_trackers(self.overrides, joined), hparams)
+                                      join_trackers(self.overrides, joined), hparams, self._batch_loss(pl_module))
         except BaseException:
             self._leave("FAILED")
             raise
@@ -138,6 +147,17 @@ class DiagnosticsCallback(pl.Callback):
         self._seen_step = trainer.global_step
         self._losses.clear()
         self._sizes.clear()
+
+    def _batch_loss(self, pl_module: "pl.LightningModule") -> Any:
+        """The user's loss as ``fn(batch)``: a two-argument ``loss_fn`` gets the LightningModule too."""
+        fn = self.loss_fn
+        if fn is None:
+            return None
+        try:
+            two = len(inspect.signature(fn).parameters) >= 2
+        except (TypeError, ValueError):
+            two = False
+        return (lambda batch: fn(pl_module, batch)) if two else fn
 
     def _join(self, trainer: "pl.Trainer") -> list[str]:
         """The trackers whose run the session writes into (rank 0 only: other ranks write nothing)."""
@@ -197,6 +217,8 @@ class DiagnosticsCallback(pl.Callback):
         self._close("FINISHED")
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        if self.diag is not None:
+            exit_status.note(self.diag, exception)  # for the crash finding
         self._close(status_of(exception))
 
     def _close(self, status: str) -> None:

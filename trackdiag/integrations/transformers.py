@@ -46,6 +46,7 @@ from trackdiag.disabled import DisabledDiagnostics
 from trackdiag.integrations._common import build_session, check_config, eval_metrics, join_trackers, start_at
 from trackdiag.integrations._step_loss import StepLoss
 from trackdiag.session import Diagnostics
+from trackdiag.user_loss import checked
 
 try:
     from transformers import TrainerCallback
@@ -77,16 +78,20 @@ class DiagnosticsCallback(TrainerCallback):
         level: preset (``basic`` | ``advanced`` | ``extreme``).
         join_run: write into the run of the Trainer's MLflow / W&B integration (``report_to``).
         hparams: logged with the session (default: ``TrainingArguments.to_sanitized_dict()``).
+        loss_fn: ``loss_fn(batch) -> loss`` for the probes that re-evaluate the loss (landscape,
+            pre-flight, NaN replay); for a model that computes its loss from ``labels`` in the batch:
+            ``loss_fn=lambda batch: model(**batch)`` (the output's ``.loss`` is used).
         **overrides: preset keys for :class:`~trackdiag.Diagnostics` (``every=5``, ``sinks=[...]``,
             ``rules={"nonfinite_loss": {"action": "stop"}}``, ``output_dir=...``).
     Raises:
         ConfigError: the level or an override is invalid (at construction, before training).
     """
 
-    def __init__(self, level: str = "advanced", *, join_run: bool = True, hparams: Any = None,
+    def __init__(self, level: str = "advanced", *, join_run: bool = True, hparams: Any = None, loss_fn: Any = None,
                  **overrides: Any) -> None:
         check_config(level, overrides)
         self.level, self.join_run, self.hparams, self.overrides = level, join_run, hparams, dict(overrides)
+        self.loss_fn = checked(loss_fn)
         self.diag: Diagnostics | DisabledDiagnostics | None = None
         self._loss: StepLoss | None = None
         self._open = False
@@ -112,7 +117,8 @@ class DiagnosticsCallback(TrainerCallback):
             return
         joined = self._join(args, state) if self.join_run else []
         hparams = self.hparams if self.hparams is not None else args.to_sanitized_dict()
-        self.diag = build_session(model, optimizer, None, self.level, join_trackers(self.overrides, joined), hparams)
+        self.diag = build_session(model, optimizer, None, self.level, join_trackers(self.overrides, joined), hparams,
+                                  self.loss_fn)
         start_at(self.diag, state.global_step)  # a resumed run continues the Trainer's count
         self._world = int(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1
         if self.diag.enabled:

@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 from typing import Iterable
 
+from trackdiag.errors import brief
 from trackdiag.plots import figure, save, scalar_series
 from trackdiag.record import Record
 
@@ -112,7 +113,7 @@ class MemorySnapshot:
         try:
             torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
         except Exception as exc:  # an older or restricted build
-            log.warning("trackdiag: CUDA memory history not available: %s", exc)
+            log.warning("trackdiag: CUDA memory history not available: %s", brief(exc))
             return False
         self._left = self.steps
         return True
@@ -140,7 +141,7 @@ class MemorySnapshot:
             torch.cuda.memory._dump_snapshot(str(self.path))
             self.written = self.path
         except Exception as exc:
-            log.warning("trackdiag: could not write the CUDA memory snapshot: %s", exc)
+            log.warning("trackdiag: could not write the CUDA memory snapshot: %s", brief(exc))
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
         return self.written

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from trackdiag.alert import Alert
+from trackdiag.errors import brief
 from trackdiag.plots import describe, figure, loss_points, save
 from trackdiag.record import Record
 
@@ -216,7 +217,7 @@ def build_report(run_dir: str | Path, records: list[Record] | None = None, *, wr
         try:
             drawn.append((caption, draw()))
         except Exception as exc:  # one bad picture never loses the others
-            log.warning("trackdiag: could not draw %s: %s: %s", caption, type(exc).__name__, exc)
+            log.warning("trackdiag: could not draw %s: %s", caption, brief(exc))
     images = [(c, p) for c, p in drawn if p is not None]
     if not write_html:
         return [p for _, p in images]

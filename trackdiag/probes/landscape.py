@@ -1,8 +1,11 @@
 """Loss landscape probe: a filter-normalised loss landscape of the model, on a sparse schedule.
 
-On each due step it takes the step's batch (``diag.step(..., batch=(x, y))``), scores
-``model(x)`` against ``y`` with ``loss`` (``cross_entropy`` | ``mse``) along one or two random
-directions (see :mod:`trackdiag.landscape`), and writes ``landscape/step_<N>.png`` and ``.json``
+On each due step it takes the step's batch (``diag.step(..., batch=...)``) and evaluates, along one
+or two random directions (see :mod:`trackdiag.landscape`), the user's own loss computation
+``loss_fn(batch)`` when the session has one (``Diagnostics(..., loss_fn=...)``: models that return
+their loss, take several inputs, or several models), else ``model(x)`` scored against ``y`` with
+``loss`` (``cross_entropy`` | ``mse``) for a batch ``(x, y)``; a batch it cannot interpret is skipped
+with one console note per session saying how to enable it. It writes ``landscape/step_<N>.png`` and ``.json``
 into the run's output dir. Emits ``diag/[<c>/]landscape/center_loss`` and
 ``diag/[<c>/]landscape/max_rise`` (largest loss rise over the grid: a sharpness proxy) and adds the
 two files to ``record.artifacts``. Weights, buffers and train/eval flags are restored bit for bit.
@@ -20,10 +23,11 @@ import numpy as np
 import torch
 
 from trackdiag.context import ProbeContext, StepInputs
-from trackdiag.errors import ConfigError
+from trackdiag.errors import ConfigError, brief
 from trackdiag.landscape import LOSSES
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
+from trackdiag.user_loss import loss_value, skipped
 
 log = logging.getLogger("trackdiag")
 
@@ -64,27 +68,36 @@ class LandscapeProbe(Probe):
         self.loss, self.dims, self.steps, self.span = loss, dims, steps, float(span)
         self.max_evals, self.seed = max_evals, seed
         self._results: dict[str, tuple[float, float, list[str]]] = {}
-        self._warned = False
+        self._skip = False
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
-        if not self.schedule(ctx.step):  # the plain schedule: anomaly windows would make it run every step
+        if not self.schedule(ctx.step) or (self._skip and ctx.loss_fn is None):  # plain schedule: not anomaly windows
             return
         if ctx.output_dir is None or not is_rank_zero():
             return
-        batch = inputs.batch
-        if not isinstance(batch, (list, tuple)) or len(batch) < 2:
-            if not self._warned:
-                self._warned = True
-                log.warning("trackdiag: landscape probe needs diag.step(..., batch=(inputs, targets)); skipped")
+        batch, user = inputs.batch, ctx.loss_fn
+        if batch is None or (user is None and (not isinstance(batch, (list, tuple)) or len(batch) < 2)):
+            skipped(ctx, self.name, "no batch was given to step()" if batch is None else
+                    f"the batch is a {type(batch).__name__}, not (inputs, targets)")
             return
+        from trackdiag.forward_watch import FORWARD
         from trackdiag.landscape import loss_landscape
         from trackdiag.plots.landscape import save_landscape, sharpness
 
+        evaluate = (lambda: loss_value(user(batch))) if user is not None else None
         for comp in ctx.components:
             if comp.model is None:
                 continue
-            result = loss_landscape(comp.model, batch, self.loss, dims=self.dims, steps=self.steps, span=self.span,
-                                    max_evals=self.max_evals, seed=self.seed)
+            try:
+                with FORWARD.paused():
+                    result = loss_landscape(comp.model, batch, self.loss, dims=self.dims, steps=self.steps,
+                                            span=self.span, max_evals=self.max_evals, seed=self.seed, evaluate=evaluate)
+            except Exception as exc:  # noqa: BLE001 - a guessed call that does not fit this model
+                if user is not None:
+                    raise  # the user's own loss failed: the probe is switched off with one line
+                skipped(ctx, self.name, f"model(batch[0]) scored against batch[1] raised {brief(exc)}")
+                self._skip = True  # the same call fails at every due step
+                return
             result.directions = []  # free the memory now
             stem = f"step_{ctx.step:07d}" + (f"_{comp.name}" if comp.name else "")
             png, js = save_landscape(result, Path(ctx.output_dir) / "landscape", stem)

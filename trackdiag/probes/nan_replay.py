@@ -1,6 +1,7 @@
 """NaN replay probe: keeps what a replay needs and, when ``nonfinite_loss`` / ``nonfinite_grad`` /
 ``nonfinite_input`` fires, replays the bad step's batch once (see :mod:`trackdiag.replay`) and
-writes the culprit into the alert: ``where="body.2 (input finite)"`` and the message.
+writes the culprit into the alert: ``where="body.2 (input finite)"`` and the message
+(:mod:`trackdiag.replay_report`).
 
 What it keeps:
   * *references* (``detach()``-ed views, no copies) to the arguments of every training-mode forward
@@ -17,6 +18,13 @@ What it keeps:
     replayed on those weights instead (at most ``every`` + ``snapshot_every`` steps older). Cost: one
     copy of the parameters per ``snapshot_every`` steps, 1x parameter memory.
 
+With the user's loss computation (``Diagnostics(..., loss_fn=lambda batch: ...)``) and the step's
+batch, the replay runs that computation on the batch instead of the captured calls: a model that
+returns its own loss, takes several inputs or is driven step by step by the loop is replayed whole.
+When a replay cannot reproduce the fault and the flight recorder's per-module flags
+(``probes.flight.modules``) saw it in the real step, those name the module; else the alert says
+plainly that the culprit could not be found.
+
 Modes:
   ``log`` (default, no sync): replay at the logging step that notices the fault, on the current
   weights if they are finite, else on the snapshot (at most ``every`` steps older than the fault).
@@ -24,15 +32,14 @@ Modes:
   there, before the optimizer applies the bad update: exact in every case.
 Replays run eagerly (``torch.compile`` stance ``force_eager``), restore buffers, RNG and the
 modules' plain attributes, and are not seen by the gradient tap.
-Emits no metric keys. Options: ``loss_fn`` (callable or dotted path, ``fn(outputs, batch) -> loss``;
-default: cross-entropy/MSE guessed from the batch), ``backward``, ``max_replays`` (1), ``snapshot_mb``.
+Emits no metric keys. Options: ``loss_fn`` (callable or dotted path, ``fn(outputs, batch) -> loss``:
+the older per-output form; the session's ``loss_fn(batch)`` takes precedence; default: the model's
+own loss, else cross-entropy/MSE guessed from the batch), ``backward``, ``max_replays`` (1), ``snapshot_mb``.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
-import math
 import time
 from functools import partial
 from typing import Any
@@ -42,34 +49,21 @@ from torch import nn
 
 from trackdiag.alert import Alert
 from trackdiag.context import Component, ProbeContext, StepInputs
-from trackdiag.errors import ConfigError
-from trackdiag.probes.base import Probe
-from trackdiag.registry import resolve
-from trackdiag.replay import Call, Finding, replay
-from trackdiag.replay_hints import replay_hint
-from trackdiag.schedule import Never
+from trackdiag.errors import ConfigError, brief
 from trackdiag.forward_watch import FORWARD
 from trackdiag.gradtap import GradView
-from trackdiag.incidents import nonfinite, order
+from trackdiag.incidents import nonfinite
+from trackdiag.probes.base import Probe
 from trackdiag.record import Record
-from trackdiag.modnames import module_type, needs_type
+from trackdiag.registry import resolve
+from trackdiag.replay import Call, Finding, replay
+from trackdiag.replay_report import Joint, compiled_before, detached, enrich, enrich_alerts  # noqa: F401 (re-exported)
+from trackdiag.schedule import Never
 from trackdiag.snapshot import ParamSnapshot
 from trackdiag.tensors import inputs_of
 
 log = logging.getLogger("trackdiag")
-TRIGGERS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_input")
 MODES = ("log", "step")
-
-
-def _detached(obj: Any, depth: int = 0) -> Any:
-    """``obj`` with every tensor replaced by a ``detach()``-ed view (drops the graph, copies nothing)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach()
-    if depth < 4 and isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_detached(v, depth + 1) for v in obj)
-    if depth < 4 and isinstance(obj, dict):
-        return {k: _detached(v, depth + 1) for k, v in obj.items()}
-    return obj
 
 
 class NanReplayProbe(Probe):
@@ -93,10 +87,9 @@ class NanReplayProbe(Probe):
         self.loss_fn = resolve(loss_fn) if isinstance(loss_fn, str) else loss_fn
         self._size = ring or 2
         self._ring: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
-        self._findings: dict[int, tuple[str, Finding]] = {}
-        self._handles: list[Any] = []
-        self._replays = 0
-        self._told: dict[tuple[str, int], tuple[str, int, bool]] = {}  # finding -> (kind, step) told, data at fault
+        self.findings: dict[int, tuple[str, Finding]] = {}
+        self.replays = 0
+        self.told: dict[tuple[str, int], tuple[str, int, bool]] = {}  # finding -> (kind, step) told, data at fault
         self._busy = False
         self._ctx: ProbeContext | None = None
 
@@ -150,7 +143,7 @@ class NanReplayProbe(Probe):
                 device_type = next((p.device.type for p in module.parameters()), "cpu")
                 device_type = "cpu" if device_type == "meta" else device_type
             amp = (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
-            calls.append((_detached(args), _detached(kwargs), amp))
+            calls.append((detached(args), detached(kwargs), amp))
         self._ctx.hook_seconds += time.perf_counter() - t0
         return None
 
@@ -165,11 +158,11 @@ class NanReplayProbe(Probe):
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         entry = self._ring.get(ctx.step)
         if entry is None and inputs.batch is not None:  # nothing captured (compiled before the session)
-            entry = self._ring[ctx.step] = {"calls": {}, "batch": None}
+            entry = self._ring[ctx.step] = {"calls": {}, "batch": None, "guessed": True}
             model_input = inputs_of(inputs.batch)
             for comp in ctx.components:
                 if comp.model is not None:
-                    entry["calls"][comp.name] = [((_detached(model_input),), {}, None)]
+                    entry["calls"][comp.name] = [((detached(model_input),), {}, None)]
             while len(self._ring) > self._size:
                 self._ring.popitem(last=False)
         if entry is not None:
@@ -177,92 +170,81 @@ class NanReplayProbe(Probe):
 
     def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         """``mode=step``: one host sync on the gradients' finiteness; replay before the update."""
-        if self.mode != "step" or self._replays >= self.max_replays or comp.model is None or not comp.index.params:
+        if self.mode != "step" or self.replays >= self.max_replays or comp.model is None or not comp.index.params:
             return
         if bool(torch.isfinite(view.total)):  # the one host sync of mode=step
             return
-        self._replays += 1
-        self._findings[ctx.step] = (comp.name, self._run(comp, ctx.step, None))
+        self.replays += 1
+        self.findings[ctx.step] = self.run(ctx, comp, ctx.step, None, exact=True)
 
-    def _run(self, comp: Component, step: int, batch: Any) -> Finding:
+    def run(self, ctx: ProbeContext, comp: Component, step: int, batch: Any, exact: bool = False,
+            backward: bool | None = None) -> tuple[str, Finding]:
+        """Replay ``step`` for ``comp`` (all components together when the user's loss is replayed);
+        ``exact``: the current weights are the ones step ``step`` ran on. Returns (component, finding)."""
         entry = self._ring.get(step) or {"calls": {}}
+        batch_loss = ctx.loss_fn if batch is not None else None
+        model: nn.Module | None = comp.model
+        name, snapshot = comp.name, self._snapshots.get(comp.name)
+        models = {c.name: c.model for c in ctx.components if c.model is not None}
+        if batch_loss is not None and len(models) > 1 and all(n and "." not in n for n in models):
+            model, name = nn.ModuleDict(models), ""  # the user's loss runs every model: watch them all
+            snapshot = Joint([self._snapshots[n] for n in models if n in self._snapshots]) if self._snapshots else None
+        weights = f"the weights of step {step}" if exact else f"the current weights (step {ctx.step})"
         self._busy = True
         try:
-            found = replay(comp.model, entry["calls"].get(comp.name, []), step=step, batch=batch,  # type: ignore[arg-type]
-                           loss_fn=self.loss_fn, backward=self.backward, snapshot=self._snapshots.get(comp.name))
+            found = replay(model, entry["calls"].get(comp.name, []), step=step, batch=batch,  # type: ignore[arg-type]
+                           loss_fn=self.loss_fn, backward=self.backward if backward is None else backward,
+                           snapshot=snapshot, batch_loss=batch_loss, weights=weights)
         except Exception as exc:  # noqa: BLE001 - a replay never kills training
-            found = Finding(step, "error", detail=f"the replay failed: {type(exc).__name__}: {exc}")
+            found = Finding(step, "error", detail=f"the replay could not run the model ({brief(exc)})")
         finally:
             self._busy = False
-        log.info("trackdiag: NaN replay of step %d: %s", step, found)
-        return found
+        log.info("trackdiag: NaN replay of step %d: %s", step, found.detail or found.phase)
+        return name, found
+
+    def running(self, ctx: ProbeContext) -> tuple[str, Finding] | None:
+        """The flight recorder at a crash: replay the step in progress (its captured forward calls, on
+        the current weights: the optimizer has not stepped since), forward only. None without calls."""
+        entry = self._ring.get(ctx.step)
+        if entry is None or not entry["calls"]:
+            return None
+        got: tuple[str, Finding] | None = None
+        for comp in ctx.components:
+            if comp.model is not None and comp.name in entry["calls"]:
+                got = self.run(ctx, comp, ctx.step, None, exact=True, backward=False)
+                if got[1].located:
+                    break
+        return got
 
     def finding(self, ctx: ProbeContext, step: int) -> tuple[str, Finding] | None:
         """The replay result for ``step``: its own, else an earlier one of the same incident (within
         the ring), else a new replay while ``max_replays`` allows, else the latest one (so later alerts
         of a run that stays non-finite keep the same ``where`` and the cooldown still groups them)."""
-        if step in self._findings:
-            return self._findings[step]
-        earlier = [s for s in self._findings if s <= step]
-        if earlier and (max(earlier) >= step - self._size or self._replays >= self.max_replays):
-            return self._findings[max(earlier)]
-        if self._replays >= self.max_replays:
+        if step in self.findings:
+            return self.findings[step]
+        earlier = [s for s in self.findings if s <= step]
+        if earlier and (max(earlier) >= step - self._size or self.replays >= self.max_replays):
+            return self.findings[max(earlier)]
+        if self.replays >= self.max_replays:
             return None
         entry = self._ring.get(step)
         if entry is None or not entry["calls"]:
             return "", Finding(step, "unavailable", detail=f"no training forward of step {step} is held (ring of {self._size} steps).")
-        self._replays += 1
+        self.replays += 1
         got: tuple[str, Finding] | None = None
         for comp in ctx.components:
             if comp.model is not None and comp.name in entry["calls"]:
-                got = (comp.name, self._run(comp, step, entry["batch"]))
+                got = self.run(ctx, comp, step, entry["batch"])  # log mode: the optimizer has stepped since
                 if got[1].phase != "none":
                     break
         if got is not None:
-            self._findings[step] = got
+            self.findings[step] = got
         return got
 
+    def guessed(self, step: int) -> bool:
+        """Whether step ``step``'s replay calls were guessed from the batch (nothing was captured)."""
+        return bool((self._ring.get(step) or {}).get("guessed"))
+
     def enrich(self, ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> list[tuple[Any, Alert]]:
-        """``alerts`` with the replay's culprit in ``where``, a hint that follows what the replay found,
-        and the replay's account in the message: in full in the first alert of an incident (the input,
-        then the loss, grad, param alert: the order they are emitted in), as a reference in the others."""
-        out = []
-        data = any(a.kind == "nonfinite_input" for _, a in alerts)
-        for rule, alert in sorted(alerts, key=lambda ra: order(ra[1])):
-            got = self.finding(ctx, alert.step) if alert.kind in TRIGGERS else None
-            if got is not None:
-                comp, found = got
-                model = next((c.model for c in ctx.components if c.name == comp), None)
-                kind = module_type(model, found.module) if needs_type(found.module) else ""
-                where = found.where(comp if len(ctx.components) > 1 else "", kind)
-                told = self._told.setdefault((comp, found.step), (alert.kind, alert.step, data))
-                if told[:2] == (alert.kind, alert.step):
-                    account = f"NaN replay of step {found.step}: {found.detail}"
-                else:
-                    account = f"NaN replay of step {found.step}: see the {told[0]} alert of step {told[1]}."
-                alert = dataclasses.replace(
-                    alert, where=where if where and alert.kind != "nonfinite_input" else alert.where,
-                    message=f"{alert.message} {account}", hint=replay_hint(found, alert, where, data or told[2]))
-            out.append((rule, alert))
-        return out
-
-
-def compiled_before() -> bool:
-    """Has Dynamo compiled anything in this process yet? (Installing a global forward hook after
-    that would invalidate those graphs' guards once.)"""
-    try:
-        from torch._dynamo.utils import counters
-    except Exception:  # noqa: BLE001
-        return False
-    return bool(counters["stats"]["unique_graphs"])
-
-
-def enrich_alerts(probes: list[Probe], ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> list[tuple[Any, Alert]]:
-    """Let an enabled ``nan_replay`` probe add its findings to ``alerts``; never raises."""
-    for p in probes:
-        if p.enabled and isinstance(p, NanReplayProbe) and any(a.kind in TRIGGERS for _, a in alerts):
-            try:
-                return p.enrich(ctx, alerts)
-            except Exception as exc:  # noqa: BLE001
-                log.warning("trackdiag: NaN replay failed: %s: %s", type(exc).__name__, exc)
-    return alerts
+        """``alerts`` with the culprit in ``where`` (see :func:`trackdiag.replay_report.enrich`)."""
+        return enrich(self, ctx, alerts)

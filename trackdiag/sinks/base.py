@@ -8,6 +8,7 @@ import time
 from typing import Any, ClassVar, Sequence
 
 from trackdiag.alert import Alert
+from trackdiag.errors import brief
 from trackdiag.record import Record
 from trackdiag.runinfo import RunInfo
 
@@ -116,4 +117,4 @@ class SinkHub:
                 getattr(sink, method)(*args)
             except Exception as exc:  # a sink must never take training down
                 self._failed.add(sink.name)
-                log.warning("trackdiag: sink %r disabled after %s in %s(): %s", sink.name, type(exc).__name__, method, exc)
+                log.warning("trackdiag: sink %r disabled after %s in %s()", sink.name, brief(exc), method)

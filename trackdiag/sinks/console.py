@@ -21,9 +21,15 @@ NOTE_ABOVE = 0.05  # overhead fraction above which the summary says how to cut i
 
 def display_health(summary: dict[str, Any]) -> str:
     """Health as shown to people: ``failed``/``killed`` when the run did not end normally and its
-    alerts said nothing worse (a crash with no alerts is not "ok"), else ok|warning|critical."""
+    alerts said nothing worse (a crash with no alerts is not "ok"; the flight recorder's ``crash``
+    finding, which describes that very failure, does not count), else ok|warning|critical."""
     health = str(summary.get("health", "unknown"))
     status = str(summary.get("status") or "FINISHED")
+    alerts = summary.get("alerts") or {}
+    if status != "FINISHED" and "crash" in alerts and isinstance(alerts, dict):
+        # the crash finding describes the failure the status already names: health is what the rest said
+        rest = {str(v.get("severity", "warning")) for k, v in alerts.items() if k != "crash" and isinstance(v, dict)}
+        health = "critical" if "critical" in rest else "warning" if rest - {"info"} else "ok"
     if status != "FINISHED" and health in ("ok", "unknown"):
         return status.lower() if status in ("FAILED", "KILLED") else "failed"
     return health

@@ -1,0 +1,259 @@
+"""The flight recorder: a script that dies mid-step (an exception raised after a NaN forward, an
+unrelated RuntimeError, SIGTERM) gets ONE ``crash`` finding in the local record, the console and the
+MLflow run, with the step, the module whose output went non-finite (or that was running), and the
+last steps of the loss and gradient-norm series; the exception and the exit status are untouched;
+Ctrl-C gives none. Real loops (tests/_zoo_crash.py), a real SQLite MLflow store, real subprocesses."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import trackdiag
+from trackdiag import exit_status
+from trackdiag.sinks.local import read_records
+
+import _zoo_crash as zoo
+
+REPO = Path(__file__).resolve().parents[1]
+LOCATED = {"basic": "", "advanced": "{m} ({t}, input finite)", "extreme": "{m} ({t}, input finite, seen in the step's forward)"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_exit_status():
+    exit_status._reset_for_tests()
+    yield
+    exit_status._reset_for_tests()
+
+
+def _capture(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The sessions the loops build (they raise before returning theirs)."""
+    made: list[Any] = []
+    real = trackdiag.Diagnostics.__init__
+
+    def init(self: Any, *a: Any, **k: Any) -> None:
+        real(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(trackdiag.Diagnostics, "__init__", init)
+    return made
+
+
+def _local(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any], list[Any]]:
+    """(alerts.json, run.json, records) of a local record."""
+    return (json.loads((out / "alerts.json").read_text()), json.loads((out / "run.json").read_text()),
+            list(read_records(out)))
+
+
+@pytest.mark.parametrize("level", ["basic", "advanced", "extreme"])
+@pytest.mark.parametrize(("script", "error", "module", "kind"), [
+    ("vae", RuntimeError, "dec.2", "NanGate"),   # binary_cross_entropy raises on the NaN reconstruction
+    ("rl", ValueError, "body.2", "NanGate"),     # Categorical(probs=NaN) raises
+])
+def test_a_nan_forward_that_kills_the_script_is_explained(tmp_path, monkeypatch, level, script, error, module, kind):
+    made = _capture(monkeypatch)
+    with pytest.raises(error):  # the user's exception is not swallowed
+        getattr(zoo, script)(level, tmp_path, onset=12)
+    (diag,) = made
+    (crash,) = diag.alerts  # nothing before the crash: the NaN never reached step()
+    assert (crash.kind, crash.step, crash.severity) == ("crash", 12, "critical")
+    assert crash.where == LOCATED[level].format(m=module, t=kind), crash
+    if level != "basic":
+        assert module in crash.message and "NaN" in crash.message
+    else:  # nothing watched the modules: the hint says how to have it named
+        assert "level='advanced'" in crash.hint and "flight.modules=true" in crash.hint
+    assert f"{error.__name__}: " in crash.message and "loss at steps 2-11: " in crash.message
+    assert "grad norm at steps 2-11: " in crash.message
+    alerts, run, records = _local(tmp_path)
+    assert run["status"] == "FAILED" and [a["kind"] for a in alerts] == ["crash"]
+    assert alerts[0]["where"] == crash.where and alerts[0]["step"] == 12
+    last = records[-1]
+    assert [a.to_dict() for a in last.alerts] == [crash.to_dict()] and list(last.tables["crash/loss"]) == [str(s) for s in range(2, 12)]
+    losses = dict((s, v) for r in records for s, v in r.series.get("diag/loss", []))
+    assert sorted(losses) == list(range(12))  # nothing lost: every completed step's loss is in the record
+    assert last.tables["crash/loss"] == {str(s): losses[s] for s in range(2, 12)}
+    assert diag.summary()["alerts"]["crash"]["count"] == 1
+
+
+@pytest.mark.parametrize("level", ["basic", "advanced", "extreme"])
+@pytest.mark.parametrize("script", ["vae", "rl"])
+def test_healthy_loops_say_nothing(tmp_path, level, script):
+    diag = getattr(zoo, script)(level, tmp_path, onset=None, steps=25)
+    assert [a for a in diag.alerts if a.severity != "info"] == [], [a.describe() for a in diag.alerts]
+    assert json.loads((tmp_path / "run.json").read_text())["status"] == "FINISHED"
+
+
+@pytest.mark.parametrize("level", ["basic", "advanced", "extreme"])
+def test_an_unrelated_error_gets_a_crash_finding_without_a_culprit(tmp_path, monkeypatch, level):
+    made = _capture(monkeypatch)
+    with pytest.raises(RuntimeError, match="environment server disconnected"):
+        zoo.rl(level, tmp_path, raise_at=9)
+    (crash,) = made[0].alerts
+    assert (crash.kind, crash.step, crash.where) == ("crash", 9, "")
+    assert "RuntimeError: environment server disconnected at step 9" in crash.message
+    assert "loss at steps 0-8: " in crash.message and "Not a non-finite fault" in crash.hint
+    if level == "advanced":  # a replay of the running step on its weights: finite
+        assert "was finite in every module output" in crash.message
+    if level == "extreme":  # the flags of the real step: finite
+        assert "were finite" in crash.message
+    assert json.loads((tmp_path / "run.json").read_text())["status"] == "FAILED"
+
+
+def test_ctrl_c_is_not_a_crash_and_the_finding_is_written_once(tmp_path, monkeypatch):
+    made = _capture(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        with trackdiag.Diagnostics(zoo.mlp_model(), None, level="advanced", sinks=["local"], output_dir=str(tmp_path / "a")):
+            raise KeyboardInterrupt
+    assert made[0].alerts == [] and json.loads((tmp_path / "a" / "run.json").read_text())["status"] == "KILLED"
+    model = zoo.mlp_model()
+    diag = trackdiag.Diagnostics(model, None, level="advanced", sinks=["local"], output_dir=str(tmp_path / "b"))
+    try:
+        with diag:
+            model(zoo.digits()[0][:8]).sum().backward()
+            diag.step(None)
+            raise OSError("disk full")
+    except OSError:
+        diag.close()  # a second close (in the handler) adds nothing
+    diag.close()
+    assert [a.kind for a in diag.alerts] == ["crash"] and "OSError: disk full" in diag.alerts[0].message
+    assert [a["kind"] for a in json.loads((tmp_path / "b" / "alerts.json").read_text())] == ["crash"]
+
+
+def test_without_with_the_uncaught_exception_is_described_at_exit(tmp_path, monkeypatch):
+    """No ``with``: sys.excepthook sees the exception, the session closes later (atexit) with it."""
+    made = _capture(monkeypatch)
+    err = zoo.run_quietly(zoo.vae, "advanced", tmp_path, onset=7, use_with=False)[1]
+    assert isinstance(err, RuntimeError)
+    monkeypatch.setattr(sys, "__excepthook__", lambda *a: None)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    exit_status.install()
+    monkeypatch.setattr(exit_status, "_installed_pid", None)
+    sys.excepthook(type(err), err, err.__traceback__)  # what Python does with an uncaught exception
+    made[0].close()  # what atexit does
+    (crash,) = made[0].alerts
+    assert crash.step == 7 and crash.where == "dec.2 (NanGate, input finite)", crash
+    assert json.loads((tmp_path / "run.json").read_text())["status"] == "FAILED"
+
+
+@pytest.mark.parametrize("level", ["advanced", "extreme"])
+def test_the_mlflow_run_holds_the_finding(tmp_path, monkeypatch, level):
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from _mlflow_util import ready_store
+
+    monkeypatch.chdir(tmp_path)
+    store = ready_store(tmp_path / "store")
+    made = _capture(monkeypatch)
+    with pytest.raises(RuntimeError):
+        zoo.vae(level, tmp_path / "run", onset=12, sinks=["mlflow"],
+                sink={"mlflow": {"tracking_uri": store, "experiment": "crash", "delivery": "thread"}})
+    sink = next(s for s in made[0]._hub.sinks if s.name == "mlflow")
+    client = MlflowClient(store)
+    run = client.get_run(sink.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["trackdiag.alert.crash"] == "12"
+    counts = sorted((m.step, m.value) for m in client.get_metric_history(sink.run_id, "diag/alerts/crash"))
+    assert counts[-1] == (12, 1.0) and all(v == 0.0 for s, v in counts if s < 12)  # on the loss's step axis
+    alerts = json.loads(Path(client.download_artifacts(sink.run_id, "alerts.json", str(tmp_path))).read_text())
+    (crash,) = alerts
+    assert crash["kind"] == "crash" and crash["step"] == 12 and crash["where"].startswith("dec.2 (NanGate")
+    assert "loss at steps 2-11" in crash["message"] and "grad norm at steps 2-11" in crash["message"]
+    loss = sorted((m.step, m.value) for m in client.get_metric_history(sink.run_id, "diag/loss"))
+    assert [s for s, _ in loss] == list(range(12))  # every completed step delivered
+
+
+SIGTERM_SCRIPT = """
+import time, torch
+from torch import nn
+import trackdiag
+
+class Slow(nn.Module):  # stands for a long forward: the signal arrives inside it
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.wait = False
+    def forward(self, x):
+        if self.wait:
+            open(OUT + ".ready", "w").close()
+            time.sleep(60)
+        return self.lin(x)
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), Slow(), nn.ReLU(), nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+diag = trackdiag.Diagnostics(model, opt, level=LEVEL, every=5, sinks=["local", "console", "mlflow"], output_dir=OUT,
+                             sink={"mlflow": {"tracking_uri": STORE, "experiment": "sigterm"}})
+
+def train():
+    for step in range(100):
+        model[2].wait = step == 17
+        x = torch.randn(16, 8)
+        loss = nn.functional.cross_entropy(model(x), torch.randint(0, 4, (16,)))
+        loss.backward(); opt.step(); opt.zero_grad()
+        diag.step(loss)
+
+RUN
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("level", "use_with"), [("advanced", True), ("basic", False)])
+def test_sigterm_mid_step_is_recorded_everywhere(tmp_path, level, use_with):
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from _mlflow_util import ready_store
+
+    out = tmp_path / "run"
+    store = ready_store(tmp_path)
+    body = SIGTERM_SCRIPT.replace("OUT", repr(str(out))).replace("STORE", repr(store)).replace("LEVEL", repr(level))
+    body = body.replace("RUN", "with diag:\n    train()" if use_with else "train()  # no with: closed at exit")
+    (tmp_path / "script.py").write_text(textwrap.dedent(body))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "script.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not Path(str(out) + ".ready").exists() and time.monotonic() - t0 < 120 and proc.poll() is None:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    alerts, run, records = _local(out)
+    assert run["status"] == "KILLED"
+    (crash,) = alerts
+    assert crash["kind"] == "crash" and crash["step"] == 17 and "killed by SIGTERM" in crash["message"]
+    assert crash["where"] == "2 (Slow, running in its forward)", crash
+    assert "loss at steps 7-16" in crash["message"] and "SIGTERM" in crash["hint"]
+    assert "crash" in err and "run KILLED" in err, err[-2000:]
+    client = MlflowClient(store)
+    [mrun] = client.search_runs([client.get_experiment_by_name("sigterm").experiment_id])
+    assert mrun.info.status == "KILLED" and mrun.data.tags["trackdiag.alert.crash"] == "17"
+    got = json.loads(Path(client.download_artifacts(mrun.info.run_id, "alerts.json", str(tmp_path))).read_text())
+    assert got == alerts
+    loss = sorted(m.step for m in client.get_metric_history(mrun.info.run_id, "diag/loss"))
+    assert loss == list(range(17))  # nothing lost
+
+
+def test_health_shown_for_a_crash_is_the_status_unless_other_alerts_say_worse():
+    from trackdiag.sinks.console import display_health
+
+    crash = {"count": 1, "first_step": 5, "severity": "critical"}
+    assert display_health({"health": "critical", "status": "FAILED", "alerts": {"crash": crash}}) == "failed"
+    assert display_health({"health": "critical", "status": "KILLED", "alerts": {"crash": crash}}) == "killed"
+    both = {"crash": crash, "nonfinite_loss": {**crash, "first_step": 3}}
+    assert display_health({"health": "critical", "status": "FAILED", "alerts": both}) == "critical"
+    spike = {"crash": crash, "loss_spike": {**crash, "severity": "warning"}}
+    assert display_health({"health": "critical", "status": "FAILED", "alerts": spike}) == "warning"

@@ -1,0 +1,220 @@
+"""Which module's output went non-finite in a *real* training step: per-module flags kept on the device.
+
+A replay (:mod:`trackdiag.replay`) finds the module that makes a NaN when the fault reproduces. Some
+do not: a fault that happens once (hardware, a race, a transient condition), a model whose
+``forward`` trackdiag cannot call (a LightningModule without one), a script that died before a
+replay could run. :class:`OutputFlags` watches the forwards as they happen instead: after the
+forward of every module of the session's models (training mode, grad enabled, eager) its floating
+output, and its input when that is not one of the last outputs recorded, become one fp32 sum each: NaN and
+Inf propagate, so the flag is non-finite exactly when the tensor held a NaN/Inf (a finite sum
+overflows only past 3e38). On the CPU the sum is taken at once (nothing is kept); on CUDA the
+tensors wait, at most ``chunk`` of them and ``max_mb`` MB, for one multi-tensor kernel at the end of
+the root model's forward. The flags of the last ``ring`` steps stay on the device as one tensor per
+step; they are read back only when a non-finite alert or a crash asks which module was first
+(completion order: the innermost module that completed first, and whether its input was finite),
+and at logging steps with the session's one host copy, to learn the modules whose output is
+non-finite on healthy steps too (``-inf`` attention masks): those are never blamed.
+
+Cost per module call: a few Python operations (~2-5 us on the CPU) and one sum (CPU: ~3 us plus a
+read of the output, ~50 us per million values on one core); per step one ``stack``. No host read.
+Measured (benchmarks/flight.py, docs/crash-and-replay.md): +1 to +3 % of a step of the overhead
+benchmark's 25-50 ms CPU workloads, ~12 us per module call on small outputs. Memory: on CUDA, at most ``max_mb`` of module outputs kept until the
+end of their forward; 4 bytes per module call for ``ring`` steps.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from trackdiag.context import ProbeContext
+from trackdiag.forward_watch import FORWARD
+from trackdiag.layers import ROOT
+
+Key = tuple[str, str]  # (component, module name)
+
+
+class _Step:
+    """The flags of one step: per module call (completion order) its key and the positions of its
+    output's and its input's flag in ``flags`` (-1: input not recorded)."""
+
+    def __init__(self) -> None:
+        self.keys: list[Key] = []
+        self.outs: list[int] = []
+        self.ins: list[int] = []
+        self.vals: list[torch.Tensor | None] = []  # 0-d sums (None: waiting for the CUDA kernel)
+        self.flags: torch.Tensor | None = None      # ``vals`` stacked at the end of the step
+
+
+class OutputFlags:
+    """See module docstring."""
+
+    def __init__(self, ctx: ProbeContext, ring: int, chunk: int = 64, max_mb: float = 64.0) -> None:
+        self.ctx = ctx
+        self.ring, self.chunk, self.max_bytes = max(ring, 1), max(chunk, 1), int(max_mb * 2**20)
+        self._names: dict[int, Key] = {}
+        self._roots: set[int] = set()
+        for comp in ctx.components:
+            if comp.model is None:
+                continue
+            for name, m in comp.model.named_modules():
+                self._names.setdefault(id(m), (comp.name, name or ROOT))
+            self._roots.add(id(comp.model))
+            if comp.outer is not None:
+                self._roots.add(id(comp.outer))
+        self._now = _Step()  # the running step
+        self._waiting: list[tuple[int, torch.Tensor]] = []  # CUDA: (position, tensor) until the kernel
+        self._bytes = 0
+        self._last: torch.Tensor | None = None  # the output recorded last (a container hands it on)
+        self._last_at = -1
+        self._recent: list[tuple[torch.Tensor, int]] = []  # the last few outputs: a module's input is often one
+        self._steps: collections.OrderedDict[int, _Step] = collections.OrderedDict()
+        self.habitual: set[Key] = set()  # non-finite on healthy steps too: never blamed
+        self._stop: Any = None
+
+    def start(self) -> None:
+        if self._stop is None:
+            self._stop = FORWARD.watch_all(self._seen)
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop()
+            self._stop = None
+        self._now, self._waiting, self._last, self._recent = _Step(), [], None, []
+        self._steps.clear()
+
+    def _seen(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Every eager module forward (hot path: host work and one sum)."""
+        key = self._names.get(id(module))
+        if key is None or not module.training or not torch.is_grad_enabled():
+            return
+        t = output
+        if type(t) is not torch.Tensor:
+            t = output[0] if isinstance(output, (tuple, list)) and output else None
+        if not isinstance(t, torch.Tensor) or t is self._last or not t.is_floating_point():
+            if id(module) in self._roots:  # a container handing on its last child's output, or no tensor
+                self._last, self._recent = None, []
+                self.flush()
+            return
+        t0 = time.perf_counter()
+        x = args[0] if args else None
+        torch._C._set_grad_enabled(False)  # the sums are no part of the user's graph
+        try:
+            now = self._now
+            if type(x) is not torch.Tensor or not x.is_floating_point():
+                now.ins.append(-1)
+            else:
+                now.ins.append(next((i for r, i in self._recent if r is x), -1) if self._recent else -1)
+                if now.ins[-1] < 0:
+                    now.ins[-1] = self._add(x)
+            self._last, self._last_at = t, self._add(t)
+            self._recent.append((t, self._last_at))
+            if len(self._recent) > 4:
+                del self._recent[0]
+            now.outs.append(self._last_at)
+            now.keys.append(key)
+        finally:
+            torch._C._set_grad_enabled(True)
+        if id(module) in self._roots:
+            self._last, self._recent = None, []  # the model's outputs: not kept past its forward
+            self.flush()
+        elif self._waiting and (len(self._waiting) >= self.chunk or self._bytes >= self.max_bytes):
+            self.flush()
+        self.ctx.hook_seconds += time.perf_counter() - t0  # inside the user's forward: the session's clock misses it
+
+    def _add(self, t: torch.Tensor) -> int:
+        """The position of ``t``'s flag in the running step (its sum now, or after the CUDA kernel)."""
+        vals = self._now.vals
+        if t.layout is not torch.strided:
+            vals.append(torch.zeros((), dtype=torch.float32, device=t.device))
+        elif self.batched(t):
+            self._waiting.append((len(vals), t))
+            self._bytes += t.numel() * t.element_size()
+            vals.append(None)
+        else:
+            vals.append(t.sum(dtype=torch.float32))
+        return len(vals) - 1
+
+    @staticmethod
+    def batched(t: torch.Tensor) -> bool:
+        """Whether ``t`` waits for the multi-tensor kernel (CUDA) instead of its own sum (CPU)."""
+        return t.is_cuda
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """CUDA: the waiting tensors into flags, one multi-tensor kernel (per device and dtype)."""
+        if not self._waiting:
+            return
+        waiting, self._waiting, self._bytes = self._waiting, [], 0
+        groups: dict[tuple[Any, Any], list[tuple[int, torch.Tensor]]] = {}
+        for i, t in waiting:
+            groups.setdefault((t.device, t.dtype), []).append((i, t))
+        vals = self._now.vals
+        for group in groups.values():
+            sums = torch._foreach_norm([t for _, t in group], 1, dtype=torch.float32)  # L1: one fused pass
+            for (i, _), s in zip(group, sums):
+                vals[i] = s
+
+    def end_step(self, step: int) -> None:
+        """``Diagnostics.step``: the running step's flags join the ring (one ``stack``)."""
+        self.flush()
+        now, self._now, self._last, self._recent = self._now, _Step(), None, []
+        if now.keys:
+            now.flags = _stacked(now.vals)
+            now.vals = []
+            self._steps[step] = now
+            while len(self._steps) > self.ring:
+                self._steps.popitem(last=False)
+
+    def _entry(self, step: int, running: bool) -> _Step | None:
+        if running:
+            self.flush()
+            if self._now.keys:
+                self._now.flags = _stacked(self._now.vals)
+                return self._now
+        return self._steps.get(step)
+
+    def device_flags(self, step: int) -> torch.Tensor | None:
+        """The flags of ``step`` as one device tensor (for the logging step's host copy), or None."""
+        entry = self._steps.get(step)
+        return entry.flags if entry is not None else None
+
+    def learn(self, step: int, values: Any) -> None:
+        """A healthy logging step's flags (host values): modules non-finite there are habitual."""
+        entry = self._steps.get(step)
+        if entry is None or entry.flags is None or entry.flags.numel() != len(values):
+            return
+        self.habitual.update(k for k, i in zip(entry.keys, entry.outs) if not math.isfinite(float(values[i])))
+
+    def first_bad(self, step: int, running: bool = False) -> tuple[Key, bool | None, int, int] | None:
+        """``((component, module), input finite, calls, flagged)`` for the first module call of ``step``
+        whose output held a NaN/Inf (habitual modules left out): whether its input was finite (None:
+        not recorded), the number of module calls recorded and how many were non-finite; None when
+        every output was finite or nothing was recorded. One host read (alert and crash paths only).
+        ``running``: the step in progress (not yet ended by ``step()``)."""
+        entry = self._entry(step, running)
+        if entry is None or entry.flags is None:
+            return None
+        values = entry.flags.float().cpu().tolist()
+        bad = [(k, i) for k, o, i in zip(entry.keys, entry.outs, entry.ins)
+               if not math.isfinite(values[o]) and k not in self.habitual]
+        if not bad:
+            return None
+        key, i = bad[0]
+        return key, (math.isfinite(values[i]) if i >= 0 else None), len(entry.keys), len(bad)
+
+    def recorded(self, step: int, running: bool = False) -> int:
+        """How many module calls of ``step`` were recorded (0: none: compiled, or no eager forward)."""
+        entry = self._now if running else self._steps.get(step)
+        return len(entry.keys) if entry is not None else 0
+
+
+def _stacked(vals: list[torch.Tensor | None]) -> torch.Tensor:
+    """The step's flags as one tensor (on the first value's device; every value is set after a flush)."""
+    got = [v for v in vals if v is not None]
+    device = got[0].device
+    return torch.stack([v if v.device == device else v.to(device) for v in got])
