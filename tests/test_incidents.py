@@ -65,15 +65,15 @@ def _finding(kind: str, step: int, severity: str = "warning", where: str = "") -
 
 def test_incident_book_folds_repeats_reraises_when_it_worsens_or_comes_back() -> None:
     book = AlertBook()
-    assert book.admit(_finding("loss_spike", 10), quiet=100)
-    assert not book.admit(_finding("loss_spike", 60), quiet=100)  # the same incident, still open
-    assert book.admit(_finding("loss_spike", 90, "critical"), quiet=100)  # worsened: raised again
-    assert not book.admit(_finding("loss_spike", 150, "warning"), quiet=100)
-    assert book.admit(_finding("loss_spike", 400), quiet=100)  # quiet for 250 steps: it came back
+    assert book.admit(_finding("loss_spike", 10), cooldown=100)
+    assert not book.admit(_finding("loss_spike", 60), cooldown=100)  # the same incident, still open
+    assert book.admit(_finding("loss_spike", 90, "critical"), cooldown=100)  # worsened: raised again
+    assert not book.admit(_finding("loss_spike", 150, "warning"), cooldown=100)
+    assert book.admit(_finding("loss_spike", 400), cooldown=100)  # quiet for 250 steps: it came back
     assert [(a.step, a.count, a.last_step) for a in book.alerts] == [(10, 2, 60), (90, 2, 150), (400, 1, 400)]
     root = book.absorbing(_finding("dead_units", 420))
     assert root is None  # a warning incident absorbs nothing
-    book.admit(_finding("grad_explosion", 500, "critical"), quiet=100)
+    book.admit(_finding("grad_explosion", 500, "critical"), cooldown=100)
     root = book.absorbing(_finding("dead_units", 520))
     assert root is not None and root.alert.kind == "grad_explosion"
     book.suppress(_finding("dead_units", 520), root)

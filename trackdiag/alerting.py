@@ -77,9 +77,10 @@ class AlertBook:
         self.incidents: list[Incident] = []
         self._open: dict[tuple[str, str], Incident] = {}
 
-    def admit(self, alert: Alert, quiet: int, key: str | None = None) -> bool:
+    def admit(self, alert: Alert, cooldown: int, key: str | None = None) -> bool:
         """True when ``alert`` is emitted (a new incident, or one that worsened); False when it is
-        folded into the open incident at the same ``key`` (default: its ``where``)."""
+        folded into the open incident at the same ``key`` (default: its ``where``), found again within
+        ``cooldown`` steps of its last finding."""
         entry = self.kinds.setdefault(alert.kind, {"count": 0, "first_step": alert.step, "first_where": alert.where,
                                                    "suppressed": 0, "severity": alert.severity, "findings": 0,
                                                    "last_step": alert.step})
@@ -91,7 +92,7 @@ class AlertBook:
             self._fold(inc, alert.step)
             entry["suppressed"] += 1
             return False
-        inc = Incident(alert, len(self.alerts), max(quiet, 0), last_step=max(alert.step, alert.last_step))
+        inc = Incident(alert, len(self.alerts), max(cooldown, 0), last_step=max(alert.step, alert.last_step))
         self._open[ident] = inc
         self.incidents.append(inc)
         self.alerts.append(alert)

@@ -19,7 +19,7 @@ from typing import Any
 
 from trackdiag.compare.hydra_jobs import failed_job, job_num, overlay, read_job_markers, read_overrides
 from trackdiag.compare.runs import (HEALTH_RANK, CompareError, Progress, RunSummary, best_finite, first_anomaly,
-                                    flatten, health_from_severities, loss_stats)
+                                    flatten, health_from_severities, loss_stats, training_health)
 from trackdiag.compare.safe_read import (UnreadableFile, as_dict, as_int, as_str, iter_json_lines,
                                          normalise_summary, read_json)
 
@@ -98,6 +98,7 @@ def read_run_dir(path: Path) -> RunSummary:
             firsts[kind] = a["first_step"] or 0
             sevs[kind] = a["severity"]
         health = summary["health"] if summary["health"] in HEALTH_RANK else health_from_severities(sevs.values())
+        health = training_health(health, sevs)
     else:  # still running, or the process died before close(): alerts.jsonl is written live
         for a in iter_json_lines(path / "alerts.jsonl"):
             try:
@@ -111,7 +112,7 @@ def read_run_dir(path: Path) -> RunSummary:
             firsts[kind] = min(step, firsts.get(kind, step))
             if _SEVERITY_RANK.get(sev, 1) >= _SEVERITY_RANK.get(sevs.get(kind, "info"), 0):
                 sevs[kind] = sev
-        health = health_from_severities(sevs.values())
+        health = training_health(health_from_severities(sevs.values()), sevs)
         note = "no summary.json: still running, or the process died before trackdiag closed"
     train, evals, last_step = _scan_losses(path / "records.jsonl")
     final, best, curve = loss_stats(train)

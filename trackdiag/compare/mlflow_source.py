@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from trackdiag.compare.runs import (HEALTH_RANK, CompareError, Progress, RunSummary, best_finite, first_anomaly,
-                                    loss_stats, parse_value)
+                                    loss_stats, parse_value, training_health)
 from trackdiag.sinks._mlflow_sweep import literal
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def run_summary(client: Any, run: Any, train: list[tuple[int, float]] | None = N
         counts = {k: int(v[0]) for k, v in summary["alerts"].items()}
         firsts = {k: int(v[1]) for k, v in summary["alerts"].items() if isinstance(v[1], (int, float))}
         sevs = {k: str(v[2]) for k, v in summary["alerts"].items()}
-        health = str(summary.get("health") or "ok")
+        health = training_health(str(summary.get("health") or "ok"), sevs)
     else:  # a run from before the summary tag, or one whose process died before trackdiag closed
         counts, firsts = _alerts_from_tags(tags, metrics)
         health = tags.get(HEALTH_TAG) or ("unknown" if not counts else "warning")

@@ -132,8 +132,9 @@ class RunSummary:
         return HEALTH_RANK.get(self.display_health, 3), first, self.job_num if self.job_num is not None else math.inf, self.name
 
     def anomaly_kinds(self) -> list[str]:
-        """Alert kinds of warning or critical severity (unknown severity counts), by first step."""
-        kinds = [k for k in self.alert_counts if self.severities.get(k, "warning") != "info"]
+        """Alert kinds of warning or critical severity (unknown severity counts), by first step; the
+        crash a failed run's status names is not one."""
+        kinds = [k for k in self.alert_counts if self.severities.get(k, "warning") != "info" and k not in FAILURE_KINDS]
         return sorted(kinds, key=lambda k: (self.first_steps.get(k, math.inf), k))
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,10 +217,22 @@ def health_from_severities(severities: Iterable[str]) -> str:
     return "warning" if sev - {"info"} else "ok"
 
 
+#: alert kinds that describe the failure the run's status names (FAILED, KILLED), not an anomaly of training
+FAILURE_KINDS = frozenset({"crash"})
+
+
 def first_anomaly(first_steps: Mapping[str, int], severities: Mapping[str, str]) -> int | None:
-    """Earliest first step over alert kinds that are not ``info``."""
-    steps = [s for k, s in first_steps.items() if severities.get(k, "warning") != "info"]
+    """Earliest first step over alert kinds that are not ``info`` (nor the crash the status names)."""
+    steps = [s for k, s in first_steps.items() if severities.get(k, "warning") != "info" and k not in FAILURE_KINDS]
     return min(steps) if steps else None
+
+
+def training_health(health: str, severities: Mapping[str, str]) -> str:
+    """The run's health from its training alerts: a ``crash`` finding is the failure its status names
+    (a run that died shows ``failed``), so it does not make the run critical on its own."""
+    if not any(k in FAILURE_KINDS for k in severities):
+        return health
+    return health_from_severities(v for k, v in severities.items() if k not in FAILURE_KINDS)
 
 
 def is_setting(key: str) -> bool:
