@@ -222,3 +222,16 @@ def sk_table(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch
     mu, sd = x[tr].mean(0), x[tr].std(0).clamp_min(1e-6)
     x = (x - mu) / sd
     return x[tr], y[tr], x[va], y[va]
+
+
+def play(env: Any, act: Any, rewards: list[float], state: Any) -> float:
+    """One episode of a gymnasium ``env`` from ``state`` (pytorch/examples' RL loop): the action ``act(state)``
+    picks, each reward appended to ``rewards``; returns the episode's total reward."""
+    total = 0.0
+    for _ in range(1, 10000):
+        state, reward, terminated, truncated, _ = env.step(act(state))
+        rewards.append(float(reward))
+        total += float(reward)
+        if terminated or truncated:
+            break
+    return total

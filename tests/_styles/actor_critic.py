@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributions import Categorical
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
-                      mean, one_thread, session, wipe_grads)
+                      mean, one_thread, play, session, wipe_grads)
 
 NAME = "actor_critic"
 DESCRIPTION = "pytorch/examples reinforcement_learning/actor_critic.py: CartPole, episode-summed loss, Adam 3e-2"
@@ -102,15 +102,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             model.action_head.arm(active(fault, "crash_nan", i_episode, onset))
             if i_episode:
                 state, _ = env.reset()
-            ep_reward = 0.0
-            for _ in range(1, 10000):
-                action = select_action(model, state)
-                state, reward, terminated, truncated, _ = env.step(action)
-                model.rewards.append(float(reward))
-                ep_reward += float(reward)
-                if terminated or truncated:
-                    break
-            ep_rewards.append(ep_reward)
+            ep_rewards.append(play(env, lambda s: select_action(model, s), model.rewards, state))
             # finish_episode()
             if not active(fault, "no_zero", i_episode, onset):
                 optimizer.zero_grad()

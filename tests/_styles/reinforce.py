@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributions import Categorical
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
-                      mean, one_thread, session, wipe_grads)
+                      mean, one_thread, play, session, wipe_grads)
 
 NAME = "reinforce"
 DESCRIPTION = "pytorch/examples reinforcement_learning/reinforce.py: CartPole, sum(-log_prob*R), Adam 1e-2"
@@ -91,15 +91,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             policy.affine2.arm(active(fault, "crash_nan", i_episode, onset))
             if i_episode:
                 state, _ = env.reset()
-            ep_reward = 0.0
-            for _ in range(1, 10000):
-                action = select_action(policy, state)
-                state, reward, terminated, truncated, _ = env.step(action)
-                policy.rewards.append(float(reward))
-                ep_reward += float(reward)
-                if terminated or truncated:
-                    break
-            ep_rewards.append(ep_reward)
+            ep_rewards.append(play(env, lambda s: select_action(policy, s), policy.rewards, state))
             # finish_episode()
             if not active(fault, "no_zero", i_episode, onset):
                 optimizer.zero_grad()
