@@ -7,7 +7,8 @@ checkout (links), with no PYTHONPATH, no MLFLOW_TRACKING_URI and no activated en
 without the venv). The two set-up lines (``bash scripts/bootstrap.sh && X``) have already run: their
 ``X`` part runs, except the test suite itself. A command that serves (``mlflow ui``) is started on
 a free port and must answer ``/health``; everything else must exit 0. W&B is offline, Hugging Face
-offline. ``-m "not slow"`` skips it: it trains a dozen small runs (10.7 minutes on 2 cores shared with other jobs)."""
+offline. Each ``## `` section runs in a directory of its own (one test each, so they run in parallel).
+``-m "not slow"`` skips them: together they train a dozen small runs."""
 from __future__ import annotations
 
 import os
@@ -27,16 +28,22 @@ README = REPO / "README.md"
 MAX_LINES = 250
 
 
-def blocks() -> list[tuple[str, str]]:
-    """The README's fenced blocks as (language, body), in order."""
-    return [(m.group(1), m.group(2)) for m in re.finditer(r"^```(\w*)\n(.*?)^```$", README.read_text(encoding="utf-8"),
-                                                          re.S | re.M)]
+def blocks(text: str | None = None) -> list[tuple[str, str]]:
+    """The fenced blocks of ``text`` (the README) as (language, body), in order."""
+    text = README.read_text(encoding="utf-8") if text is None else text
+    return [(m.group(1), m.group(2)) for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.S | re.M)]
 
 
-def steps() -> list[tuple[str, str]]:
+def sections() -> dict[str, str]:
+    """The README's ``## `` sections: heading -> text (each one's commands run in a fresh directory)."""
+    parts = re.split(r"^## (.+)$", README.read_text(encoding="utf-8"), flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def steps(text: str | None = None) -> list[tuple[str, str]]:
     """("file", name + "\\n" + body) for each Python block, ("run", command) for each bash line."""
     out: list[tuple[str, str]] = []
-    for lang, body in blocks():
+    for lang, body in blocks(text):
         if lang == "python":
             first = body.split("\n", 1)[0]
             name = re.match(r"# ([\w.-]+\.py)\b", first)
@@ -52,6 +59,9 @@ def steps() -> list[tuple[str, str]]:
                 if command:
                     out.append(("run", command))
     return out
+
+
+RUNNABLE = [h for h, body in sections().items() if any(k == "run" for k, _ in steps(body))]
 
 
 def test_readme_is_short_and_its_snippets_are_complete() -> None:
@@ -95,8 +105,10 @@ def _serve(command: str, cwd: Path, env: dict[str, str]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_every_command_and_snippet_works_as_printed(tmp_path: Path) -> None:
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("section", RUNNABLE, ids=[re.sub(r"\W+", "-", h.lower()).strip("-") for h in RUNNABLE])
+def test_every_command_and_snippet_works_as_printed(tmp_path: Path, section: str) -> None:
+    """Each section's commands, in order, in a fresh directory of their own (sections do not share files)."""
     work = tmp_path / "fresh"
     work.mkdir()
     for name in (".venv", "examples", "scripts"):
@@ -106,12 +118,13 @@ def test_every_command_and_snippet_works_as_printed(tmp_path: Path) -> None:
     env.update(PATH="/usr/local/bin:/usr/bin:/bin", WANDB_MODE="offline", WANDB_SILENT="true", HF_HUB_OFFLINE="1",
                MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", HOME=str(tmp_path))
     ran = []
-    for kind, body in steps():
+    for kind, body in steps(sections()[section]):
         if kind == "file":
             name, text = body.split("\n", 1)
             (work / name).write_text(text, encoding="utf-8")
             continue
         if " mlflow ui" in body:
+            assert (work / "mlflow.db").exists(), "mlflow ui before anything wrote ./mlflow.db"
             _serve(body, work, env)
             ran.append(body)
             continue
@@ -121,5 +134,15 @@ def test_every_command_and_snippet_works_as_printed(tmp_path: Path) -> None:
         if "quickstart.py" in body:  # a plain-Python session says where its results are and how to look
             assert re.search(r"^  results: .*trackdiag_runs", done.stderr, re.M), done.stderr[-2000:]
             assert "to look again: " in done.stderr and "start the UI first: " in done.stderr, done.stderr[-2000:]
-    assert len(ran) >= 8
-    assert (work / "mlflow.db").exists() and (work / "multirun" / "lr" / "comparison.html").exists()
+        if " -m +diag=" in body:  # a sweep: its comparison beside it
+            sweep = re.search(r"hydra\.sweep\.dir=(\S+)", body)
+            assert sweep and (work / sweep.group(1) / "comparison.html").exists(), body
+    assert ran
+
+
+def test_every_runnable_section_is_tested() -> None:
+    """The README's commands are all in some section (none before the first heading)."""
+    head = README.read_text(encoding="utf-8").split("\n## ", 1)[0]
+    assert not [k for k, _ in steps(head) if k == "run"]
+    assert sum(len([k for k, _ in steps(sections()[h]) if k == "run"]) for h in RUNNABLE) == \
+        len([k for k, _ in steps() if k == "run"]) >= 8

@@ -117,6 +117,7 @@ def _chart_extents(b: Browser) -> dict[str, list[float]]:
 
 
 def test_alert_chart_shares_the_loss_step_range(story: dict[str, str], tmp_path: Path) -> None:
+    kind = json.loads((Path(story["run_dir"]) / "alerts.json").read_text())[0]["kind"]  # the incident's alert
     base, _, route = story["url"].partition("#")
     page, _, query = route.partition("?")
     box = "input[placeholder*=\"Search metric\"]"
@@ -125,12 +126,12 @@ def test_alert_chart_shares_the_loss_step_range(story: dict[str, str], tmp_path:
         assert b.wait(f"!!document.querySelector('{box}')", 60)
         assert b.wait("document.body.innerText.includes('diag/alerts')", 90), b.eval("document.body.innerText")[:2000]
         b.eval(f"document.querySelector('{box}').focus()")
-        b.type("diag/alerts/grad_explosion|diag/loss$")  # the filter is a regular expression
+        b.type(f"diag/alerts/{kind}|diag/loss$")  # the filter is a regular expression
         assert b.wait("document.querySelectorAll('.js-plotly-plot').length === 2", 60)
         time.sleep(1.0)
         charts = _chart_extents(b)
         shot = b.screenshot(tmp_path / "alert_chart.png")
-    loss, alert = charts["diag/loss"], charts["diag/alerts/grad_explosion"]
+    loss, alert = charts["diag/loss"], charts[f"diag/alerts/{kind}"]
     assert loss[:2] == [0, 199] and alert[:2] == loss[:2], charts  # the same steps, first to last
     assert alert[2] <= loss[2] and alert[3] >= loss[3], charts  # its axis shows the whole run too
     _nonblank(shot)

@@ -42,7 +42,8 @@ from trackdiag.sparse import finite_flag
 from trackdiag.tensors import default_loss, float_tensors
 from trackdiag.user_loss import loss_value, own_loss
 
-Call = tuple[tuple[Any, ...], dict[str, Any], tuple[str, torch.dtype] | None]  # args, kwargs, autocast
+#: args, kwargs, autocast[, the submodule called when the model's own forward was not]
+Call = tuple[Any, ...]
 NOT_FOUND = "The culprit could not be found"
 
 
@@ -149,8 +150,9 @@ Run = tuple[Callable[[], Any], tuple[str, torch.dtype] | None, bool]  # forward,
 
 
 def _call_run(model: nn.Module, call: Call) -> Run:
-    args, kwargs, autocast = call
-    return (lambda: model(*args, **kwargs)), autocast, False
+    args, kwargs, autocast = call[:3]
+    target = call[3] if len(call) > 3 else model  # a submodule's outermost call (the model's forward was not used)
+    return (lambda: target(*args, **kwargs)), autocast, False
 
 
 def _batch_run(batch_loss: Callable[[Any], Any], batch: Any) -> Run:

@@ -81,6 +81,8 @@ class NanReplayProbe(Probe):
         self._snapped = -(10**9)
         self._snapshots: dict[str, ParamSnapshot] = {}
         self._stops: list[Any] = []
+        self._watch_parts: dict[str, str] = {}  # component -> device type, until its outermost calls are watched
+        self._depths: dict[str, list[int]] = {}
         if mode not in MODES:
             raise ConfigError([f"diag.probes.nan_replay.mode: {mode!r} is not one of {', '.join(MODES)}"])
         self.mode, self.ring, self.max_replays, self.max_calls, self.backward = mode, ring, max_replays, max_calls, backward
@@ -109,11 +111,37 @@ class NanReplayProbe(Probe):
                 dev = comp.index.params[0].device.type if comp.index.params else "cpu"
                 self._stops.append(FORWARD.watch(comp.outer if comp.outer is not None else comp.model,
                                                  post=partial(self._capture, comp.name, dev)))
+                self._watch_parts[comp.name] = dev
+
+    def _watch_outermost(self, comp: Component) -> None:
+        """The model's own forward was not called in a step (``model.log_prob(x)``, ``model.loss(x)``:
+        the loop calls a method that runs the submodules): from now on keep the outermost submodule
+        calls of each step instead (those made while no other submodule of the model is running), and
+        the replay runs them in order. One pre- and one post-hook call per module call of this model
+        (~2 us each on CPU), paid only by models whose forward is never called."""
+        dev = self._watch_parts.pop(comp.name, None)
+        if dev is None or comp.model is None:
+            return
+        depth = self._depths[comp.name] = [0]  # reset at each step (a forward that raised never left)
+
+        def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
+            depth[0] += 1
+
+        def leave(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            depth[0] = max(depth[0] - 1, 0)
+            if depth[0] == 0:
+                self._capture(comp.name, dev, module, args, kwargs, output, target=module)
+
+        for name, module in comp.model.named_modules():
+            if name:
+                self._stops.append(FORWARD.watch(module, pre=enter, post=leave))
 
     def detach(self) -> None:
         for stop in self._stops:
             stop()
         self._stops.clear()
+        self._watch_parts.clear()
+        self._depths.clear()
         self._ring.clear()
         self._snapshots.clear()
 
@@ -126,7 +154,7 @@ class NanReplayProbe(Probe):
                 snap.take(ctx.step + 1)  # the weights the next step's forward will use
 
     def _capture(self, comp: str, device_type: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 output: Any) -> None:
+                 output: Any, target: nn.Module | None = None) -> None:
         """Forward watcher: keep references to a training forward's arguments (host work only)."""
         if self._busy or self._ctx is None or not module.training or not torch.is_grad_enabled():
             return None
@@ -143,7 +171,8 @@ class NanReplayProbe(Probe):
                 device_type = next((p.device.type for p in module.parameters()), "cpu")
                 device_type = "cpu" if device_type == "meta" else device_type
             amp = (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
-            calls.append((detached(args), detached(kwargs), amp))
+            call = (detached(args), detached(kwargs), amp)
+            calls.append(call if target is None else (*call, target))  # a submodule's call: replayed on it
         self._ctx.hook_seconds += time.perf_counter() - t0
         return None
 
@@ -157,6 +186,12 @@ class NanReplayProbe(Probe):
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         entry = self._ring.get(ctx.step)
+        for depth in self._depths.values():
+            depth[0] = 0
+        if self._watch_parts and torch.is_grad_enabled():
+            for comp in ctx.components:  # its forward was not called this step: watch its parts instead
+                if comp.name in self._watch_parts and comp.name not in ((entry or {}).get("calls") or {}):
+                    self._watch_outermost(comp)
         if entry is None and inputs.batch is not None:  # nothing captured (compiled before the session)
             entry = self._ring[ctx.step] = {"calls": {}, "batch": None, "guessed": True}
             model_input = inputs_of(inputs.batch)

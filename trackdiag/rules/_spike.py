@@ -8,6 +8,10 @@ and ``floor`` is
 ``floor_fraction`` (0.1) of the series' median over its first ``warmup`` (20) values, so a loss
 that has converged near zero does not turn every slightly worse batch into a "10x spike".
 
+Before ``warmup`` values there is no spread to measure: from ``early`` (5) values on, only a jump of
+``early_factor`` (100) x the median so far counts (a learning rate of 50 at step 12 of a 30-step
+run; no healthy run's norm or loss jumps a hundredfold in its first steps).
+
 Why both: measured on healthy runs of four realistic scripts (1,500 steps), a lone z-score reached
 11.5 and a lone ratio 13.7 (a digits CNN near zero loss meeting one misclassified batch), while the
 planted learning-rate blow-ups scored z >= 41 and ratio >= 23 on the gradient norm. Host work on
@@ -26,8 +30,9 @@ class SpikeDetector:
     """See module docstring. ``feed(v)`` returns ``(is_spike, reference level)``."""
 
     def __init__(self, *, z: float = 6.0, factor: float = 10.0, window: int = 128, warmup: int = 20,
-                 floor_fraction: float = 0.1, level_of: int = 20) -> None:
+                 floor_fraction: float = 0.1, level_of: int = 20, early: int = 5, early_factor: float = 100.0) -> None:
         self.z, self.factor, self.warmup, self.floor_fraction = z, factor, max(2, warmup), floor_fraction
+        self.early, self.early_factor = early, early_factor
         self.level_of = max(1, level_of)
         self.recent: deque[float] = deque(maxlen=max(window, self.warmup))
         self.first: list[float] = []
@@ -50,6 +55,9 @@ class SpikeDetector:
             ref = max(statistics.median(itertools.islice(reversed(self.recent), self.level_of)), self.floor)
             # ref > 0: a series that sat at exactly 0 (a layer not training yet) has no level to be a multiple of
             spike = ref > 0 and v - mean >= self.z * std and v >= self.factor * ref
+        elif n >= self.early:
+            ref = statistics.median(self.recent)
+            spike = ref > 0 and v >= self.early_factor * ref
         if spike:
             return True, ref  # a spike does not join the baseline it is judged against
         if n == self.recent.maxlen:

@@ -61,7 +61,10 @@ class Overfitting(Rule):
       noisy reading, with the validation loss still improving, is not overfitting).
 
     The evaluations judged span at least ``min_span`` (20) steps (more of them when the loop evaluates
-    more often than that). ``step`` is the onset: the evaluation right after the best validation loss. Fires once per
+    more often than that), and the validation loss stayed above the margin for at least ``sustained``
+    (half) of the steps since its best: a loop evaluating every step sees a validation loss that
+    drifts up and back around a level (a GCN on 60 labelled nodes, ~20 % excursions) as a series of
+    short excursions, an overfitting run as one that began at the best and never came back. ``step`` is the onset: the evaluation right after the best validation loss. Fires once per
     episode (again once the validation loss came back to within the margin of its best). When the train loss is ~0 while the validation
     loss is many times larger (``leak_ratio``, 20x), the message names label/data leakage as well.
     ``where`` is ``eval/<metric>``.
@@ -72,9 +75,10 @@ class Overfitting(Rule):
             "smaller model; use early stopping on the validation loss and keep the best checkpoint.")
 
     def __init__(self, *, ratio: float = 2.0, patience: int = 2, min_rise: float = 0.05, giveback: float = 0.0,
-                 noise: float = 1.5, leak_ratio: float = 20.0, metric: str = "loss", min_span: int = 20, **kw: Any) -> None:
+                 noise: float = 1.5, leak_ratio: float = 20.0, metric: str = "loss", min_span: int = 20,
+                 sustained: float = 0.5, **kw: Any) -> None:
         super().__init__(**kw)
-        self.min_span = min_span
+        self.min_span, self.sustained = min_span, sustained
         self.ratio, self.patience, self.metric = ratio, max(1, patience), metric
         self.min_rise, self.giveback, self.noise, self.leak_ratio = min_rise, giveback, noise, leak_ratio
         self._evals: list[tuple[int, float, float]] = []  # (step, val, train), bounded below
@@ -101,10 +105,18 @@ class Overfitting(Rule):
         margin = max(best * self.min_rise, self.giveback * (vals[0] - best), self.noise * noise_of(vals))
         spanned = len(recent) >= self.patience and self._evals[-1][0] - self._evals[-len(recent)][0] >= self.min_span
         above = spanned and min(recent) > best + margin + 1e-12
+        if above:  # the excursion above the best is most of the time since it, not a drift up and back
+            best_at = max(i for i, v in enumerate(vals) if v <= best)  # the last reading at the (smoothed) best
+            since = next((i for i in range(len(vals) - 1, best_at, -1) if vals[i] <= best + margin), best_at)
+            best_step, left_step, now = self._evals[best_at][0], self._evals[since][0], self._evals[-1][0]
+            above = now - left_step >= self.sustained * (now - best_step)
         trend = False
         if len(self._evals) > k:
             s0, v0, t0 = self._evals[-1 - k]
-            trend = above and val > v0 * (1 + self.min_rise) and train < t0 and val > train
+            # a loop that evaluates every few steps: the levels of the last `min_span` steps and of those
+            # before them, not two single noisy readings (with sparse evaluations: the readings themselves)
+            now, before = self._level(self._evals[-1][0]), self._level(s0)
+            trend = above and now > before * (1 + self.min_rise) and train < t0 and val > train
         ratio = val / train
         hit = trend or (above and ratio > self.ratio)
         fire = hit and not self._active
@@ -119,6 +131,11 @@ class Overfitting(Rule):
         leak = (" The train loss is ~0 while the validation loss is far higher: also check for label/data leakage "
                 "(targets visible in the training inputs, duplicates across the split)." if ratio > self.leak_ratio else "")
         return [self.make(onset, f"{why} (rising since step {onset}).{leak}", ratio, self.ratio, f"eval/{self.metric}", ["persistent"])]
+
+    def _level(self, step: int) -> float:
+        """The median of the evaluations in the ``min_span`` steps up to ``step`` (at least the one at it)."""
+        window = [v for s, v, _ in self._evals if step - self.min_span < s <= step]
+        return statistics.median(window) if window else math.nan
 
     def state_dict(self) -> dict[str, Any]:
         return {"evals": [list(e) for e in self._evals], "active": self._active}

@@ -19,20 +19,13 @@ from trackdiag.modnames import layer_label
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent, reacted
 from trackdiag.rules._spike import SpikeDetector
+from trackdiag.rules._weights import weights_moved
 from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
 
 
 def loss_points(record: Record, comp: Component) -> list[tuple[int, float]]:
     """The every-step loss of ``comp``: its own series, else the run's single loss."""
     return record.series.get(comp.key("loss")) or record.series.get("diag/loss", [])
-
-
-def weights_moved(history: Sequence[Record], comp: Component, lo: int, hi: int, limit: float = 1.0) -> bool:
-    """Whether an update-to-weight ratio above ``limit`` was measured in ``comp`` between steps ``lo`` and ``hi``."""
-    for rec in history:
-        if lo <= rec.step <= hi and any(v > limit for v in layer_values(rec, comp.key("update/ratio")).values()):
-            return True
-    return False
 
 
 def largest_layer(records: Sequence[Record], comp: Component, lo: int, hi: int) -> tuple[str, int]:
@@ -132,7 +125,7 @@ class GradExplosion(Rule):
             evidence.append("persistent")
         if reacted(st.loss, step + 1, self.settle - 1):  # after it: an odd batch has a high loss of its own
             evidence.append("loss")
-        if weights_moved([*history, record], comp, step, step + self.settle):
+        if weights_moved([*history, record], comp.name, step, step + self.settle):
             evidence.append("weights")
         if self.threshold is not None and gn > self.threshold:
             evidence.append("corroborated")

@@ -17,18 +17,13 @@ from trackdiag.context import Component
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._spike import SpikeDetector
-from trackdiag.rules.base import Rule, layer_values, loss_series, loss_where, phase_start, where_of
+from trackdiag.rules._weights import weights_moved
+from trackdiag.rules.base import Rule, loss_series, loss_where, phase_start, where_of
 
 
 def grad_key(loss_key: str) -> str:
     """The gradient-norm series beside a loss series: ``diag/G/loss`` -> ``diag/G/grad/global_norm``."""
     return loss_key[: -len("loss")] + "grad/global_norm"
-
-
-def ratio_above(history: Sequence[Record], comp: str, lo: int, hi: int, limit: float = 1.0) -> bool:
-    """An update-to-weight ratio above ``limit`` measured in component ``comp`` between ``lo`` and ``hi``."""
-    key = f"diag/{comp}/update/ratio" if comp else "diag/update/ratio"
-    return any(lo <= r.step <= hi and any(v > limit for v in layer_values(r, key).values()) for r in history)
 
 
 class _Series:
@@ -215,7 +210,7 @@ class LossDivergence(Rule):
         evidence = []
         if g_then > 0 and g_now >= self.grad_factor * g_then and g_now / g_then >= 3 * loss_growth:
             evidence.append("corroborated")
-        if ratio_above(records, comp, ref_step, step):
+        if weights_moved(records, comp, ref_step, step):
             evidence.append("weights")
         if evidence and st["since"] >= 0 and step - st["since"] >= self.window:
             evidence.append("persistent")

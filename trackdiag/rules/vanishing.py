@@ -13,7 +13,8 @@ from trackdiag.record import Record
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._streak import Streaks
 from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
-from trackdiag.rules.gradients import loss_points, weights_moved
+from trackdiag.rules._weights import weights_moved
+from trackdiag.rules.gradients import loss_points
 
 
 class GradVanishing(Rule):
@@ -90,7 +91,7 @@ class GradVanishing(Rule):
                 return []
         evidence = ["persistent", "loss"] if l_post and l_pre else ["persistent"]
         start = next((s for s, v in g.points if s > now - self.span - 1 and v < p_before / self.factor), now - self.span + 1)
-        if weights_moved([*history, record], comp, start - self.span, now):
+        if weights_moved([*history, record], comp.name, start - self.span, now):
             evidence.append("weights")
         self._fired[comp.name] = now
         msg = (f"the pre-clip global gradient norm collapsed {p_before / max(p_now, 1e-30):.0f}-fold in a few steps "
