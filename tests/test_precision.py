@@ -133,6 +133,50 @@ def test_lasting_explosion_with_a_loss_reaction_is_critical_and_located() -> Non
     assert "At step 129 the largest gradient is in h.1" in found[0].message
 
 
+def test_a_hundredfold_jump_before_the_spread_is_known_is_an_explosion() -> None:
+    """A 30-step run whose learning rate goes to 50 at step 12: the detectors' 20-value warm-up would
+    have hidden it. From the 5th value a jump of 100x the median so far counts; the first steps'
+    ordinary swings (a norm falling 10x, rising 5x) do not."""
+    from trackdiag.rules.gradients import GradExplosion
+
+    early = {0: 2.0, 1: 0.9, 2: 0.5, 3: 2.4, 4: 0.3, 5: 1.1, 6: 0.8, 7: 4.0, 8: 0.7, 9: 0.6, 10: 0.5, 11: 0.5}
+    calm = early | {s: 0.5 for s in range(12, 30)}
+    assert _judge(GradExplosion(), _norms(calm, {s: 2.3 - s / 100 for s in range(30)})) == []
+    blown = early | {12: 0.5} | {s: 5e5 * (1 + s) for s in range(13, 30)}
+    loss = {s: 2.3 if s < 13 else 1e4 * s for s in range(30)}
+    found = _judge(GradExplosion(), _norms(blown, loss))
+    assert [(a.step, a.severity) for a in found] == [(13, "critical")], found
+    assert {"persistent", "loss", "unambiguous"} <= set(found[0].evidence)
+
+
+def _evals(rule: Any, vals: dict[int, float], train: dict[int, float]) -> list[Any]:
+    found, history = [], []
+    for step in sorted(vals):
+        history.append(Record(step=step, scalars={"diag/loss/ema": train[step]}))
+        found += rule.check_eval(Record(step=step, scalars={"diag/eval/loss": vals[step]}), history)
+    return found
+
+
+def test_a_validation_loss_drifting_up_and_back_under_every_step_evaluation_is_not_overfitting() -> None:
+    """A full-batch GCN evaluated after every step: its validation loss bottoms out, then wanders 5-20 %
+    above the best and back for hundreds of steps. Excursions that end are not a turn; a rise that
+    began at the best and never came back is (raised by the second evaluation of a sparse schedule)."""
+    from trackdiag.rules.generalization import Overfitting
+
+    gen = torch.Generator().manual_seed(3)
+    wander = {s: 0.55 + 0.05 * abs(float(torch.randn((), generator=gen))) for s in range(60, 300)}
+    for start in (100, 150, 210):  # climbs to +20 % over 24 steps, then back (what the real GCN run did)
+        for i in range(24):
+            wander[start + i] = 0.575 + 0.085 * i / 23 + 0.005 * float(torch.randn((), generator=gen))
+    vals = {s: 1.1 - s * 0.0092 for s in range(60)} | wander
+    train = {s: 1.1 - 0.7 * s / 300 for s in range(300)}
+    assert _evals(Overfitting(), vals, train) == []
+    sparse = {19: 4.39, 39: 4.80, 59: 4.89, 79: 4.97, 99: 5.07}
+    found = _evals(Overfitting(), sparse, {19: 6.27, 39: 4.38, 59: 3.65, 79: 3.07, 99: 2.89})
+    assert [(a.kind, a.step) for a in found] == [("overfitting", 39)]
+    assert found[0].severity == "warning"
+
+
 def test_gradient_norm_starting_at_zero_is_not_a_division_by_zero() -> None:
     """A component whose gradient is exactly 0 until its phase starts (greedy layer-wise): the rule
     raised ZeroDivisionError and was switched off for every component."""
