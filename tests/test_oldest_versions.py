@@ -38,7 +38,7 @@ def test_integrations_under_the_oldest_versions(tmp_path: Path) -> None:
 
     assert versions["torch"] == torch.__version__  # the same torch as .venv: nothing pulled another one
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    cmd = [str(OLDEST), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", "-W", "ignore::DeprecationWarning",
+    cmd = [str(OLDEST), "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "-m", "not slow", "-W", "ignore::DeprecationWarning",
            "-k", " and ".join(f"not {name}" for name in LEFT_OUT), f"--basetemp={tmp_path / 'pytest'}",
            "tests/test_hf_trainer.py", "tests/test_lightning.py", "tests/test_wrapped_optimizers.py"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
