@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 import trackdiag
+from isolation import alone
 from workloads import Workload
 
 PRESETS = ("basic", "advanced", "extreme")
@@ -65,23 +66,28 @@ class Arm:
         self._spent0, self._steps, self._wall, self._cpu = 0.0, 0, 0.0, 0.0
         torch.manual_seed(seed)
         self.model = wl.make_model().to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=wl.lr)
+        # several models (wl.parts): one optimizer each, handed to the session as dicts, as a user would
+        self.parts = wl.parts(self.model) if wl.parts is not None else None
+        self.opts = {k: torch.optim.AdamW(m.parameters(), lr=wl.lr) for k, m in (self.parts or {"": self.model}).items()}
+        self.opt = next(iter(self.opts.values()))
         self.scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None
         self.net = torch.compile(self.model) if compiled else self.model
+        watched = self.parts if self.parts is not None else self.net
+        given = self.opts if self.parts is not None else self.opt
         self.gen = torch.Generator(device=device).manual_seed(seed + 1)
         self.loss_fn: Callable[[Any, Any], Any] = wl.loss
         self.backward: Callable[[Any, Any, Any], Any] = self._backward
         self.after: Callable[[Any, Any, Any], Any] = lambda loss, out, x: None
         self.closer: Callable[[], Any] = lambda: None
         if name == "disabled":
-            diag = trackdiag.Diagnostics.from_config(None, model=self.net, optimizer=self.opt, scaler=self.scaler)
-            self.after = lambda loss, out, x: diag.step(loss, outputs=out, batch=x)
+            diag = trackdiag.Diagnostics.from_config(None, model=watched, optimizer=given, scaler=self.scaler)
+            self.after = self._stepper(diag)
         elif name.partition("+")[0] in PRESETS:  # a preset, or a preset+variant (see VARIANTS)
             level, _, variant = name.partition("+")
-            diag = trackdiag.Diagnostics(self.net, self.opt, self.scaler, level=level, sinks=["local"],
+            diag = trackdiag.Diagnostics(watched, given, self.scaler, level=level, sinks=["local"],
                                          output_dir=str(tmp / f"{wl.name}-{name}"), **_excluded(variant))
             diag.__enter__()
-            self.after = lambda loss, out, x: diag.step(loss, outputs=out, batch=x)
+            self.after = self._stepper(diag)
             self.closer = diag.close
             self.diag = diag
         elif name == "wandb.watch":
@@ -97,6 +103,12 @@ class Arm:
         elif name != "bare":
             raise ValueError(f"unknown arm {name!r}")
 
+    def _stepper(self, diag: Any) -> Callable[[Any, Any, Any], Any]:
+        """The arm's ``diag.step`` call: with outputs and batch, or the loss alone (``wl.step_batch``)."""
+        if self.wl.step_batch:
+            return lambda loss, out, x: diag.step(loss, outputs=out, batch=x)
+        return lambda loss, out, x: diag.step(loss)
+
     def _backward(self, loss: torch.Tensor, out: Any, y: Any) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
@@ -107,17 +119,23 @@ class Arm:
 
     def step(self) -> None:
         """One training step: the loop of nanoGPT's train.py (scaler optional) plus the arm's hook."""
-        x, y = self.wl.make_batch(self.gen)
+        x, y = batch = self.wl.make_batch(self.gen)
         with self._autocast():
-            out = self.net(x)
-            loss = self.loss_fn(out, y)
+            if self.wl.run is not None:  # the workload's own forward (a Python loop of calls) and loss
+                loss, out = self.wl.run(self.net, batch)
+            else:
+                out = self.net(x)
+                loss = self.loss_fn(out, y)
         self.backward(loss, out, y)
+        for opt in self.opts.values():
+            if self.scaler is not None:
+                self.scaler.step(opt)
+            else:
+                opt.step()
         if self.scaler is not None:
-            self.scaler.step(self.opt)
             self.scaler.update()
-        else:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        for opt in self.opts.values():
+            opt.zero_grad(set_to_none=True)
         self.after(loss, out, x)
         self.global_step += 1
 
@@ -132,12 +150,13 @@ class Arm:
         _current.append(self)
         d0 = dynamo_counts() if self.compiled else (0, 0, 0)
         try:
-            self._sync()
-            c0, t0 = time.process_time(), time.perf_counter()
-            for _ in range(steps):
-                self.step()
-            self._sync()
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            with alone(self.diag, self.model):  # only this arm's session hears the process-wide hooks
+                self._sync()
+                c0, t0 = time.process_time(), time.perf_counter()
+                for _ in range(steps):
+                    self.step()
+                self._sync()
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         except Exception as exc:  # noqa: BLE001 - reported in the table, the other arms go on
             self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             self.notes.append(traceback.format_exc(limit=-3))

@@ -76,6 +76,10 @@ def available_peers() -> list[str]:
 def skip_reason(arm: str, wl: workloads.Workload, device: torch.device, compiled: bool, amp: torch.dtype | None,
                 explicit: bool = False) -> str | None:
     """Why ``arm`` does not run on this workload/setting (printed), or None."""
+    if compiled and wl.parts is not None:
+        return "a workload of several models driven by a Python loop is timed eager only"
+    if arm == "cockpit" and wl.run is not None:
+        return "Cockpit needs one model called once per step on a batch (BackPACK extends a batched loss)"
     if arm == "cockpit":
         if not cockpit_arm.importable():
             return "Cockpit/BackPACK not installed (bash scripts/bench_setup.sh)"
@@ -140,7 +144,8 @@ def _write_json(path: Path | None, device: torch.device, args: argparse.Namespac
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", nargs="*", help=f"default: {' '.join(workloads.DEFAULT)} (+ gpt on CUDA)")
+    ap.add_argument("--workloads", nargs="*", help=f"default: {' '.join(workloads.DEFAULT)} (+ gpt on CUDA); "
+                    f"short: {' '.join(workloads.SHORT)}")
     ap.add_argument("--tensors", nargs="*", type=int, default=[], help="add scale<T> workloads: T parameter tensors, ~constant FLOPs")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=50, help="steps per round (a multiple of every preset's cadence)")
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps % block:
         raise SystemExit(f"--block {block} must divide --steps {args.steps}")
     if args.workloads:
-        names = list(args.workloads)
+        names = [n for w in args.workloads for n in (workloads.SHORT if w == "short" else [w])]
     else:  # --tensors alone: only the scaling rows
         names = [] if args.tensors else [*workloads.DEFAULT, *(["gpt"] if device.type == "cuda" else [])]
     names += [f"scale{t}" for t in args.tensors if f"scale{t}" not in names]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,12 @@ class Workload:
     amp: torch.dtype | None = None   # autocast dtype on CUDA (None: full precision)
     cuda_only: bool = False          # too big for a CPU benchmark
     lr: float = 1e-4
+    #: several models, one optimizer each (the session gets both as dicts): ``parts(model) -> {name: module}``
+    parts: Callable[[nn.Module], dict[str, nn.Module]] | None = None
+    #: the step's forward and loss when it is not ``loss(model(x), y)``: ``run(model, batch) -> (loss, outputs)``
+    run: Callable[[nn.Module, Any], tuple[torch.Tensor, Any]] | None = None
+    #: ``diag.step(loss, outputs=..., batch=...)`` (True) or ``diag.step(loss)`` alone (False)
+    step_batch: bool = True
 
 
 def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -137,6 +143,8 @@ WORKLOADS = {
 }
 #: run when --workloads is not given (gpt is added on CUDA; gpt_tiny is the CPU smoke test's)
 DEFAULT = ["mlp", "cnn", "transformer", "deep_narrow", "scale10", "scale100", "scale1000", "scale3000"]
+#: short steps, where fixed per-step and per-call costs show (``--workloads short``)
+SHORT = ["seq2seq", "small"]
 
 
 def get(name: str) -> Workload:
@@ -145,8 +153,12 @@ def get(name: str) -> Workload:
         return WORKLOADS[name]
     if name.startswith("scale") and name[5:].isdigit():
         return scale_workload(int(name[5:]))
+    if name == "seq2seq":
+        from seq2seq import SEQ2SEQ
+
+        return SEQ2SEQ
     from gpt import GPT_WORKLOADS
 
     if name in GPT_WORKLOADS:
         return GPT_WORKLOADS[name]
-    raise SystemExit(f"unknown workload {name!r}: one of {sorted([*WORKLOADS, *GPT_WORKLOADS])} or scale<T>")
+    raise SystemExit(f"unknown workload {name!r}: one of {sorted([*WORKLOADS, *GPT_WORKLOADS, 'seq2seq'])} or scale<T>")
