@@ -235,7 +235,7 @@ def test_memory_leak_from_kept_activations(tmp_path):
     steps = train(diag, model, opt, batches(120, 256), keep=keep)
     per_step = keep[0].numel() * keep[0].element_size() / 2**20  # reference: 4 MiB kept per step
     keep.clear()
-    (a,) = kinds(diag)["memory_leak"]
+    a = kinds(diag)["memory_leak"][0]  # a leak that keeps growing may be raised again as it worsens
     assert steps < 120 and a.step <= 60 and a.where == "host"  # stopped early: detected within ~40 steps
     pts = [(r["step"], r["scalars"]["diag/mem/rss_mb"]) for r in records(tmp_path) if "diag/mem/rss_mb" in r["scalars"]]
     pts = [p for p in pts if 20 <= p[0] <= a.step][-8:]
