@@ -10,7 +10,7 @@ sessions' forward watchers, and every session would pay for the others': the rat
 what a user's one session costs, most on workloads of many small module calls (seq2seq: ~65 per step).
 
 ``alone(diag, model)`` brackets one turn: only ``diag``'s watchers, optimizer listener and tap are
-installed; an arm without a session (bare, disabled, peers) runs with none of them. Everything is put
+installed (a root watched through its own call slot needs no global hook and is left as it is); an arm without a session (bare, disabled, peers) runs with none of them. Everything is put
 back after the turn, including watchers the session added or removed during it.
 """
 from __future__ import annotations
@@ -40,10 +40,10 @@ def alone(diag: Any, model: nn.Module) -> Iterator[None]:
     others = [f for f in FORWARD._every if not _owned(f, ctx)]
     FORWARD._every = [f for f in FORWARD._every if _owned(f, ctx)]
     watched = bool(FORWARD._every) or any(k in ids for k in (*FORWARD._pre, *FORWARD._post))
-    if not watched and FORWARD._handles:  # nothing of this arm is watched: no global module hooks at all
+    if not watched and FORWARD._handles:  # nothing of this arm needs the global module hooks
         for h in FORWARD._handles:
             h.remove()
-        FORWARD._handles = []
+        FORWARD._handles, FORWARD._pre_handle = [], None
     elif watched:
         FORWARD._install()
     listeners, DISPATCH._listeners = DISPATCH._listeners, weakref.WeakSet([session] if session is not None else [])

@@ -1,20 +1,28 @@
-"""Forward calls of the sessions' root modules, seen without a hook on the modules themselves.
+"""Forward calls of the sessions' modules, seen without a hook on the modules themselves.
 
 A hook registered on a module lives in the module's ``__dict__``: ``torch.save(model)`` pickles it
 (so the checkpoint needs trackdiag to load, and ``weights_only=True`` refuses it) and
-``torch.compile`` traces it. trackdiag instead installs, only while some session wants forward
-calls, one *global* forward pre-hook and one global forward hook (torch's
-``register_module_forward_pre_hook`` / ``register_module_forward_hook``): nothing is stored on the
-user's modules. Each returns at once for modules that are not a watched root (one dict lookup) and
-does nothing while Dynamo traces (``torch.compiler.is_compiling()`` is constant-folded there, so a
-model compiled after the hooks were installed has no graph break and no extra guard failure).
+``torch.compile`` traces it. trackdiag watches instead:
+
+* a session's *root* modules (``watch(..., root=True)``: the NaN replay's captured calls, the
+  integrations' step loss, CUDA memory phases) through the module's own call slot
+  (:mod:`trackdiag.root_call`: an attribute torch drops from pickles and copies); every other module
+  keeps PyTorch's fast call path;
+* any other module (activations on their due steps), a root whose slot is taken (``module.compile()``)
+  and ``watch_all`` through one *global* forward pre-hook and/or one global forward hook (torch's
+  ``register_module_forward_pre_hook`` / ``register_module_forward_hook``), installed only while
+  such a watcher exists (the pre-hook only while a pre watcher does). Each returns at once for
+  modules nobody watches (one dict lookup) and does nothing while Dynamo traces
+  (``torch.compiler.is_compiling()`` is constant-folded there, so a model compiled after the hooks
+  were installed has no graph break and no extra guard failure).
 
 ``paused()``: nothing is called inside (trackdiag's own forwards: replays, pre-flight, landscapes).
 ``watch_all(fn)`` calls ``fn(module, args, output)`` after the forward of *every* module (the flight
 recorder's per-module output flags, :mod:`trackdiag.output_flags`).
 
-Cost while installed: PyTorch takes its slower ``_call_impl`` path for every module call in the
-process (~1 us per module call on CPU), plus what a ``watch_all`` function does; nothing when no
+Cost: a watched root, one Python call and two dict look-ups per call; while the global hooks are
+installed, PyTorch takes its slower ``_call_impl`` path for every module call in the process (~1.5-2
+us per module call on CPU, hook included), plus what a ``watch_all`` function does; nothing when no
 session watches.
 """
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from trackdiag import root_call
 from trackdiag.errors import brief
 
 log = logging.getLogger("trackdiag")
@@ -39,10 +48,14 @@ AllFn = Callable[[nn.Module, tuple[Any, ...], Any], None]
 
 class _ForwardWatch:
     def __init__(self) -> None:
-        self._pre: dict[int, list[PreFn]] = {}
+        self._pre: dict[int, list[PreFn]] = {}  # global hooks' watchers, by id(module)
         self._post: dict[int, list[PostFn]] = {}
+        self._rpre: dict[int, list[PreFn]] = {}  # roots watched through their call slot
+        self._rpost: dict[int, list[PostFn]] = {}
+        self._roots: dict[int, tuple[nn.Module, Callable[..., Any]]] = {}  # id -> (root, its installed call)
         self._every: list[AllFn] = []
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # the global hooks: [post] or [post, pre]
+        self._pre_handle: Any = None
         self._lock = threading.Lock()
         self._paused = 0
 
@@ -55,27 +68,57 @@ class _ForwardWatch:
         finally:
             self._paused -= 1
 
-    def watch(self, module: nn.Module, pre: PreFn | None = None, post: PostFn | None = None) -> Callable[[], None]:
+    def watch(self, module: nn.Module, pre: PreFn | None = None, post: PostFn | None = None,
+              root: bool = False) -> Callable[[], None]:
         """Call ``pre(module, args)`` before and ``post(module, args, kwargs, output)`` after every
-        forward of ``module`` (eager mode only). Returns the function that stops it."""
+        forward of ``module`` (eager mode only). ``root``: a model the user calls (few calls per
+        step), watched through its call slot when it is free (see module docstring); its watchers
+        then see the arguments as passed (before the module's own pre-hooks) and the output its
+        hooks return. Returns the function that stops it."""
         with self._lock:
             key = id(module)
+            direct = root and (key in self._roots or root_call.usable(module))
+            pres, posts = (self._rpre, self._rpost) if direct else (self._pre, self._post)
             if pre is not None:
-                self._pre.setdefault(key, []).append(pre)
+                pres.setdefault(key, []).append(pre)
             if post is not None:
-                self._post.setdefault(key, []).append(post)
-            self._install()
+                posts.setdefault(key, []).append(post)
+            if not direct:
+                self._install()
+            elif key not in self._roots:
+                self._roots[key] = (module, root_call.install(module, self._dispatch))
 
         def stop() -> None:
             with self._lock:
-                for table, fn in ((self._pre, pre), (self._post, post)):
+                for table, fn in ((pres, pre), (posts, post)):
                     fns = table.get(key)
                     if fns is not None and fn in fns:
                         fns.remove(fn)
                         if not fns:
                             del table[key]
+                if direct and key not in self._rpre and key not in self._rpost and key in self._roots:
+                    root_call.uninstall(*self._roots.pop(key))
                 self._uninstall()
         return stop
+
+    def _dispatch(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], call: Callable[..., Any]) -> Any:
+        """A watched root's call: its pre watchers, its own ``_call_impl``, its post watchers."""
+        if self._paused:
+            return call(*args, **kwargs)
+        key = id(module)
+        fns = self._rpre.get(key)
+        if fns:
+            for fn in list(fns):
+                _safe(fn, module, args)
+        output = call(*args, **kwargs)
+        fns = self._rpost.get(key)
+        if fns:
+            for fn in list(fns):
+                try:  # inline: this runs at every call of a watched root
+                    fn(module, args, kwargs, output)
+                except Exception as exc:  # noqa: BLE001 - never raise into the user's forward
+                    log.warning("trackdiag: forward watcher failed (%s)", brief(exc))
+        return output
 
     def watch_all(self, fn: AllFn) -> Callable[[], None]:
         """Call ``fn(module, args, output)`` after every eager forward of every module. Returns the stopper."""
@@ -91,14 +134,21 @@ class _ForwardWatch:
         return stop
 
     def _install(self) -> None:
+        """The global hooks the watchers need: the post hook for any, the pre hook for pre watchers."""
         if not self._handles:
             # torch warns that global hooks fire once more for a torch.compile(module) wrapper: ours
             # only act on the watched module itself, so that extra call is a no-op
             warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-            self._handles = [nn.modules.module.register_module_forward_pre_hook(self._on_pre),
-                             nn.modules.module.register_module_forward_hook(self._on_post, with_kwargs=True)]
+            self._handles = [nn.modules.module.register_module_forward_hook(self._on_post, with_kwargs=True)]
+        if self._pre and self._pre_handle is None:
+            self._pre_handle = nn.modules.module.register_module_forward_pre_hook(self._on_pre)
+            self._handles.append(self._pre_handle)
 
     def _uninstall(self) -> None:
+        if not self._pre and self._pre_handle is not None:  # no pre watcher left: one Python call less per module call
+            self._pre_handle.remove()
+            self._handles.remove(self._pre_handle)
+            self._pre_handle = None
         if not self._pre and not self._post and not self._every and self._handles:
             for h in self._handles:
                 h.remove()

@@ -8,17 +8,19 @@ How: a tensor hook on every trainable parameter of every component (parameter ho
 by ``torch.save``, are not deep-copied, and run in the autograd engine, outside any compiled
 graph). The first hook to fire in a backward pass queues one end-of-backward callback (twice
 removed, so it runs after DDP's and FSDP's own end-of-backward work); that callback measures, for
-each component the pass reached, the per-tensor L2 norms of the accumulated gradients (one
-``_foreach_norm``, in fp32, divided by the ``GradScaler``'s scale when there is one), and on steps
+each component the pass reached, the global L2 norm of the accumulated gradients (fp32, divided by
+the ``GradScaler``'s scale when there is one; :func:`~trackdiag.norms.global_norm`: a small model's
+in 3 ops, ``clip_grad_norm_``'s arithmetic; a large one's by a dot per large tensor), and on steps
 that need detail also the largest magnitude and the gradients' version counters (to tell later
 whether something clipped or unscaled them). One parameter per component, the *sentinel*, also
 records per backward whether its gradient was reset (``None`` or all zero) before the pass
-accumulated into it, and the parameter's version counter: that is what the zero-grad verdicts
-are made of (:mod:`trackdiag.zerocheck`).
+accumulated into it, the parameter's version counter, and (from its L1 norm at the end of the pass,
+taken for the wipe check anyway) whether the pass left it non-zero: that is what the zero-grad
+verdicts are made of (:mod:`trackdiag.probes.zerograd`).
 
-Cost per backward pass: one Python call per parameter that receives a gradient (~1 us), one
-``_foreach_norm`` kernel, one tiny division under a scaler; on the sentinel, one all-zero test of
-one small tensor when its gradient was not ``None``. No host read. Detail steps add a
+Cost per backward pass: one Python call per parameter that receives a gradient (~0.3-1 us), the
+global norm (small model: 3 ops), one L1 norm of the sentinel, one tiny division under a scaler; on
+the sentinel, one all-zero test (2 small ops) when its gradient was not ``None``. No host read. Detail steps add a
 ``max_abs`` reduction and a host pass over the version counters.
 """
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Pass:
 
     reset: bool | torch.Tensor
     param_version: int
+    #: True, or a device tensor that is non-zero exactly when that gradient was (the sentinel's L1 norm)
     prev_nonzero: bool | torch.Tensor = True
 
 
@@ -89,7 +92,7 @@ class CompTap:
     handles: list[Any] = field(default_factory=list)
     sentinel: torch.Tensor | None = None
     pending: Pass | None = None  # seen by the sentinel's tensor hook, kept once accumulated into .grad
-    last_nonzero: bool | torch.Tensor = True  # the sentinel's gradient after the last pass was not all zero
+    last_nonzero: bool | torch.Tensor = True  # the sentinel's gradient after the last pass: its L1 norm (0: all zero)
     saw: bool = False  # the sentinel's hook ran in the backward pass in progress
     misses: int = 0  # backward passes in a row that reached the component but not its sentinel
     params_of: dict[int, tuple[int, ...]] = field(default_factory=dict)  # generation -> the ids it measured, in order
@@ -108,24 +111,23 @@ class CompTap:
             g = p.grad
             if g is None:
                 reset: bool | torch.Tensor = True
+            elif g.layout is torch.strided:
+                reset = sentinel_l1(g) == 0  # all zero (two small ops; none in a set_to_none loop)
             else:
-                with torch.no_grad():
-                    reset = ~g.detach().ne(0).any() if g.layout is torch.strided else torch.tensor(g._nnz() == 0)
+                reset = torch.tensor(g._nnz() == 0)
             self.pending = Pass(reset, p._version, self.last_nonzero)
             self.saw = True
         return self.fire(_grad)
 
     def accumulated(self, _param: torch.Tensor) -> None:
         """Post-accumulate hook on the sentinel: the pass really added into ``.grad`` (not a
-        ``torch.autograd.grad`` call, which computes gradients without accumulating them)."""
+        ``torch.autograd.grad`` call, which computes gradients without accumulating them). Whether
+        the pass left a non-zero gradient is read at the end of the backward pass, from the sentinel's
+        norm taken there anyway (:meth:`GradTap.end_of_backward`): no device op here."""
         if self.pending is not None:
             self.passes.append(self.pending)
             self.pending = None
             del self.passes[:-64]  # bounded: a loop that never steps
-            g = _param.grad
-            if g is not None:  # one reduction of the (small) sentinel per pass
-                with torch.no_grad():
-                    self.last_nonzero = g.detach().ne(0).any() if g.layout is torch.strided else g._nnz() > 0
 
 
 class _Queue:
@@ -236,7 +238,12 @@ class GradTap:
                 if self.refresh is not None:
                     self.refresh(st.comp)
                 tap = self.measure(st.comp, st.count)
-                tap.sentinel = self.sentinel_norm(st.sentinel)
+                raw = self.sentinel_norm(st.sentinel, unscale=False)
+                if raw is not None:
+                    scale = self.scale()
+                    tap.sentinel = raw / scale if scale is not None else raw
+                    if st.saw:  # what this pass left: L1 is 0 exactly when every value is (no underflow)
+                        st.last_nonzero = raw
             except Exception as exc:  # noqa: BLE001 - never raise into the user's backward
                 log.warning("trackdiag: gradient tap failed (%s: %s): reading at the optimizer step instead",
                             type(exc).__name__, exc)
@@ -283,14 +290,15 @@ class GradTap:
             tap.ids = [id(g) for g in grads]
         return tap
 
-    @torch.no_grad()
     def sentinel_norm(self, p: torch.Tensor | None, unscale: bool = True) -> torch.Tensor | None:
-        """The L2 norm of ``p``'s gradient (fp32, divided by the scaler's scale when ``unscale``):
-        one small kernel (the sentinel is the smallest tensor of the first or last layer)."""
+        """The L1 norm of ``p``'s gradient (0-d fp32, divided by the scaler's scale when ``unscale``):
+        one small kernel (the sentinel is the smallest tensor of the first or last layer). L1, not L2:
+        it is 0 exactly when every value is (a square underflows below ~1e-23), so the one norm also
+        says whether the pass left a non-zero gradient."""
         g = None if p is None else p.grad
         if g is None:
             return None
-        norm = torch.linalg.vector_norm(plain(g), dtype=torch.float32)
+        norm = sentinel_l1(g)
         scale = self.scale() if unscale else None
         return norm / scale if scale is not None else norm
 
@@ -345,6 +353,11 @@ class GradTap:
     def hooked(self, name: str) -> bool:
         st = self.states.get(name)
         return st is not None and bool(st.handles)
+
+
+def sentinel_l1(g: torch.Tensor) -> torch.Tensor:
+    """The L1 norm of a gradient (0-d fp32, no autograd graph): one kernel."""
+    return torch.linalg.vector_norm(plain(g.detach() if g.requires_grad else g), 1, dtype=torch.float32)
 
 
 def pick_sentinel(comp: Component) -> torch.Tensor | None:

@@ -76,8 +76,9 @@ def global_norm(tensors: list[torch.Tensor], low_precision: bool = False) -> tor
     for 17 MB in 10 tensors against the foreach kernel, and closer to a float64 reference: 1e-5 vs
     8e-5 relative at 4M values); many small ones (< ``SMALL``) concatenated in chunks
     (:func:`flat_chunks`) and normed a few kernels at a time (0.6 vs 5 ms for 1,000 tensors of 1k
-    values: the foreach kernel pays ~5 us per tensor there); the rest by one foreach kernel.
-    Elsewhere one foreach kernel. Sparse/complex tensors take :func:`grad_norms`."""
+    values: the foreach kernel pays ~5 us per tensor there); the rest by one foreach kernel (a small
+    model without large tensors: the foreach norms' own norm, ``clip_grad_norm_``'s arithmetic, 3
+    ops). Elsewhere one foreach kernel. Sparse/complex tensors take :func:`grad_norms`."""
     if not tensors:
         return torch.zeros(())
     if tensors[0].device.type == "cpu" and not low_precision:
@@ -103,6 +104,8 @@ def _cpu_global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
         squares += [torch.dot(c, c).float() for c in flat_chunks(small, torch.float32, NORM_CHUNK)]
     else:
         mid += small
+    if mid and not squares:  # no large tensor (a small model): clip_grad_norm_'s own arithmetic, 3 ops
+        return torch.linalg.vector_norm(grad_norms(mid))
     if mid:
         squares.append(grad_norms(mid).square().sum())
     return torch.stack(squares).sum().sqrt() if len(squares) > 1 else squares[0].sqrt()

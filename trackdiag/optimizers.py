@@ -39,12 +39,26 @@ def hookable(opt: Any) -> bool:
 
 
 def param_groups(opt: Any) -> list[dict[str, Any]]:
-    """The ``param_groups`` of ``opt`` (or of what it wraps); ``[]`` when there are none."""
-    for cand in chain_of(opt):
-        groups = getattr(cand, "param_groups", None)
-        if isinstance(groups, list) and all(isinstance(g, dict) and "params" in g for g in groups):
+    """The ``param_groups`` of ``opt`` (or of what it wraps); ``[]`` when there are none. ``opt``'s
+    own are tried before the wrapper chain is walked (a plain optimizer: one attribute read)."""
+    groups = _groups_of(opt)
+    if groups is not None:
+        return groups
+    for cand in chain_of(opt)[1:]:
+        groups = _groups_of(cand)
+        if groups is not None:
             return groups
     return []
+
+
+def _groups_of(obj: Any) -> list[dict[str, Any]] | None:
+    groups = getattr(obj, "param_groups", None)
+    if type(groups) is list or isinstance(groups, list):
+        for g in groups:
+            if not isinstance(g, dict) or "params" not in g:
+                return None
+        return groups
+    return None
 
 
 def chain_of(opt: Any, depth: int = 6) -> list[Any]:
@@ -88,17 +102,23 @@ def scaler_of(opt: Any) -> Any | None:
 def accumulating(opt: Any) -> bool:
     """True when a wrapper says this micro-batch is not an optimizer step (accelerate's
     ``gradient_state.sync_gradients`` is False under ``accelerator.accumulate``)."""
-    for cand in chain_of(opt):
-        state = getattr(cand, "gradient_state", None)
-        if state is not None and getattr(state, "sync_gradients", True) is False:
-            return True
-    return False
+    return any(getattr(state, "sync_gradients", True) is False for state in gradient_states(opt))
+
+
+def gradient_states(opt: Any) -> list[Any]:
+    """The ``gradient_state`` objects (accelerate's) along ``opt``'s wrapper chain; ``[]`` for a plain
+    optimizer. A session caches this per given optimizer, so a step reads only ``sync_gradients``."""
+    return [s for s in (getattr(cand, "gradient_state", None) for cand in chain_of(opt)) if s is not None]
 
 
 def accelerate_accumulating(model: Any) -> bool:
     """True inside ``accelerator.accumulate(model)`` off the sync step, for a model that
     ``accelerator.prepare`` saw (whichever optimizer object the session was given)."""
-    if model is None or not getattr(model, "_is_accelerate_prepared", False):
+    if model is None:
+        return False
+    d = getattr(model, "__dict__", None)  # where accelerate sets the flag; a module's getattr miss costs ~2 us
+    if not (d.get("_is_accelerate_prepared", False) if isinstance(d, dict) and "_is_accelerate_prepared" in d
+            else getattr(type(model), "_is_accelerate_prepared", False)):
         return False
     state_mod = sys.modules.get("accelerate.state")
     if state_mod is None:

@@ -46,6 +46,15 @@ def detached(obj: Any, depth: int = 0) -> Any:
     return obj
 
 
+def held(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A forward's positional arguments as kept for a replay: :func:`detached`, with the common case
+    (a tuple of tensors) in one pass, and tensors outside any graph kept as they are (a ``detach``
+    per tensor, ~0.4 us, only where it drops a graph)."""
+    if type(args) is not tuple:
+        return detached(args)
+    return tuple((a.detach() if a.requires_grad else a) if type(a) is torch.Tensor else detached(a, 1) for a in args)
+
+
 def compiled_before() -> bool:
     """Has Dynamo compiled anything in this process yet? (Installing a global forward hook after
     that would invalidate those graphs' guards once.)"""

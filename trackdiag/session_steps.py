@@ -26,7 +26,7 @@ import torch
 from trackdiag.components import attachable, groups_signature, reindex
 from trackdiag.context import Component
 from trackdiag.gradtap import GradTap, GradView
-from trackdiag.optimizers import DISPATCH, accelerate_accumulating, accumulating, scaler_of
+from trackdiag.optimizers import DISPATCH, accelerate_accumulating, gradient_states, scaler_of
 from trackdiag.probes.base import Probe
 
 log = logging.getLogger("trackdiag")
@@ -61,6 +61,8 @@ class OptimizerEvents:
         self._steps: dict[str, _StepState] = {c.name: _StepState() for c in self.components}
         self._foreign: weakref.WeakSet[Any] = weakref.WeakSet()
         self._micro: list[Mapping[str, Any]] = []
+        self._given_ids: tuple[int, ...] = ()
+        self._grad_states: list[Any] = []
         self._notes: dict[str, str] = {}
         # training phases (greedy layer-wise training, progressive unfreezing): an optimizer stepping for the
         # first time after step 0, or parameters joining/leaving training, start one; loss and gradient
@@ -219,8 +221,13 @@ class OptimizerEvents:
 
     # ------------------------------------------------------------------ Diagnostics.step
     def _is_micro_step(self) -> bool:
-        """A ``step()`` call between two real optimizer steps (accelerate's ``accumulate``)."""
-        return any(accumulating(g) for c in self.components for g in c.given) or \
+        """A ``step()`` call between two real optimizer steps (accelerate's ``accumulate``). The given
+        optimizers' ``gradient_state`` objects are found once (again when an optimizer is adopted)."""
+        given = tuple(id(g) for c in self.components for g in c.given)
+        if given != self._given_ids:
+            self._given_ids = given
+            self._grad_states = [st for c in self.components for g in c.given for st in gradient_states(g)]
+        return any(getattr(st, "sync_gradients", True) is False for st in self._grad_states) or \
             any(accelerate_accumulating(m) for c in self.components for m in (c.outer, c.model))
 
     def _merge_micro(self, losses: Mapping[str, Any]) -> Mapping[str, Any]:

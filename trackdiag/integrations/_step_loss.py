@@ -3,9 +3,9 @@
 The ``Trainer`` hands callbacks no per-step loss (only ``on_log``'s averages, where a NaN is already
 replaced: ``logging_nan_inf_filter``). Its default ``compute_loss`` takes the loss from the model's
 output (``outputs["loss"]``), so the loss of every training micro-batch is the ``loss`` field of
-the model's forward output. This module reads it through trackdiag's global forward watcher
-(:mod:`trackdiag.forward_watch`: nothing is stored on the model, eager forwards only, a no-op
-while Dynamo traces), keeping a detached reference per micro-batch (no copy, no host read) and
+the model's forward output. This module reads it through trackdiag's forward watcher
+(:mod:`trackdiag.forward_watch`: the model's call slot, which ``torch.save`` and ``deepcopy`` drop,
+eager forwards only, a no-op while Dynamo traces), keeping a detached reference per micro-batch (no copy, no host read) and
 the last micro-batch's keyword arguments as the step's ``batch``.
 
 Combining the micro-batches of one optimizer step like ``Trainer.training_step`` does: when the
@@ -54,7 +54,7 @@ class StepLoss:
         self.batch: Any = None
         self.sizes: list[int] = []
         self._warned = False
-        self._stop = FORWARD.watch(model, post=self._post)
+        self._stop = FORWARD.watch(model, post=self._post, root=True)
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if not module.training or not torch.is_grad_enabled() or TAP_QUEUE.paused:

@@ -18,8 +18,8 @@ Emits per component (``diag/`` or ``diag/<component>/``):
       ``grad/wiped`` = ``{"first": step, "run": n, "of": steps}``: the run of consecutive wiped steps
       going on at the window's end (carried across windows) and where it began.
 Cost: per step, the global norm the tap took (see :mod:`trackdiag.gradtap`: one pass over the
-gradients) and two norms of one small tensor (the sentinel, at the end of the backward pass and when
-the optimizer steps); on due steps the per-tensor norms, a few reductions, and one more
+gradients) and two L1 norms of one small tensor (the sentinel, at the end of the backward pass and
+when the optimizer steps; "wiped" is decided for the whole window at the logging step); on due steps the per-tensor norms, a few reductions, and one more
 ``_foreach_norm`` only when the gradients were clipped. Host reads: none off logging steps.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext
-from trackdiag.gradtap import GradView
+from trackdiag.gradtap import GradView, sentinel_l1
 from trackdiag.norms import max_abs, plain, stack_scalars, tensor_norms  # noqa: F401  (re-exported for user probes)
 from trackdiag.probes.base import Probe, take_pending
 from trackdiag.record import Record
@@ -79,7 +79,7 @@ class GradProbe(Probe):
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._ring: dict[str, list[tuple[int, torch.Tensor]]] = {}
         self._steps: dict[str, list[int]] = {}
-        self._kept: dict[str, list[tuple[int, torch.Tensor]]] = {}  # per step: sentinel norm at the step / at backward
+        self._kept: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # per step: sentinel L1 at backward, at the step
         self._kept_steps: dict[str, list[int]] = {}
         self._run: dict[str, tuple[int, int]] = {}  # component -> (first step, length) of the current wiped run
 
@@ -114,17 +114,17 @@ class GradProbe(Probe):
         if not view.stepped or view.source != "backward" or pre is None or view.sentinel is None:
             return
         g = view.sentinel.grad
-        now = pre.new_zeros(()) if g is None else torch.linalg.vector_norm(plain(g), dtype=torch.float32)
-        wiped = (now <= 1e-6 * pre) & (pre > 0)
-        self._kept.setdefault(comp.name, []).append((ctx.step, wiped))
+        now = pre.new_zeros(()) if g is None else sentinel_l1(g)  # one kernel; compared at the logging step
+        self._kept.setdefault(comp.name, []).append((ctx.step, pre, now))
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         out = take_pending(self._pending)
         self._kept_steps = {}
         for name, kept in self._kept.items():
             if kept:
-                self._kept_steps[name] = [s for s, _ in kept]
-                out[f"{name}|wiped"] = stack_scalars([w for _, w in kept])
+                self._kept_steps[name] = [s for s, _, _ in kept]
+                pre, now = stack_scalars([p for _, p, _ in kept]), stack_scalars([n for _, _, n in kept])
+                out[f"{name}|wiped"] = ((now <= 1e-6 * pre) & (pre > 0)).float()  # the window at once
                 kept.clear()
         self._steps = {}
         for name, ring in self._ring.items():

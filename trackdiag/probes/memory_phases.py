@@ -51,7 +51,7 @@ class MemoryPhasesProbe(Probe):
                     root = comp.outer if comp.outer is not None else comp.model
                     self._stops.append(FORWARD.watch(
                         root, pre=lambda *_, c=comp, d=dev: self._pre(c, d),
-                        post=lambda *_, c=comp, d=dev: self._after_forward(c, d)))
+                        post=lambda *_, c=comp, d=dev: self._after_forward(c, d), root=True))
         if self._devices and self._due(ctx, ctx.step):
             self._arm(ctx)
 

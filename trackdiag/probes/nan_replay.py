@@ -6,9 +6,10 @@ writes the culprit into the alert: ``where="body.2 (input finite)"`` and the mes
 What it keeps:
   * *references* (``detach()``-ed views, no copies) to the arguments of every training-mode forward
     of each root model with grad enabled, with the autocast state, for the last ``ring`` steps
-    (default: the session's ``every`` + 1). They are seen through a global forward hook
-    (:mod:`trackdiag.forward_watch`: nothing is stored on the model, so ``torch.save(model)`` stays
-    clean). On a model that was already compiled before the session, or when nothing was
+    (default: the session's ``every`` + 1). They are seen through the root's call slot
+    (:mod:`trackdiag.root_call`: an attribute ``torch.save``, pickle and ``deepcopy`` drop, so a saved
+    model stays clean, and the model's other modules keep PyTorch's fast call path; a global forward
+    hook when ``module.compile()`` took the slot). On a model that was already compiled before the session, or when nothing was
     captured, the batch given to ``step(batch=...)`` is replayed as ``model(inputs)``. Memory cost:
     those input batches stay alive ``ring`` steps longer (``ring`` x batch bytes on their device).
   * (``mode=log``) a copy of the weights from a logging step whose record was entirely finite, taken
@@ -57,7 +58,7 @@ from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.registry import resolve
 from trackdiag.replay import Call, Finding, replay
-from trackdiag.replay_report import Joint, compiled_before, detached, enrich, enrich_alerts  # noqa: F401 (re-exported)
+from trackdiag.replay_report import Joint, compiled_before, detached, enrich, enrich_alerts, held  # noqa: F401 (re-exported)
 from trackdiag.schedule import Never
 from trackdiag.snapshot import ParamSnapshot
 from trackdiag.tensors import inputs_of
@@ -110,7 +111,7 @@ class NanReplayProbe(Probe):
             if watch:
                 dev = comp.index.params[0].device.type if comp.index.params else "cpu"
                 self._stops.append(FORWARD.watch(comp.outer if comp.outer is not None else comp.model,
-                                                 post=partial(self._capture, comp.name, dev)))
+                                                 post=partial(self._capture, comp.name, dev), root=True))
                 self._watch_parts[comp.name] = dev
 
     def _watch_outermost(self, comp: Component) -> None:
@@ -156,24 +157,27 @@ class NanReplayProbe(Probe):
     def _capture(self, comp: str, device_type: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any, target: nn.Module | None = None) -> None:
         """Forward watcher: keep references to a training forward's arguments (host work only)."""
-        if self._busy or self._ctx is None or not module.training or not torch.is_grad_enabled():
+        ctx = self._ctx
+        if self._busy or ctx is None or not module.training or not torch.is_grad_enabled():
             return None
         t0 = time.perf_counter()
-        step = self._ctx.step
+        step = ctx.step
         entry = self._ring.get(step)
         if entry is None:
             entry = self._ring[step] = {"calls": {}, "batch": None}
             while len(self._ring) > self._size:
                 self._ring.popitem(last=False)
-        calls: list[Call] = entry["calls"].setdefault(comp, [])
+        calls: list[Call] | None = entry["calls"].get(comp)
+        if calls is None:
+            calls = entry["calls"][comp] = []
         if len(calls) < self.max_calls:
             if device_type == "meta":  # built on the meta device, materialised after the session began
                 device_type = next((p.device.type for p in module.parameters()), "cpu")
                 device_type = "cpu" if device_type == "meta" else device_type
             amp = (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
-            call = (detached(args), detached(kwargs), amp)
+            call = (held(args), detached(kwargs) if kwargs else {}, amp)
             calls.append(call if target is None else (*call, target))  # a submodule's call: replayed on it
-        self._ctx.hook_seconds += time.perf_counter() - t0
+        ctx.hook_seconds += time.perf_counter() - t0
         return None
 
     def calls_of(self, step: int, component: str | None = None) -> list[Call]:

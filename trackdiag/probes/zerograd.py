@@ -78,11 +78,14 @@ def wiped(passes: list[Pass]) -> Flag:
 
 def _definite(p: Pass) -> Flag:
     """A reset only if the pass before had left a non-zero gradient (a dead sentinel's zeros are not one)."""
-    if p.prev_nonzero is True or p.reset is False:
+    prev = p.prev_nonzero
+    if prev is True or p.reset is False:
         return p.reset
-    if p.prev_nonzero is False:
+    if prev is False:
         return False
-    return p.reset & p.prev_nonzero if isinstance(p.reset, torch.Tensor) else p.prev_nonzero
+    if isinstance(prev, torch.Tensor) and prev.dtype is not torch.bool:
+        prev = prev != 0  # the sentinel's L1 norm after that pass (device op, accumulation loops only)
+    return p.reset & prev if isinstance(p.reset, torch.Tensor) else prev
 
 
 class ZeroGradProbe(Probe):
