@@ -58,3 +58,17 @@ def _close_sessions_left_open():
                 session.close("FINISHED")
             except Exception:  # noqa: BLE001 - a test's leftover must not fail the next test
                 pass
+
+
+#: modules whose module-scoped fixtures start something costly (a tracking server, PostgreSQL, a training
+#: run, a browser story): their tests go to one xdist worker (``--dist loadgroup``) so it starts once
+SHARED_FIXTURES = {"test_benchmarks", "test_compare", "test_delivery_server", "test_distributed", "test_hydra_app",
+                   "test_lightning", "test_mlflow_sink", "test_plots", "test_sweep_faults", "test_sweep_server",
+                   "test_view_screens", "test_view_story"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+        if module in SHARED_FIXTURES:
+            item.add_marker(pytest.mark.xdist_group(module))

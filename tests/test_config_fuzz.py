@@ -110,7 +110,7 @@ def _hooked(model: torch.nn.Module, opt: torch.optim.Optimizer) -> bool:
                 or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()))
 
 
-@settings(max_examples=600, derandomize=True, deadline=None, database=None,
+@settings(max_examples=300, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(level=st.sampled_from(["basic", "advanced", "extreme"]), muts=st.lists(mutation, min_size=1, max_size=4),
        as_omegaconf=st.booleans())
