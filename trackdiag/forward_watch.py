@@ -27,17 +27,17 @@ session watches.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from trackdiag import root_call
 from trackdiag.errors import brief
+from trackdiag.pausing import Pausable
 
 log = logging.getLogger("trackdiag")
 
@@ -46,7 +46,9 @@ PostFn = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]
 AllFn = Callable[[nn.Module, tuple[Any, ...], Any], None]
 
 
-class _ForwardWatch:
+class _ForwardWatch(Pausable):
+    """See module docstring; ``paused()``: no watcher is called inside (trackdiag's own forwards)."""
+
     def __init__(self) -> None:
         self._pre: dict[int, list[PreFn]] = {}  # global hooks' watchers, by id(module)
         self._post: dict[int, list[PostFn]] = {}
@@ -57,16 +59,6 @@ class _ForwardWatch:
         self._handles: list[Any] = []  # the global hooks: [post] or [post, pre]
         self._pre_handle: Any = None
         self._lock = threading.Lock()
-        self._paused = 0
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No watcher is called inside (trackdiag's own forwards)."""
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
 
     def watch(self, module: nn.Module, pre: PreFn | None = None, post: PostFn | None = None,
               root: bool = False) -> Callable[[], None]:

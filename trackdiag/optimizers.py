@@ -15,17 +15,17 @@ Cost: one Python call per optimizer step per live session; nothing else.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from trackdiag.errors import brief
+from trackdiag.pausing import Pausable
 
 log = logging.getLogger("trackdiag")
 
@@ -53,7 +53,7 @@ def param_groups(opt: Any) -> list[dict[str, Any]]:
 
 def _groups_of(obj: Any) -> list[dict[str, Any]] | None:
     groups = getattr(obj, "param_groups", None)
-    if type(groups) is list or isinstance(groups, list):
+    if isinstance(groups, list):
         for g in groups:
             if not isinstance(g, dict) or "params" not in g:
                 return None
@@ -99,15 +99,10 @@ def scaler_of(opt: Any) -> Any | None:
     return None
 
 
-def accumulating(opt: Any) -> bool:
-    """True when a wrapper says this micro-batch is not an optimizer step (accelerate's
-    ``gradient_state.sync_gradients`` is False under ``accelerator.accumulate``)."""
-    return any(getattr(state, "sync_gradients", True) is False for state in gradient_states(opt))
-
-
 def gradient_states(opt: Any) -> list[Any]:
     """The ``gradient_state`` objects (accelerate's) along ``opt``'s wrapper chain; ``[]`` for a plain
-    optimizer. A session caches this per given optimizer, so a step reads only ``sync_gradients``."""
+    optimizer. Its ``sync_gradients`` is False on a micro-batch that is not an optimizer step (under
+    ``accelerator.accumulate``). A session caches this per given optimizer, so a step reads only that."""
     return [s for s in (getattr(cand, "gradient_state", None) for cand in chain_of(opt)) if s is not None]
 
 
@@ -116,9 +111,9 @@ def accelerate_accumulating(model: Any) -> bool:
     ``accelerator.prepare`` saw (whichever optimizer object the session was given)."""
     if model is None:
         return False
-    d = getattr(model, "__dict__", None)  # where accelerate sets the flag; a module's getattr miss costs ~2 us
-    if not (d.get("_is_accelerate_prepared", False) if isinstance(d, dict) and "_is_accelerate_prepared" in d
-            else getattr(type(model), "_is_accelerate_prepared", False)):
+    # accelerate sets the flag in the instance's __dict__; a module's getattr miss costs ~2 us
+    flag = getattr(model, "__dict__", {}).get("_is_accelerate_prepared")
+    if not (flag if flag is not None else getattr(type(model), "_is_accelerate_prepared", False)):
         return False
     state_mod = sys.modules.get("accelerate.state")
     if state_mod is None:
@@ -145,8 +140,9 @@ class StepListener(Protocol):
     def optimizer_post_step(self, opt: torch.optim.Optimizer, closure: Any) -> None: ...
 
 
-class _Dispatch:
-    """The process's one pair of global optimizer hooks, fanned out to live listeners."""
+class _Dispatch(Pausable):
+    """The process's one pair of global optimizer hooks, fanned out to live listeners; ``paused()``: no
+    listener hears an optimizer step inside (trackdiag's own: the pre-flight's copies)."""
 
     def __init__(self) -> None:
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -154,16 +150,6 @@ class _Dispatch:
         # reentrant: a listener's finalizer (``_collected``) may run inside a garbage collection that an
         # allocation under this lock set off
         self._lock = threading.RLock()
-        self._paused = 0
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No listener hears an optimizer step inside (trackdiag's own: the pre-flight's copies)."""
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
 
     def add(self, listener: StepListener) -> None:
         with self._lock:

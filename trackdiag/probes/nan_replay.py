@@ -192,9 +192,12 @@ class NanReplayProbe(Probe):
         entry = self._ring.get(ctx.step)
         for depth in self._depths.values():
             depth[0] = 0
-        if self._watch_parts and torch.is_grad_enabled():
-            for comp in ctx.components:  # its forward was not called this step: watch its parts instead
-                if comp.name in self._watch_parts and comp.name not in ((entry or {}).get("calls") or {}):
+        if self._watch_parts and torch.is_grad_enabled():  # decided once per model, at its first step
+            called = (entry or {}).get("calls") or {}
+            for comp in ctx.components:
+                if comp.name in called:  # its own forward is used: nothing more to decide
+                    self._watch_parts.pop(comp.name, None)
+                elif comp.name in self._watch_parts:  # not called this step: watch its parts instead
                     self._watch_outermost(comp)
         if entry is None and inputs.batch is not None:  # nothing captured (compiled before the session)
             entry = self._ring[ctx.step] = {"calls": {}, "batch": None, "guessed": True}
