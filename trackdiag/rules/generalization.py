@@ -64,7 +64,8 @@ class Overfitting(Rule):
     more often than that), and the validation loss stayed above the margin for at least ``sustained``
     (half) of the steps since its best: a loop evaluating every step sees a validation loss that
     drifts up and back around a level (a GCN on 60 labelled nodes, ~20 % excursions) as a series of
-    short excursions, an overfitting run as one that began at the best and never came back. ``step`` is the onset: the evaluation right after the best validation loss. Fires once per
+    short excursions, an overfitting run as one that began at the best and never came back.
+    ``step`` is the onset: the evaluation right after the best validation loss. Fires once per
     episode (again once the validation loss came back to within the margin of its best). When the train loss is ~0 while the validation
     loss is many times larger (``leak_ratio``, 20x), the message names label/data leakage as well.
     ``where`` is ``eval/<metric>``.
