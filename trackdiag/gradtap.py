@@ -14,12 +14,12 @@ in 3 ops, ``clip_grad_norm_``'s arithmetic; a large one's by a dot per large ten
 that need detail also the largest magnitude and the gradients' version counters (to tell later
 whether something clipped or unscaled them). One parameter per component, the *sentinel*, also
 records per backward whether its gradient was reset (``None`` or all zero) before the pass
-accumulated into it, the parameter's version counter, and (from its L1 norm at the end of the pass,
-taken for the wipe check anyway) whether the pass left it non-zero: that is what the zero-grad
+accumulated into it, the parameter's version counter, and (from its L2 norm at the end of the pass,
+one of the per-tensor norms the global norm is made of) whether the pass left it non-zero: that is what the zero-grad
 verdicts are made of (:mod:`trackdiag.probes.zerograd`).
 
 Cost per backward pass: one Python call per parameter that receives a gradient (~0.3-1 us), the
-global norm (small model: 3 ops), one L1 norm of the sentinel, one tiny division under a scaler; on
+global norm (small model: 3 ops, the sentinel's norm among them), one tiny division under a scaler; on
 the sentinel, one all-zero test (2 small ops) when its gradient was not ``None``. No host read. Detail steps add a
 ``max_abs`` reduction and a host pass over the version counters.
 """
@@ -61,6 +61,10 @@ class Tap:
     versions: list[int] | None = None
     ids: list[int] | None = None
     sentinel: torch.Tensor | None = None
+    #: the sentinel's gradient tensor and its version counter when measured: the same tensor at the same
+    #: version at the optimizer step means nothing touched it in between (no kernel needed to tell)
+    sentinel_grad: torch.Tensor | None = None
+    sentinel_version: int = -1
 
 
 @dataclass
@@ -73,7 +77,7 @@ class Pass:
 
     reset: bool | torch.Tensor
     param_version: int
-    #: True, or a device tensor that is non-zero exactly when that gradient was (the sentinel's L1 norm)
+    #: True, or a device tensor that is non-zero exactly when that gradient was (the sentinel's L2 norm)
     prev_nonzero: bool | torch.Tensor = True
 
 
@@ -92,7 +96,7 @@ class CompTap:
     handles: list[Any] = field(default_factory=list)
     sentinel: torch.Tensor | None = None
     pending: Pass | None = None  # seen by the sentinel's tensor hook, kept once accumulated into .grad
-    last_nonzero: bool | torch.Tensor = True  # the sentinel's gradient after the last pass: its L1 norm (0: all zero)
+    last_nonzero: bool | torch.Tensor = True  # the sentinel's gradient after the last pass: its L2 norm (0: all zero)
     saw: bool = False  # the sentinel's hook ran in the backward pass in progress
     misses: int = 0  # backward passes in a row that reached the component but not its sentinel
     params_of: dict[int, tuple[int, ...]] = field(default_factory=dict)  # generation -> the ids it measured, in order
@@ -112,7 +116,7 @@ class CompTap:
             if g is None:
                 reset: bool | torch.Tensor = True
             elif g.layout is torch.strided:
-                reset = sentinel_l1(g) == 0  # all zero (two small ops; none in a set_to_none loop)
+                reset = sentinel_norm(g) == 0  # all zero (two small ops; none in a set_to_none loop)
             else:
                 reset = torch.tensor(g._nnz() == 0)
             self.pending = Pass(reset, p._version, self.last_nonzero)
@@ -229,6 +233,7 @@ class GradTap:
     def end_of_backward(self) -> None:
         """For each component this backward reached: measure its accumulated gradients."""
         t0 = time.perf_counter()
+        scale: torch.Tensor | None | bool = False  # read once per pass, when a component needs it
         for st in self.states.values():
             if not st.fired:
                 continue
@@ -237,12 +242,13 @@ class GradTap:
             try:
                 if self.refresh is not None:
                     self.refresh(st.comp)
-                tap = self.measure(st.comp, st.count)
-                raw = self.sentinel_norm(st.sentinel, unscale=False)
-                if raw is not None:
+                if scale is False:
                     scale = self.scale()
+                tap = self.measure(st.comp, st.count, scale=scale, sentinel=st.sentinel)
+                raw = tap.sentinel
+                if raw is not None:
                     tap.sentinel = raw / scale if scale is not None else raw
-                    if st.saw:  # what this pass left: L1 is 0 exactly when every value is (no underflow)
+                    if st.saw:  # what this pass left: its norm is 0 exactly when every value is
                         st.last_nonzero = raw
             except Exception as exc:  # noqa: BLE001 - never raise into the user's backward
                 log.warning("trackdiag: gradient tap failed (%s: %s): reading at the optimizer step instead",
@@ -253,7 +259,9 @@ class GradTap:
             st.latest = tap
             if st.in_closure and st.first_in_step is None:
                 st.first_in_step = tap
-            self._follow_sentinel(st)
+            if not st.saw or st.misses:
+                self._follow_sentinel(st)
+            st.saw = False
         self.ctx.hook_seconds += time.perf_counter() - t0
 
     def _follow_sentinel(self, st: CompTap) -> None:
@@ -261,7 +269,6 @@ class GradTap:
         until fine-tuning) is replaced by the smallest parameter these passes did reach: the zero-grad checks
         follow the part of the model that trains. Host pass over the parameters, only then."""
         st.misses = 0 if st.saw else st.misses + 1
-        st.saw = False
         if st.misses < 3:
             return
         reached = [p for p in st.comp.index.params if p.requires_grad and p.grad is not None and p is not st.sentinel]
@@ -269,38 +276,54 @@ class GradTap:
             self.attach(st.comp, sentinel=min(reached, key=lambda p: p.numel()))
         st.misses = 0
 
-    @torch.no_grad()
-    def measure(self, comp: Component, number: int = 0, unscale: bool = True) -> Tap:
+    def measure(self, comp: Component, number: int = 0, unscale: bool = True, *,
+                scale: torch.Tensor | None | bool = False, sentinel: torch.Tensor | None = None) -> Tap:
         """The gradients of ``comp`` now (device tensors; no host read); divided by the scaler's
-        scale when ``unscale`` (the backward pass left them scaled)."""
-        grads = comp.index.grads()
-        comp.index.clear_cache()
+        scale when ``unscale`` (the backward pass left them scaled), or by ``scale`` when given (None:
+        not at all). With ``sentinel``, ``Tap.sentinel`` is the raw (scaled) L2 norm of its gradient:
+        taken from the per-tensor norms when the component's norm is their norm (no extra kernel).
+        The common case (:attr:`LayerIndex.foreach`) is 3 kernels: per-tensor norms, stack, norm."""
+        idx = comp.index
+        grads = idx.grads()
+        idx.clear_cache()
         detail = self.detail()
-        norms = grad_norms(grads, comp.index.low_precision) if detail else None
-        total = torch.linalg.vector_norm(norms) if norms is not None else global_norm(grads, comp.index.low_precision)
-        scale = self.scale() if unscale else None
-        top = max_abs(grads) if detail else None
-        if scale is not None:
-            total = total / scale
-            norms = norms / scale if norms is not None else None
-            top = top / scale if top is not None else None
-        tap = Tap(total, norms, self.ctx.step, number, comp.generation, top)
+        if scale is False:
+            scale = self.scale() if unscale else None
+        grad_mode = torch.is_grad_enabled()  # a create_graph backward: no graph for these norms
+        torch._C._set_grad_enabled(False)
+        try:
+            parts = None
+            if idx.foreach or detail:
+                try:
+                    parts = torch._foreach_norm(grads, 2, dtype=torch.float32) if idx.low_precision else \
+                        torch._foreach_norm(grads)
+                except (RuntimeError, NotImplementedError):  # sparse or mixed gradients: the per-tensor way
+                    parts = None
+            if parts is not None:
+                norms = torch.stack(parts).float()
+                total = torch.linalg.vector_norm(norms)
+            else:
+                norms = grad_norms(grads, idx.low_precision) if detail else None
+                total = torch.linalg.vector_norm(norms) if norms is not None else global_norm(grads, idx.low_precision)
+            raw = None
+            if sentinel is not None and sentinel.grad is not None:
+                at = idx.position(sentinel) if parts is not None else None
+                raw = parts[at].float() if at is not None and grads[at] is sentinel.grad else sentinel_norm(sentinel.grad)
+            top = max_abs(grads) if detail else None
+            if scale is not None:
+                total = total / scale
+                top = top / scale if top is not None else None
+            tap = Tap(total, (norms / scale if scale is not None else norms) if detail else None, self.ctx.step, number,
+                      comp.generation, top, sentinel=raw)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
         if detail:
             tap.versions = [g._version for g in grads]
             tap.ids = [id(g) for g in grads]
+        g = sentinel.grad if sentinel is not None else None
+        if g is not None:  # what the step's optimizer must find unchanged (else it looks at the values)
+            tap.sentinel_grad, tap.sentinel_version = g, g._version
         return tap
-
-    def sentinel_norm(self, p: torch.Tensor | None, unscale: bool = True) -> torch.Tensor | None:
-        """The L1 norm of ``p``'s gradient (0-d fp32, divided by the scaler's scale when ``unscale``):
-        one small kernel (the sentinel is the smallest tensor of the first or last layer). L1, not L2:
-        it is 0 exactly when every value is (a square underflows below ~1e-23), so the one norm also
-        says whether the pass left a non-zero gradient."""
-        g = None if p is None else p.grad
-        if g is None:
-            return None
-        norm = sentinel_l1(g)
-        scale = self.scale() if unscale else None
-        return norm / scale if scale is not None else norm
 
     def sentinel_of(self, name: str) -> torch.Tensor | None:
         """The sentinel parameter of component ``name``, or None."""
@@ -355,9 +378,10 @@ class GradTap:
         return st is not None and bool(st.handles)
 
 
-def sentinel_l1(g: torch.Tensor) -> torch.Tensor:
-    """The L1 norm of a gradient (0-d fp32, no autograd graph): one kernel."""
-    return torch.linalg.vector_norm(plain(g.detach() if g.requires_grad else g), 1, dtype=torch.float32)
+def sentinel_norm(g: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of the sentinel's gradient (0-d fp32, no autograd graph): one kernel. 0 exactly when
+    every value is (short of values below ~4e-23, whose squares underflow: no gradient a step uses)."""
+    return torch.linalg.vector_norm(plain(g.detach() if g.requires_grad else g), dtype=torch.float32)
 
 
 def pick_sentinel(comp: Component) -> torch.Tensor | None:

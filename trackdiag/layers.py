@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trackdiag.distributed import is_sharded, local
-from trackdiag.norms import all_finite, grad_norms
+from trackdiag.norms import DOT, all_finite, grad_norms
 
 ROOT = "(root)"
 
@@ -54,6 +54,10 @@ class LayerIndex:
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
     index_of: list[int] = field(default_factory=list)  # host copy of ``index``
     low_precision: bool = False  # some parameters are fp16/bf16: norms accumulate in fp32
+    #: the global norm is the foreach norms' norm (one device, unsharded; on the CPU few tensors, none
+    #: large): what :func:`~trackdiag.norms.global_norm` would do, decided once here instead of per pass
+    foreach: bool = False
+    _cache_pos: dict[int, int] | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, model: nn.Module | None, params: list[torch.Tensor], budget: int) -> "LayerIndex":
@@ -73,8 +77,19 @@ class LayerIndex:
         gpos = {g: i for i, g in enumerate(groups)}
         group_index = torch.tensor([gpos[g] for g in group_of_layer], dtype=torch.long, device=device)
         low = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+        sharded = any(is_sharded(p) for p in params)
+        devices = {p.device for p in params}
+        foreach = len(devices) == 1 and not sharded and not any(p.is_complex() for p in params) and (
+            device.type != "cpu" or (len(params) <= 64 and all(p.numel() < DOT for p in params)))
         return cls(params, names, layers, index, groups, group_index, grouped=len(groups) < len(layers),
-                   sharded=any(is_sharded(p) for p in params), index_of=index_of, low_precision=low)
+                   sharded=sharded, index_of=index_of, low_precision=low, foreach=foreach)
+
+    def position(self, param: torch.Tensor) -> int | None:
+        """The position of ``param`` in ``params`` (None if not there); a dict built at the first call."""
+        pos = self._cache_pos
+        if pos is None:
+            pos = self._cache_pos = {id(p): i for i, p in enumerate(self.params)}
+        return pos.get(id(param))
 
     def grads(self) -> list[torch.Tensor]:
         """Each parameter's gradient (this rank's shard of a DTensor gradient under FSDP2); a zero

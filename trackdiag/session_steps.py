@@ -73,8 +73,10 @@ class OptimizerEvents:
         self._grad_probes = [p for p in self.probes if type(p).on_grads is not Probe.on_grads]
         self._pre_probes = [p for p in self.probes if type(p).before_optimizer_step is not Probe.before_optimizer_step]
         self._post_probes = [p for p in self.probes if type(p).after_optimizer_step is not Probe.after_optimizer_step]
+        self._owners: dict[int, Component] = {}  # id(optimizer) -> its component (the component holds the optimizer)
         for comp in self.components:
             comp.groups = groups_signature(comp)
+            self._owners.update((id(o), comp) for o in comp.optimizers)
             if not comp.optimizers:
                 self._note_no_optimizer(comp)
         DISPATCH.add(self)
@@ -109,6 +111,7 @@ class OptimizerEvents:
 
     def _adopt(self, comp: Component, opt: Any) -> None:
         if comp.add_optimizer(opt):
+            self._owners.update((id(o), comp) for o in comp.optimizers)
             log.info("trackdiag: following %s for %s", type(opt).__name__, comp.name or "the model")
             self._notes.pop(comp.name, None)
         if self._ctx.scaler is None:
@@ -134,9 +137,9 @@ class OptimizerEvents:
 
     # ------------------------------------------------------------------ torch's global step hooks
     def _owner(self, opt: Any) -> Component | None:
-        for comp in self.components:
-            if comp.owns(opt):
-                return comp
+        comp = self._owners.get(id(opt))  # an optimizer of ours: one look-up (the component keeps it alive)
+        if comp is not None:
+            return comp
         if opt in self._foreign or any(st.depth for st in self._steps.values()):
             return None  # not ours, or the inner optimizer of a wrapper that is stepping
         for comp in self.components:
@@ -175,12 +178,12 @@ class OptimizerEvents:
     def optimizer_post_step(self, opt: Any, closure: Any) -> None:
         if self._closed:
             return
-        comp = next((c for c in self.components if c.owns(opt)), None)
+        comp = self._owners.get(id(opt))
         if comp is None:
             return
         st = self._steps[comp.name]
         st.depth = max(st.depth - 1, 0)
-        if st.depth:
+        if st.depth or not (self._post_probes or (st.closure and not st.consumed)):
             return
         t0 = time.perf_counter()
         if st.closure and not st.consumed:
@@ -189,6 +192,8 @@ class OptimizerEvents:
         self._window_overhead += time.perf_counter() - t0
 
     def _run(self, probes: list[Probe], method: str, comp: Component) -> None:
+        if not probes:
+            return
         ctx = self._ctx
         for p in probes:  # hot path: inline try instead of _guard's getattr per call
             if p.enabled and (not p.due_only or ctx.is_due(p.schedule)):

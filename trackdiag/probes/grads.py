@@ -18,8 +18,10 @@ Emits per component (``diag/`` or ``diag/<component>/``):
       ``grad/wiped`` = ``{"first": step, "run": n, "of": steps}``: the run of consecutive wiped steps
       going on at the window's end (carried across windows) and where it began.
 Cost: per step, the global norm the tap took (see :mod:`trackdiag.gradtap`: one pass over the
-gradients) and two L1 norms of one small tensor (the sentinel, at the end of the backward pass and
-when the optimizer steps; "wiped" is decided for the whole window at the logging step); on due steps the per-tensor norms, a few reductions, and one more
+gradients, the sentinel's norm among its per-tensor norms) and, when the optimizer steps, a look at the
+sentinel's gradient: none when it is the tensor the backward pass left at the same version (two attribute
+reads), else one norm of that small tensor ("wiped" is decided for the whole window at the logging
+step); on due steps the per-tensor norms, a few reductions, and one more
 ``_foreach_norm`` only when the gradients were clipped. Host reads: none off logging steps.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext
-from trackdiag.gradtap import GradView, sentinel_l1
+from trackdiag.gradtap import GradView, sentinel_norm
 from trackdiag.norms import max_abs, plain, stack_scalars, tensor_norms  # noqa: F401  (re-exported for user probes)
 from trackdiag.probes.base import Probe, take_pending
 from trackdiag.record import Record
@@ -79,7 +81,7 @@ class GradProbe(Probe):
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._ring: dict[str, list[tuple[int, torch.Tensor]]] = {}
         self._steps: dict[str, list[int]] = {}
-        self._kept: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # per step: sentinel L1 at backward, at the step
+        self._kept: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # per step: sentinel norm at backward, at the step
         self._kept_steps: dict[str, list[int]] = {}
         self._run: dict[str, tuple[int, int]] = {}  # component -> (first step, length) of the current wiped run
 
@@ -114,7 +116,10 @@ class GradProbe(Probe):
         if not view.stepped or view.source != "backward" or pre is None or view.sentinel is None:
             return
         g = view.sentinel.grad
-        now = pre.new_zeros(()) if g is None else sentinel_l1(g)  # one kernel; compared at the logging step
+        if g is view.tap.sentinel_grad and g is not None and g._version == view.tap.sentinel_version:
+            now = pre  # the tensor the backward left, untouched since: not wiped (no kernel)
+        else:  # gone (None), replaced, or changed in place (clipped, unscaled, zeroed): look at it, one kernel
+            now = pre.new_zeros(()) if g is None else sentinel_norm(g)
         self._kept.setdefault(comp.name, []).append((ctx.step, pre, now))
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:

@@ -160,7 +160,6 @@ class NanReplayProbe(Probe):
         ctx = self._ctx
         if self._busy or ctx is None or not module.training or not torch.is_grad_enabled():
             return None
-        t0 = time.perf_counter()
         step = ctx.step
         entry = self._ring.get(step)
         if entry is None:
@@ -170,13 +169,15 @@ class NanReplayProbe(Probe):
         calls: list[Call] | None = entry["calls"].get(comp)
         if calls is None:
             calls = entry["calls"][comp] = []
-        if len(calls) < self.max_calls:
-            if device_type == "meta":  # built on the meta device, materialised after the session began
-                device_type = next((p.device.type for p in module.parameters()), "cpu")
-                device_type = "cpu" if device_type == "meta" else device_type
-            amp = (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
-            call = (held(args), detached(kwargs) if kwargs else {}, amp)
-            calls.append(call if target is None else (*call, target))  # a submodule's call: replayed on it
+        elif len(calls) >= self.max_calls:  # a loop calling the model many times per step: the first ones
+            return None
+        t0 = time.perf_counter()
+        if device_type == "meta":  # built on the meta device, materialised after the session began
+            device_type = next((p.device.type for p in module.parameters()), "cpu")
+            device_type = "cpu" if device_type == "meta" else device_type
+        amp = (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
+        call = (held(args), detached(kwargs) if kwargs else {}, amp)
+        calls.append(call if target is None else (*call, target))  # a submodule's call: replayed on it
         ctx.hook_seconds += time.perf_counter() - t0
         return None
 

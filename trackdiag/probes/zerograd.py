@@ -84,7 +84,7 @@ def _definite(p: Pass) -> Flag:
     if prev is False:
         return False
     if isinstance(prev, torch.Tensor) and prev.dtype is not torch.bool:
-        prev = prev != 0  # the sentinel's L1 norm after that pass (device op, accumulation loops only)
+        prev = prev != 0  # the sentinel's norm after that pass (device op, accumulation loops only)
     return p.reset & prev if isinstance(p.reset, torch.Tensor) else prev
 
 

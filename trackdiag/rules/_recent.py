@@ -29,13 +29,26 @@ class Recent:
         return self.points[-1][0] if self.points else -1
 
     def between(self, lo: int, hi: int) -> list[float]:
-        """Values at steps ``lo <= step <= hi``."""
-        return [v for s, v in self.points if lo <= s <= hi]
+        """Values at steps ``lo <= step <= hi`` (read from the newest end: rules ask about recent steps)."""
+        out = []
+        for s, v in reversed(self.points):
+            if s < lo:
+                break
+            if s <= hi:
+                out.append(v)
+        out.reverse()
+        return out
 
     def before(self, step: int, n: int) -> list[float]:
         """The finite values of the last ``n`` points before ``step``."""
-        vals = [v for s, v in self.points if s < step and math.isfinite(v)]
-        return vals[-n:]
+        vals = []
+        for s, v in reversed(self.points):
+            if len(vals) >= n:
+                break
+            if s < step and math.isfinite(v):
+                vals.append(v)
+        vals.reverse()
+        return vals
 
     def level(self, step: int, n: int = 20) -> float:
         """The median of the ``n`` finite values before ``step`` (nan without any)."""
