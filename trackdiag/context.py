@@ -33,6 +33,8 @@ class Component:
     #: the model as the user passed it (a DDP or ``torch.compile`` wrapper included): forward calls
     #: are watched on it, while ``model`` is the module inside
     outer: Any = None
+    #: the step at which the optimizers' param groups were last compared with ``groups`` (once per step is enough)
+    refreshed: int = -1
 
     def key(self, suffix: str) -> str:
         """The metric key of ``suffix`` for this component: ``diag/[<name>/]<suffix>``."""

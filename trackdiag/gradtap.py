@@ -43,7 +43,9 @@ log = logging.getLogger("trackdiag")
 class Tap:
     """What one backward pass left in one component's gradients.
 
-    total: the global L2 norm (0-d fp32 device tensor, unscaled).
+    total: the global L2 norm (0-d fp32 device tensor, unscaled); on a plain step it is worked out from
+        ``parts`` when first asked for (the every-step series asks for a whole window at once:
+        :func:`totals`), so a step pays one kernel for it, not three.
     norms: per-parameter L2 norms (fp32, unscaled, ``comp.index.params`` order), on detail steps, else None.
     max_abs: the largest gradient magnitude (0-d, unscaled), on detail steps, else None.
     versions / ids: the gradients' version counters and identities, on detail steps, else None.
@@ -52,7 +54,7 @@ class Tap:
         the step's optimizer finds left of it tells whether the gradients were wiped before it ran.
     """
 
-    total: torch.Tensor
+    total_: torch.Tensor | None
     norms: torch.Tensor | None
     step: int
     number: int
@@ -65,6 +67,58 @@ class Tap:
     #: version at the optimizer step means nothing touched it in between (no kernel needed to tell)
     sentinel_grad: torch.Tensor | None = None
     sentinel_version: int = -1
+    #: the per-tensor norms (``_foreach_norm``'s list, scaled) when ``total`` is not worked out yet
+    parts: list[torch.Tensor] | None = None
+    scale: torch.Tensor | None = None
+
+    @property
+    def total(self) -> torch.Tensor:
+        if self.total_ is None:
+            self.total_ = totals([(self.parts, self.scale)])[0] if self.parts is not None else torch.zeros(())
+            self.parts = None
+        return self.total_
+
+    def lazy(self) -> tuple[list[torch.Tensor] | None, torch.Tensor | None] | torch.Tensor:
+        """What the every-step series keeps of this pass: the total when known, else (parts, scale)."""
+        return self.total_ if self.total_ is not None else (self.parts, self.scale)
+
+
+def totals(items: list[Any]) -> torch.Tensor:
+    """Global norms of several passes as one 1-D fp32 tensor, in order: each item a total (0-d) or the
+    ``(parts, scale)`` of a pass whose total is not worked out yet. Passes with the same number of
+    tensors share one ``stack`` and one norm (a window of steps: 2-3 kernels, not 2 per step)."""
+    lazy: dict[int, list[int]] = {}
+    done: list[int] = []
+    for i, it in enumerate(items):
+        if isinstance(it, tuple):
+            lazy.setdefault(len(it[0]), []).append(i)
+        else:
+            done.append(i)
+    chunks: list[torch.Tensor] = []
+    order: list[int] = []
+    grad_mode = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        for n, idx in lazy.items():
+            flat = torch.stack([p for i in idx for p in items[i][0]]).float().view(len(idx), n)
+            tot = torch.linalg.vector_norm(flat, dim=1)
+            scales = [items[i][1] for i in idx]
+            if any(s is not None for s in scales):
+                tot = tot / torch.stack([s if s is not None else torch.ones((), device=tot.device) for s in scales])
+            chunks.append(tot)
+            order += idx
+        if done:
+            chunks.append(torch.stack([items[i].reshape(()).float() for i in done]))
+            order += done
+        out = chunks[0] if len(chunks) == 1 else torch.cat([c.to(chunks[0].device) for c in chunks])
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
+    if order != list(range(len(items))):
+        where = [0] * len(order)
+        for pos, i in enumerate(order):
+            where[i] = pos
+        out = out[torch.tensor(where, device=out.device)]
+    return out
 
 
 @dataclass
@@ -240,7 +294,7 @@ class GradTap:
             st.fired = False
             st.count += 1
             try:
-                if self.refresh is not None:
+                if self.refresh is not None and st.comp.refreshed != self.ctx.step:  # once per step
                     self.refresh(st.comp)
                 if scale is False:
                     scale = self.scale()
@@ -282,7 +336,8 @@ class GradTap:
         scale when ``unscale`` (the backward pass left them scaled), or by ``scale`` when given (None:
         not at all). With ``sentinel``, ``Tap.sentinel`` is the raw (scaled) L2 norm of its gradient:
         taken from the per-tensor norms when the component's norm is their norm (no extra kernel).
-        The common case (:attr:`LayerIndex.foreach`) is 3 kernels: per-tensor norms, stack, norm."""
+        The common case (:attr:`LayerIndex.foreach`) is one kernel (the per-tensor norms; their norm waits
+        for :attr:`Tap.total`)."""
         idx = comp.index
         grads = idx.grads()
         idx.clear_cache()
@@ -299,22 +354,26 @@ class GradTap:
                         torch._foreach_norm(grads)
                 except (RuntimeError, NotImplementedError):  # sparse or mixed gradients: the per-tensor way
                     parts = None
-            if parts is not None:
+            total = norms = None
+            if parts is not None and (detail or scale is not None):  # under a scaler: now, at this pass's scale
                 norms = torch.stack(parts).float()
                 total = torch.linalg.vector_norm(norms)
-            else:
+            elif parts is None:
                 norms = grad_norms(grads, idx.low_precision) if detail else None
                 total = torch.linalg.vector_norm(norms) if norms is not None else global_norm(grads, idx.low_precision)
             raw = None
             if sentinel is not None and sentinel.grad is not None:
                 at = idx.position(sentinel) if parts is not None else None
-                raw = parts[at].float() if at is not None and grads[at] is sentinel.grad else sentinel_norm(sentinel.grad)
+                raw = parts[at] if at is not None and grads[at] is sentinel.grad else sentinel_norm(sentinel.grad)
+                raw = raw if raw.dtype is torch.float32 else raw.float()
             top = max_abs(grads) if detail else None
             if scale is not None:
-                total = total / scale
+                total = total / scale if total is not None else None
                 top = top / scale if top is not None else None
             tap = Tap(total, (norms / scale if scale is not None else norms) if detail else None, self.ctx.step, number,
                       comp.generation, top, sentinel=raw)
+            if total is None:  # worked out when asked for (a window at a time)
+                tap.parts, tap.scale = parts, scale
         finally:
             torch._C._set_grad_enabled(grad_mode)
         if detail:

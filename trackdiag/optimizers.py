@@ -179,7 +179,7 @@ class _Dispatch(Pausable):
     def _fan(self, method: str, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._paused or not len(self._listeners):
             return
-        closure = closure_of(args, kwargs)
+        closure = args[1] if len(args) > 1 and callable(args[1]) else (closure_of(args, kwargs) if kwargs else None)
         for listener in list(self._listeners):
             fn: Callable[..., None] = getattr(listener, method)
             try:

@@ -7,18 +7,19 @@ replay could run. :class:`OutputFlags` watches the forwards as they happen inste
 forward of every module of the session's models (training mode, grad enabled, eager) its floating
 output, and its input when that is not one of the last outputs recorded, become one fp32 sum each: NaN and
 Inf propagate, so the flag is non-finite exactly when the tensor held a NaN/Inf (a finite sum
-overflows only past 3e38). On the CPU the sum is taken at once (nothing is kept); on CUDA the
-tensors wait, at most ``chunk`` of them and ``max_mb`` MB, for one multi-tensor kernel at the end of
-the root model's forward. The flags of the last ``ring`` steps stay on the device as one tensor per
+overflows only past 3e38). The tensors wait, at most ``chunk`` of them and ``max_mb`` MB, for one
+multi-tensor L1 norm at the end of the root model's forward (CUDA: one fused kernel; CPU: one call
+for the list instead of a sum per tensor). The flags of the last ``ring`` steps stay on the device as one tensor per
 step; they are read back only when a non-finite alert or a crash asks which module was first
 (completion order: the innermost module that completed first, and whether its input was finite),
 and at logging steps with the session's one host copy, to learn the modules whose output is
 non-finite on healthy steps too (``-inf`` attention masks): those are never blamed.
 
-Cost per module call: a few Python operations (~2-5 us on the CPU) and one sum (CPU: ~3 us plus a
-read of the output, ~50 us per million values on one core); per step one ``stack``. No host read.
+Cost per module call: a few Python operations (~2-5 us on the CPU) and its share of one multi-tensor
+norm (CPU: ~1.3 us plus a read of the output, ~50 us per million values on one core); per step one
+``stack``. No host read.
 Measured (benchmarks/flight.py, docs/crash-and-replay.md): +1 to +3 % of a step of the overhead
-benchmark's 25-50 ms CPU workloads, ~12 us per module call on small outputs. Memory: on CUDA, at most ``max_mb`` of module outputs kept until the
+benchmark's 25-50 ms CPU workloads, ~12 us per module call on small outputs. Memory: at most ``max_mb`` of module outputs kept until the
 end of their forward; 4 bytes per module call for ``ring`` steps.
 """
 from __future__ import annotations
@@ -141,8 +142,9 @@ class OutputFlags:
 
     @staticmethod
     def batched(t: torch.Tensor) -> bool:
-        """Whether ``t`` waits for the multi-tensor kernel (CUDA) instead of its own sum (CPU)."""
-        return t.is_cuda
+        """Whether ``t`` waits for the multi-tensor kernel instead of its own sum: every dense tensor
+        (CUDA: one fused kernel; CPU: one call for the list, ~30 % less than a sum each)."""
+        return True
 
     @torch.no_grad()
     def flush(self) -> None:

@@ -52,7 +52,10 @@ def held(args: tuple[Any, ...]) -> tuple[Any, ...]:
     per tensor, ~0.4 us, only where it drops a graph)."""
     if type(args) is not tuple:
         return detached(args)
-    return tuple((a.detach() if a.requires_grad else a) if type(a) is torch.Tensor else detached(a, 1) for a in args)
+    out = []
+    for a in args:  # a loop, not a generator: this runs at every captured forward call
+        out.append((a.detach() if a.requires_grad else a) if type(a) is torch.Tensor else detached(a, 1))
+    return tuple(out)
 
 
 def compiled_before() -> bool:

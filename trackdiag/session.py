@@ -207,7 +207,10 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder):
         if self._t_first is None:
             self._t_first = t0
         ctx = self._ctx
-        losses = {k: self._scalar_loss(k, v) for k, v in (loss.items() if isinstance(loss, Mapping) else [("", loss)])}
+        if type(loss) is dict or (not isinstance(loss, torch.Tensor) and isinstance(loss, Mapping)):
+            losses = {k: self._scalar_loss(k, v) for k, v in loss.items()}
+        else:
+            losses = {"": self._scalar_loss("", loss)}
         if self._is_micro_step():  # accelerate's accumulate: not an optimizer step yet
             self._micro.append(losses)
             self._window_overhead += time.perf_counter() - t0
@@ -229,9 +232,11 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder):
             ctx.phase, ctx.phase_start = ctx.phase + 1, ctx.step
         self._phase_ready = True
         raised = None
-        if any(ctx.is_due(sched) for sched in self._schedules):  # a few distinct schedules, not every probe
-            raised = self._log(ctx.step)
-            self._check_reindex()
+        for sched in self._schedules:  # a few distinct schedules, not every probe
+            if ctx.is_due(sched):
+                raised = self._log(ctx.step)
+                self._check_reindex()
+                break
         self._reset_steps()
         self._step += 1
         ctx.step = self._step
@@ -244,6 +249,8 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder):
     def _scalar_loss(self, name: str, value: Any) -> Any:
         """A loss of more than one element (per-sample losses) is reduced to its mean, with a
         one-time warning (device op, no sync)."""
+        if type(value) is torch.Tensor and value.ndim == 0:  # the usual scalar loss
+            return value
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             if name not in self._warned_shape:
                 self._warned_shape.add(name)

@@ -61,8 +61,9 @@ class OptimizerEvents:
         self._steps: dict[str, _StepState] = {c.name: _StepState() for c in self.components}
         self._foreign: weakref.WeakSet[Any] = weakref.WeakSet()
         self._micro: list[Mapping[str, Any]] = []
-        self._given_ids: tuple[int, ...] = ()
         self._grad_states: list[Any] = []
+        self._find_grad_states()
+        self._models = list({id(m): m for c in self.components for m in (c.outer, c.model) if m is not None}.values())
         self._notes: dict[str, str] = {}
         # training phases (greedy layer-wise training, progressive unfreezing): an optimizer stepping for the
         # first time after step 0, or parameters joining/leaving training, start one; loss and gradient
@@ -110,7 +111,9 @@ class OptimizerEvents:
         self._adopt(comp, optimizer)
 
     def _adopt(self, comp: Component, opt: Any) -> None:
-        if comp.add_optimizer(opt):
+        new = comp.add_optimizer(opt)
+        self._find_grad_states()  # a wrapper given now may carry accelerate's gradient state
+        if new:
             self._owners.update((id(o), comp) for o in comp.optimizers)
             log.info("trackdiag: following %s for %s", type(opt).__name__, comp.name or "the model")
             self._notes.pop(comp.name, None)
@@ -121,6 +124,7 @@ class OptimizerEvents:
 
     def _refresh_groups(self, comp: Component) -> None:
         """Follow ``add_param_group`` as soon as a backward pass shows it (before it is measured)."""
+        comp.refreshed = self._ctx.step
         sig = groups_signature(comp)
         if sig != comp.groups:
             comp.groups = sig
@@ -152,7 +156,7 @@ class OptimizerEvents:
     def optimizer_pre_step(self, opt: Any, closure: Any) -> None:
         if self._closed:
             return
-        comp = self._owner(opt)
+        comp = self._owners.get(id(opt)) or self._owner(opt)  # an optimizer of ours: one look-up
         if comp is None:
             return
         st = self._steps[comp.name]
@@ -160,14 +164,16 @@ class OptimizerEvents:
         if st.depth > 1:
             return
         t0 = time.perf_counter()
-        self._refresh_groups(comp)  # add_param_group: follow the new parameters from this step on
+        if comp.refreshed != self._ctx.step:  # add_param_group: follow the new parameters from this step on
+            self._refresh_groups(comp)
         if id(opt) not in self._ever_stepped:  # an optimizer's first step after step 0: a new phase begins
             self._ever_stepped.add(id(opt))
             self._phase_pending = self._phase_pending or (self._ctx.step > 0 and self._phase_ready)
         st.stepped = True
         if not st.pre_done:
             st.pre_done = True
-            self._run(self._pre_probes, "before_optimizer_step", comp)
+            if self._pre_probes:
+                self._run(self._pre_probes, "before_optimizer_step", comp)
         if closure is not None and not st.consumed:
             st.closure = True
             self._tap.begin_closure(comp.name)
@@ -227,13 +233,17 @@ class OptimizerEvents:
     # ------------------------------------------------------------------ Diagnostics.step
     def _is_micro_step(self) -> bool:
         """A ``step()`` call between two real optimizer steps (accelerate's ``accumulate``). The given
-        optimizers' ``gradient_state`` objects are found once (again when an optimizer is adopted)."""
-        given = tuple(id(g) for c in self.components for g in c.given)
-        if given != self._given_ids:
-            self._given_ids = given
-            self._grad_states = [st for c in self.components for g in c.given for st in gradient_states(g)]
-        return any(getattr(st, "sync_gradients", True) is False for st in self._grad_states) or \
-            any(accelerate_accumulating(m) for c in self.components for m in (c.outer, c.model))
+        optimizers' ``gradient_state`` objects are found when an optimizer is given or adopted."""
+        for st in self._grad_states:
+            if getattr(st, "sync_gradients", True) is False:
+                return True
+        for m in self._models:
+            if accelerate_accumulating(m):
+                return True
+        return False
+
+    def _find_grad_states(self) -> None:
+        self._grad_states = [st for c in self.components for g in c.given for st in gradient_states(g)]
 
     def _merge_micro(self, losses: Mapping[str, Any]) -> Mapping[str, Any]:
         """The step's losses: the mean over its micro-batches' losses (device ops only)."""

@@ -63,6 +63,8 @@ class DataFiniteProbe(Probe):
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         batch = inputs.batch
+        if batch is None:
+            return
         if isinstance(batch, torch.Tensor):  # the common cases without the generic walk
             found = [("batch", batch)] if batch.is_floating_point() or batch.is_complex() else []
         else:
@@ -126,8 +128,13 @@ class DataLabelsProbe(Probe):
         self._window: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # the collected steps and classes
         self._classes = -1
 
-    @torch.no_grad()
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        if inputs.batch is None or inputs.outputs is None:
+            return
+        with torch.no_grad():
+            self._observe(ctx, inputs)
+
+    def _observe(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         t = targets_of(inputs.batch, self.target)
         logits = logits_of(inputs.outputs, self.output) if t is not None else None
         dim = class_dim(logits, t) if logits is not None and t is not None else None

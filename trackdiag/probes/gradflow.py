@@ -38,11 +38,15 @@ class GradFlowProbe(Probe):
         self._layer_of: dict[str, list[int]] = {}  # per component: layer position of each parameter
         self._ends: dict[str, tuple[str, str]] = {}
 
-    @torch.no_grad()
     def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         idx = comp.index
         if not ctx.is_due(self.schedule) or len(idx.layers) < 2:
             return
+        with torch.no_grad():
+            self._measure(comp, view)
+
+    def _measure(self, comp: Component, view: GradView) -> None:
+        idx = comp.index
         pos = self._layer_of.get(comp.name)
         if pos is None:
             at = {n: i for i, n in enumerate(idx.layers)}

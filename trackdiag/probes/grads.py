@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext
-from trackdiag.gradtap import GradView, sentinel_norm
+from trackdiag.gradtap import GradView, sentinel_norm, totals
 from trackdiag.norms import max_abs, plain, stack_scalars, tensor_norms  # noqa: F401  (re-exported for user probes)
 from trackdiag.probes.base import Probe, take_pending
 from trackdiag.record import Record
@@ -79,22 +79,27 @@ class GradProbe(Probe):
         super().__init__(enabled=enabled, every=every)
         self.per_layer = per_layer
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
-        self._ring: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self._ring: dict[str, list[tuple[int, Any]]] = {}  # per step: Tap.lazy()
         self._steps: dict[str, list[int]] = {}
         self._kept: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # per step: sentinel norm at backward, at the step
         self._kept_steps: dict[str, list[int]] = {}
         self._run: dict[str, tuple[int, int]] = {}  # component -> (first step, length) of the current wiped run
 
-    @torch.no_grad()
     def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         if not comp.index.params:
             return
-        total = view.total
-        if not scaler_skipped(ctx, comp, view):
-            self._ring.setdefault(comp.name, []).append((ctx.step, total))
+        if view.stepped or not comp.optimizers or not scaler_skipped(ctx, comp, view):
+            ring = self._ring.get(comp.name)
+            if ring is None:
+                ring = self._ring[comp.name] = []
+            ring.append((ctx.step, view.tap.lazy()))
             self._watch_wipe(ctx, comp, view)
-        if not ctx.is_due(self.schedule):
-            return
+        if ctx.is_due(self.schedule):
+            with torch.no_grad():  # a create_graph backward leaves gradients in a graph: not these norms
+                self._measure(comp, view)
+
+    def _measure(self, comp: Component, view: GradView) -> None:
+        total = view.total
         norms = view.norms
         bad = ~torch.isfinite(norms)
         out = {"pre_norm": total, "max_abs": view.tap.max_abs if view.tap.max_abs is not None else max_abs(comp.index.grads())}
@@ -135,7 +140,7 @@ class GradProbe(Probe):
         for name, ring in self._ring.items():
             if ring:
                 self._steps[name] = [s for s, _ in ring]
-                out[f"{name}|global_norm_series"] = stack_scalars([v for _, v in ring])
+                out[f"{name}|global_norm_series"] = totals([v for _, v in ring])  # 2-3 kernels for the window
                 ring.clear()
         return out
 

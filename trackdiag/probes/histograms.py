@@ -150,10 +150,10 @@ class HistogramProbe(Probe):
         self.schedule = SpreadThenEvery(n, default_every, False) if spread else Every(n, False)
 
     # ------------------------------------------------------------------ hooks
-    @torch.no_grad()
     def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         if "grad" in self.kinds and comp.index.params and ctx.is_due(self.schedule):
-            self._measure(comp, "grad", [p.grad for p in comp.index.params])
+            with torch.no_grad():
+                self._measure(comp, "grad", [p.grad for p in comp.index.params])
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         for comp in ctx.components:

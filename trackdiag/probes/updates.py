@@ -107,10 +107,19 @@ class UpdateProbe(Probe):
                 n, since = self._idle.get(comp.name, (0, ctx.step))
                 self._idle[comp.name] = (n + 1, since)
 
-    @torch.no_grad()
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         self._count_idle(ctx)
         due = ctx.is_due(self.schedule)
+        if not due and not self._snap and not self._due_at(ctx, ctx.step + 1):
+            self._versions.clear()  # neither this step nor the next is measured: nothing to keep
+            return
+        with torch.no_grad():
+            self._measure(ctx, due)
+
+    def _due_at(self, ctx: ProbeContext, step: int) -> bool:
+        return self.schedule(step) or (step <= ctx.anomaly_until and self.follows_anomaly)
+
+    def _measure(self, ctx: ProbeContext, due: bool) -> None:
         for comp in ctx.components:
             snap = self._snap.pop(comp.name, None)
             if not due or not comp.index.params:
@@ -128,7 +137,7 @@ class UpdateProbe(Probe):
 
     def _prepare(self, ctx: ProbeContext, step: int) -> None:
         """Before due step ``step``: copy hook-less components, note the others' version counters."""
-        if not (self.schedule(step) or step <= ctx.anomaly_until and self.follows_anomaly):
+        if not self._due_at(ctx, step):
             self._versions.clear()
             return
         for comp in ctx.components:

@@ -107,6 +107,10 @@ class ZeroGradProbe(Probe):
         passes = view.passes
         if not passes:  # no backward reached the component: no verdict
             return
+        if len(passes) == 1 and passes[0].reset is True and self.accumulation_steps == 1:
+            # the usual step: one backward pass into gradients that were None (host facts: no kernel)
+            self._verdicts.setdefault(comp.name, []).append((ctx.step, 1, False, False))
+            return
         reset = _any([p.reset for p in passes])
         window = self._windows.setdefault(comp.name, deque(maxlen=self.accumulation_steps))
         window.append(reset)

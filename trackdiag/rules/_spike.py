@@ -40,7 +40,9 @@ class SpikeDetector:
         self._sum = self._sq = 0.0  # running sums over ``recent``, re-summed now and then against drift
         self._fed = 0
 
-    def feed(self, v: float) -> tuple[bool, float]:
+    def feed(self, v: float, level: bool = True) -> tuple[bool, float]:
+        """``level=False``: the reference level is only worked out when the z-test passes (nan otherwise);
+        the verdict is the same, the median of the last values is not taken for every value."""
         # exactly 0 is "no gradient" (a layer not training yet) or a hinge loss at rest, not a level: a
         # baseline of zeros would make the first real value a "spike"
         if not math.isfinite(v) or v == 0.0:
@@ -52,9 +54,11 @@ class SpikeDetector:
             std = math.sqrt(max(self._sq / n - mean * mean, 0.0))
             # the level a jump is measured against: the median of the last ``level_of`` values (early in
             # training the window's mean still holds the first, higher losses and hides a 30x jump)
-            ref = max(statistics.median(itertools.islice(reversed(self.recent), self.level_of)), self.floor)
+            far = v - mean >= self.z * std
+            if far or level:
+                ref = max(statistics.median(itertools.islice(reversed(self.recent), self.level_of)), self.floor)
             # ref > 0: a series that sat at exactly 0 (a layer not training yet) has no level to be a multiple of
-            spike = ref > 0 and v - mean >= self.z * std and v >= self.factor * ref
+            spike = far and ref > 0 and v >= self.factor * ref
         elif n >= self.early:
             ref = statistics.median(self.recent)
             spike = ref > 0 and v >= self.early_factor * ref

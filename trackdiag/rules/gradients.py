@@ -101,7 +101,7 @@ class GradExplosion(Rule):
             points = [p for p in points_of(record, comp.key("grad/global_norm")) if p[0] >= ps]
             st.grad.extend(points)
             for step, gn in points:
-                spike, ref = st.det.feed(gn)
+                spike, ref = st.det.feed(gn, level=self.threshold is not None)
                 user = self.threshold is not None and math.isfinite(gn) and gn > self.threshold
                 if st.episode > 0 and math.isfinite(gn) and gn < self.persist_factor * st.episode and not user:
                     st.episode = 0.0  # back to its level: the next jump is a new incident

@@ -79,7 +79,7 @@ class LossSpike(Rule):
             ser.grad.extend(p for p in record.series.get(grad_key(key), []) if p[0] >= ps)
             pend = self._pending.setdefault(key, [])
             for step, v in points:
-                spike, ref = det.feed(v)
+                spike, ref = det.feed(v, level=False)
                 level = self._episode.get(key, 0.0)
                 if level > 0 and math.isfinite(v) and v < 3 * level:
                     self._episode[key] = level = 0.0  # back to its level: a later jump is a new incident
