@@ -8,8 +8,8 @@ forward of every module of the session's models (training mode, grad enabled, ea
 output, and its input when that is not one of the last outputs recorded, become one fp32 sum each: NaN and
 Inf propagate, so the flag is non-finite exactly when the tensor held a NaN/Inf (a finite sum
 overflows only past 3e38). The tensors wait, at most ``chunk`` of them and ``max_mb`` MB, for one
-multi-tensor L1 norm at the end of the root model's forward (CUDA: one fused kernel; CPU: one call
-for the list instead of a sum per tensor). The flags of the last ``ring`` steps stay on the device as one tensor per
+multi-tensor L1 norm (CUDA: one fused kernel; CPU: one call for the list instead of a sum per tensor),
+at the latest at the end of the step. The flags of the last ``ring`` steps stay on the device as one tensor per
 step; they are read back only when a non-finite alert or a crash asks which module was first
 (completion order: the innermost module that completed first, and whether its input was finite),
 and at logging steps with the session's one host copy, to learn the modules whose output is
@@ -19,8 +19,8 @@ Cost per module call: a few Python operations (~2-5 us on the CPU) and its share
 norm (CPU: ~1.3 us plus a read of the output, ~50 us per million values on one core); per step one
 ``stack``. No host read.
 Measured (benchmarks/flight.py, docs/crash-and-replay.md): +1 to +3 % of a step of the overhead
-benchmark's 25-50 ms CPU workloads, ~12 us per module call on small outputs. Memory: at most ``max_mb`` of module outputs kept until the
-end of their forward; 4 bytes per module call for ``ring`` steps.
+benchmark's 25-50 ms CPU workloads, ~12 us per module call on small outputs. Memory: at most ``max_mb`` of module outputs kept (until the
+next multi-tensor norm); 4 bytes per module call for ``ring`` steps.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class OutputFlags:
         self._steps.clear()
 
     def _seen(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """Every eager module forward (hot path: host work and one sum)."""
+        """Every eager module forward (hot path: host work only; the norms wait for :meth:`flush`)."""
         key = self._names.get(id(module))
         if key is None or not module.training or not torch.is_grad_enabled():
             return
@@ -99,52 +99,45 @@ class OutputFlags:
         if not isinstance(t, torch.Tensor) or t is self._last or not t.is_floating_point():
             if id(module) in self._roots:  # a container handing on its last child's output, or no tensor
                 self._last, self._recent = None, []
-                self.flush()
             return
         t0 = time.perf_counter()
         x = args[0] if args else None
-        torch._C._set_grad_enabled(False)  # the sums are no part of the user's graph
-        try:
-            now = self._now
-            if type(x) is not torch.Tensor or not x.is_floating_point():
-                now.ins.append(-1)
-            else:
-                now.ins.append(next((i for r, i in self._recent if r is x), -1) if self._recent else -1)
-                if now.ins[-1] < 0:
-                    now.ins[-1] = self._add(x)
-            self._last, self._last_at = t, self._add(t)
-            self._recent.append((t, self._last_at))
-            if len(self._recent) > 4:
-                del self._recent[0]
-            now.outs.append(self._last_at)
-            now.keys.append(key)
-        finally:
-            torch._C._set_grad_enabled(True)
+        now = self._now
+        if type(x) is not torch.Tensor or not x.is_floating_point():
+            now.ins.append(-1)
+        elif x is self._last:  # the usual case: the output of the module that ran just before
+            now.ins.append(self._last_at)
+        else:
+            at = -1
+            for r, i in self._recent:
+                if r is x:
+                    at = i
+                    break
+            now.ins.append(at if at >= 0 else self._add(x))
+        at = self._last_at = self._add(t)
+        self._last = t
+        recent = self._recent
+        recent.append((t, at))
+        if len(recent) > 4:
+            del recent[0]
+        now.outs.append(at)
+        now.keys.append(key)
         if id(module) in self._roots:
             self._last, self._recent = None, []  # the model's outputs: not kept past its forward
-            self.flush()
-        elif self._waiting and (len(self._waiting) >= self.chunk or self._bytes >= self.max_bytes):
+        if len(self._waiting) >= self.chunk or self._bytes >= self.max_bytes:
             self.flush()
         self.ctx.hook_seconds += time.perf_counter() - t0  # inside the user's forward: the session's clock misses it
 
     def _add(self, t: torch.Tensor) -> int:
-        """The position of ``t``'s flag in the running step (its sum now, or after the CUDA kernel)."""
+        """The position of ``t``'s flag in the running step (after the next :meth:`flush`)."""
         vals = self._now.vals
         if t.layout is not torch.strided:
             vals.append(torch.zeros((), dtype=torch.float32, device=t.device))
-        elif self.batched(t):
+        else:
             self._waiting.append((len(vals), t))
             self._bytes += t.numel() * t.element_size()
             vals.append(None)
-        else:
-            vals.append(t.sum(dtype=torch.float32))
         return len(vals) - 1
-
-    @staticmethod
-    def batched(t: torch.Tensor) -> bool:
-        """Whether ``t`` waits for the multi-tensor kernel instead of its own sum: every dense tensor
-        (CUDA: one fused kernel; CPU: one call for the list, ~30 % less than a sum each)."""
-        return True
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -152,14 +145,13 @@ class OutputFlags:
         if not self._waiting:
             return
         waiting, self._waiting, self._bytes = self._waiting, [], 0
-        groups: dict[tuple[Any, Any], list[tuple[int, torch.Tensor]]] = {}
-        for i, t in waiting:
-            groups.setdefault((t.device, t.dtype), []).append((i, t))
         vals = self._now.vals
-        for group in groups.values():
-            sums = torch._foreach_norm([t for _, t in group], 1, dtype=torch.float32)  # L1: one fused pass
-            for (i, _), s in zip(group, sums):
-                vals[i] = s
+        try:  # one device (the usual case): one call; the kernel takes mixed dtypes
+            sums = torch._foreach_norm([t for _, t in waiting], 1, dtype=torch.float32)  # L1: one fused pass
+        except (RuntimeError, NotImplementedError):  # several devices
+            sums = [torch.linalg.vector_norm(t, 1, dtype=torch.float32) for _, t in waiting]
+        for (i, _), v in zip(waiting, sums):
+            vals[i] = v
 
     def end_step(self, step: int) -> None:
         """``Diagnostics.step``: the running step's flags join the ring (one ``stack``)."""
@@ -218,5 +210,8 @@ class OutputFlags:
 def _stacked(vals: list[torch.Tensor | None]) -> torch.Tensor:
     """The step's flags as one tensor (on the first value's device; every value is set after a flush)."""
     got = [v for v in vals if v is not None]
-    device = got[0].device
-    return torch.stack([v if v.device == device else v.to(device) for v in got])
+    try:
+        return torch.stack(got)  # one device: the usual case
+    except RuntimeError:
+        device = got[0].device
+        return torch.stack([v if v.device == device else v.to(device) for v in got])

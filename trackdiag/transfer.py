@@ -23,7 +23,9 @@ def to_host(values: Mapping[str, Any]) -> dict[str, np.ndarray]:
             out[key] = np.asarray([float(v)], dtype=np.float64)
     for device, items in by_device.items():
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        flat = torch.cat([t.detach().reshape(-1).to(dtype) for _, t in items])
+        with torch.no_grad():  # floats join as they are (``cat`` promotes them; one conversion after it),
+            parts = [t.reshape(-1) if t.is_floating_point() else t.reshape(-1).to(dtype) for _, t in items]
+            flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(dtype)  # integers exactly, before
         host = flat.cpu().numpy()  # host sync: the only one of this logging step on this device
         pos = 0
         for key, t in items:

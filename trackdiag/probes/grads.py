@@ -83,6 +83,7 @@ class GradProbe(Probe):
         self._steps: dict[str, list[int]] = {}
         self._kept: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # per step: sentinel norm at backward, at the step
         self._kept_steps: dict[str, list[int]] = {}
+        self._looked: dict[str, list[bool]] = {}  # per kept step: was the gradient touched (a wiped flag computed)
         self._run: dict[str, tuple[int, int]] = {}  # component -> (first step, length) of the current wiped run
 
     def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
@@ -122,7 +123,7 @@ class GradProbe(Probe):
             return
         g = view.sentinel.grad
         if g is view.tap.sentinel_grad and g is not None and g._version == view.tap.sentinel_version:
-            now = pre  # the tensor the backward left, untouched since: not wiped (no kernel)
+            now = None  # the tensor the backward left, untouched since: not wiped (no kernel, nothing to compare)
         else:  # gone (None), replaced, or changed in place (clipped, unscaled, zeroed): look at it, one kernel
             now = pre.new_zeros(()) if g is None else sentinel_norm(g)
         self._kept.setdefault(comp.name, []).append((ctx.step, pre, now))
@@ -133,8 +134,13 @@ class GradProbe(Probe):
         for name, kept in self._kept.items():
             if kept:
                 self._kept_steps[name] = [s for s, _, _ in kept]
-                pre, now = stack_scalars([p for _, p, _ in kept]), stack_scalars([n for _, _, n in kept])
-                out[f"{name}|wiped"] = ((now <= 1e-6 * pre) & (pre > 0)).float()  # the window at once
+                looked = [(p, n) for _, p, n in kept if n is not None]  # the steps whose gradient was touched
+                self._looked[name] = [n is not None for _, _, n in kept]
+                if looked:
+                    pre, now = stack_scalars([p for p, _ in looked]), stack_scalars([n for _, n in looked])
+                    out[f"{name}|wiped"] = ((now <= 1e-6 * pre) & (pre > 0)).float()  # the window at once
+                else:
+                    out[f"{name}|wiped"] = 0.0  # host: nothing touched, nothing wiped
                 kept.clear()
         self._steps = {}
         for name, ring in self._ring.items():
@@ -149,7 +155,9 @@ class GradProbe(Probe):
             get = lambda k: values.get(f"{comp.name}|{k}")  # noqa: E731
             wiped = get("wiped")
             if wiped is not None:
-                self._publish_wiped(comp, wiped.tolist(), record)
+                flags = iter(wiped.reshape(-1).tolist())
+                looked = self._looked.get(comp.name, [])
+                self._publish_wiped(comp, [next(flags) if touched else 0.0 for touched in looked], record)
             series = get("global_norm_series")
             if series is not None:
                 record.series[comp.key("grad/global_norm")] = list(zip(self._steps.get(comp.name, []), map(float, series.tolist())))

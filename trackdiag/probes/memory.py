@@ -19,12 +19,18 @@ from trackdiag.probes.base import Probe
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+_statm: tuple[int, int] | None = None  # (pid, fd): /proc/<pid>/statm kept open, re-read with pread
+
+
 def rss_bytes() -> float:
-    """Current resident set size of this process."""
+    """Current resident set size of this process (one ``pread`` of ``/proc/<pid>/statm``: no open per read)."""
+    global _statm
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return float(f.read().split()[1]) * _PAGE
-    except OSError:
+        pid = os.getpid()
+        if _statm is None or _statm[0] != pid:  # first read, or a forked child: its own file
+            _statm = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY))
+        return float(os.pread(_statm[1], 256, 0).split()[1]) * _PAGE
+    except (OSError, AttributeError):
         import psutil  # not Linux
 
         return float(psutil.Process().memory_info().rss)
