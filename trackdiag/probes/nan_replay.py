@@ -90,6 +90,7 @@ class NanReplayProbe(Probe):
         self.loss_fn = resolve(loss_fn) if isinstance(loss_fn, str) else loss_fn
         self._size = ring or 2
         self._ring: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
+        self._now: tuple[int, Any, dict[str, list[Call]]] = (-1, None, {})  # the running step's ring entry
         self.findings: dict[int, tuple[str, Finding]] = {}
         self.replays = 0
         self.told: dict[tuple[str, int], tuple[str, int, bool]] = {}  # finding -> (kind, step) told, data at fault
@@ -160,15 +161,12 @@ class NanReplayProbe(Probe):
         ctx = self._ctx
         if self._busy or ctx is None or not module.training or not torch.is_grad_enabled():
             return None
-        step = ctx.step
-        entry = self._ring.get(step)
-        if entry is None:
-            entry = self._ring[step] = {"calls": {}, "batch": None}
-            while len(self._ring) > self._size:
-                self._ring.popitem(last=False)
-        calls: list[Call] | None = entry["calls"].get(comp)
+        now = self._now
+        if now[0] != ctx.step or now[1] is not self._ring.get(ctx.step):
+            now = self._open(ctx.step)
+        calls: list[Call] | None = now[2].get(comp)
         if calls is None:
-            calls = entry["calls"][comp] = []
+            calls = now[2][comp] = []
         elif len(calls) >= self.max_calls:  # a loop calling the model many times per step: the first ones
             return None
         t0 = time.perf_counter()
@@ -180,6 +178,17 @@ class NanReplayProbe(Probe):
         calls.append(call if target is None else (*call, target))  # a submodule's call: replayed on it
         ctx.hook_seconds += time.perf_counter() - t0
         return None
+
+    def _open(self, step: int) -> tuple[int, dict[str, Any], dict[str, list[Call]]]:
+        """The ring entry of ``step`` (made if new; the oldest dropped past the ring's size), cached for the
+        step's next captures."""
+        entry = self._ring.get(step)
+        if entry is None:
+            entry = self._ring[step] = {"calls": {}, "batch": None}
+            while len(self._ring) > self._size:
+                self._ring.popitem(last=False)
+        self._now = (step, entry, entry["calls"])
+        return self._now
 
     def calls_of(self, step: int, component: str | None = None) -> list[Call]:
         """The forward calls captured at ``step`` (for ``component``, default the first model's)."""
