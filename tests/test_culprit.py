@@ -139,10 +139,11 @@ def test_a_healthy_lightning_module_without_forward_is_silent(tmp_path):
     assert [a for a in cb.alerts if a.severity != "info"] == [], [a.describe() for a in cb.alerts]
 
 
-@pytest.mark.parametrize("chunk", [2, 64])
-def test_output_flags_name_the_first_module_and_its_input(chunk):
-    """OutputFlags alone: tensors wait for one multi-tensor norm, flushed every ``chunk`` tensors (2:
-    several per forward) or only at the end of the step (64)."""
+@pytest.mark.parametrize("batched,chunk", [(False, 64), (True, 2), (True, 64)])
+def test_output_flags_name_the_first_module_and_its_input(batched, chunk):
+    """OutputFlags alone, on the CPU path (one sum per output) and on the CUDA path's batching (tensors
+    wait for one multi-tensor kernel, exercised here on CPU tensors: every ``chunk`` tensors, 2: several per
+    forward, or only at the end of the step, 64)."""
     from trackdiag.context import Component, ProbeContext
     from trackdiag.layers import LayerIndex
     from trackdiag.output_flags import OutputFlags
@@ -150,6 +151,8 @@ def test_output_flags_name_the_first_module_and_its_input(chunk):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), zoo.NanGate(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2))
     comp = Component("", model, None, LayerIndex.build(model, list(model.parameters()), 64))
     flags = OutputFlags(ProbeContext([comp], 5, 64), ring=3, chunk=chunk)
+    if batched:
+        flags.batched = lambda t: True  # type: ignore[method-assign]
     flags.start()
     try:
         for step in range(4):

@@ -246,3 +246,56 @@ def test_global_norm_of_small_and_large_cpu_tensors_matches_float64() -> None:
         got = global_norm(tensors)
         assert got.dtype == torch.float32 and got.dim() == 0
         assert float(got) == pytest.approx(float(ref), rel=2e-5)
+
+
+@pytest.mark.parametrize("mode", ["plain", "clipped", "scaler"])
+def test_off_due_steps_norms_worked_out_per_window_match_clip_grad_norm(digits, tmp_path, mode: str) -> None:
+    """Off the due steps a step's norm is kept as its per-tensor norms and worked out for the whole
+    window at the logging step (:func:`trackdiag.gradtap.totals`): every step of the series still equals
+    ``clip_grad_norm_``'s return value (the clipped steps: the pre-clip value; under a scaler: unscaled)."""
+    x, y = digits
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if mode == "scaler" else None
+    diag = trackdiag.Diagnostics(model, opt, scaler, level="basic", every=7, sinks=["local"], output_dir=str(tmp_path), probes=LEAN_PROBES)
+    expected: dict[int, float] = {}
+    data = batches(x, y)
+    with diag:
+        for step in range(23):
+            xb, yb = next(data)
+            loss = F.cross_entropy(model(xb), yb)
+            (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.unscale_(opt)
+            expected[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1 if mode == "clipped" else math.inf).item()
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            diag.step(loss)
+    got = _series(tmp_path, "diag/grad/global_norm")
+    assert sorted(got) == list(range(23))
+    for step, ref in expected.items():
+        assert got[step] == pytest.approx(ref, rel=1e-5), step
+
+
+def test_totals_of_mixed_passes_keep_their_order() -> None:
+    """Passes of different sizes, some worked out already, some under a scale: one tensor in order."""
+    from trackdiag.gradtap import totals
+
+    g = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(n, generator=g) for n in sizes] for sizes in ([3, 4], [5], [3, 4], [2, 2, 2], [5])]
+    ref = [math.sqrt(sum(float(t.square().sum()) for t in gs)) for gs in grads]
+    scale = torch.tensor(4.0)
+    items = [
+        (torch._foreach_norm(grads[0]), None),
+        torch.tensor(ref[1]),                                   # already worked out
+        ([t * 4.0 for t in torch._foreach_norm(grads[2])], scale),  # scaled parts: divided back
+        (torch._foreach_norm(grads[3]), None),
+        (torch._foreach_norm(grads[4]), None),
+    ]
+    out = totals(items)
+    assert out.shape == (5,) and out.dtype == torch.float32
+    assert out.tolist() == pytest.approx(ref, rel=1e-6)

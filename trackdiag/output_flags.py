@@ -7,20 +7,19 @@ replay could run. :class:`OutputFlags` watches the forwards as they happen inste
 forward of every module of the session's models (training mode, grad enabled, eager) its floating
 output, and its input when that is not one of the last outputs recorded, become one fp32 sum each: NaN and
 Inf propagate, so the flag is non-finite exactly when the tensor held a NaN/Inf (a finite sum
-overflows only past 3e38). The tensors wait, at most ``chunk`` of them and ``max_mb`` MB, for one
-multi-tensor L1 norm (CUDA: one fused kernel; CPU: one call for the list instead of a sum per tensor),
-at the latest at the end of the step. The flags of the last ``ring`` steps stay on the device as one tensor per
+overflows only past 3e38). On the CPU the sum is taken at once (nothing is kept: the CPU's multi-tensor
+norm is a per-tensor loop, 3-15x slower than a sum); on CUDA the tensors wait, at most ``chunk`` of them
+and ``max_mb`` MB, for one multi-tensor kernel, at the latest at the end of the step. The flags of the last ``ring`` steps stay on the device as one tensor per
 step; they are read back only when a non-finite alert or a crash asks which module was first
 (completion order: the innermost module that completed first, and whether its input was finite),
 and at logging steps with the session's one host copy, to learn the modules whose output is
 non-finite on healthy steps too (``-inf`` attention masks): those are never blamed.
 
-Cost per module call: a few Python operations (~2-5 us on the CPU) and its share of one multi-tensor
-norm (CPU: ~1.3 us plus a read of the output, ~50 us per million values on one core); per step one
-``stack``. No host read.
+Cost per module call: a few Python operations (~2-5 us on the CPU) and one sum (CPU: ~3 us plus a
+read of the output, ~50 us per million values on one core); per step one ``stack``. No host read.
 Measured (benchmarks/flight.py, docs/crash-and-replay.md): +1 to +3 % of a step of the overhead
-benchmark's 25-50 ms CPU workloads, ~12 us per module call on small outputs. Memory: at most ``max_mb`` of module outputs kept (until the
-next multi-tensor norm); 4 bytes per module call for ``ring`` steps.
+benchmark's 25-50 ms CPU workloads, ~12 us per module call on small outputs. Memory: on CUDA, at most ``max_mb`` of module outputs kept (until the
+next multi-tensor kernel); 4 bytes per module call for ``ring`` steps.
 """
 from __future__ import annotations
 
@@ -128,15 +127,26 @@ class OutputFlags:
             self.flush()
         self.ctx.hook_seconds += time.perf_counter() - t0  # inside the user's forward: the session's clock misses it
 
+    @staticmethod
+    def batched(t: torch.Tensor) -> bool:
+        """Whether ``t`` waits for the multi-tensor kernel (CUDA) instead of its own sum (CPU)."""
+        return t.is_cuda
+
     def _add(self, t: torch.Tensor) -> int:
         """The position of ``t``'s flag in the running step (after the next :meth:`flush`)."""
         vals = self._now.vals
         if t.layout is not torch.strided:
             vals.append(torch.zeros((), dtype=torch.float32, device=t.device))
-        else:
+        elif self.batched(t):  # waits for one fused kernel
             self._waiting.append((len(vals), t))
             self._bytes += t.numel() * t.element_size()
             vals.append(None)
+        else:  # CPU: a sum now (vectorised, multi-threaded; the CPU's multi-tensor norm is a slow per-tensor loop)
+            torch._C._set_grad_enabled(False)  # no part of the user's graph (grad mode was on: checked by the caller)
+            try:
+                vals.append(t.sum(dtype=torch.float32))
+            finally:
+                torch._C._set_grad_enabled(True)
         return len(vals) - 1
 
     @torch.no_grad()
