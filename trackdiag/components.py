@@ -106,8 +106,9 @@ def reindex(comp: Component, budget: int) -> bool:
 def groups_signature(comp: Component) -> tuple[Any, ...]:
     """A cheap fingerprint of the component's optimizers' param groups (number of groups and of
     tensors per group): it changes with ``add_param_group``."""
-    # comp.optimizers are torch optimizers (the wrappers' inner ones): their own param_groups, no wrapper walk
-    return tuple((id(o), *[len(g["params"]) for g in o.param_groups]) for o in comp.optimizers)
+    # comp.optimizers are torch optimizers (the wrappers' inner ones): their own param_groups, no wrapper walk;
+    # a new optimizer re-indexes the component when it is adopted, so the optimizers' identities are left out
+    return tuple([len(g["params"]) for o in comp.optimizers for g in o.param_groups] + [len(comp.optimizers)])
 
 
 def attachable(comp: Component, opt: Any) -> bool:

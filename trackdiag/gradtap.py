@@ -39,7 +39,7 @@ from trackdiag.norms import global_norm, grad_norms, max_abs, plain
 log = logging.getLogger("trackdiag")
 
 
-@dataclass
+@dataclass(slots=True)
 class Tap:
     """What one backward pass left in one component's gradients.
 
@@ -121,7 +121,7 @@ def totals(items: list[Any]) -> torch.Tensor:
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class Pass:
     """One backward pass as the sentinel saw it: was its gradient reset before the pass
     (``True`` on the host for ``None``, else a device bool for "all zero"), the sentinel
@@ -456,7 +456,7 @@ def pick_sentinel(comp: Component) -> torch.Tensor | None:
     return min(pool, key=lambda p: p.numel())
 
 
-@dataclass
+@dataclass(slots=True)
 class GradView:
     """A component's gradients at the moment a step consumes them (what gradient probes read).
 

@@ -32,7 +32,7 @@ from trackdiag.probes.base import Probe
 log = logging.getLogger("trackdiag")
 
 
-@dataclass
+@dataclass(slots=True)
 class _StepState:
     """Where one component is within the optimizer step in progress."""
 

@@ -31,6 +31,7 @@ class MemoryPhasesProbe(Probe):
     """See module docstring."""
 
     name = "memory_phases"
+    due_only = True  # reads allocator counters on due steps only: the session skips the hook calls elsewhere
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)

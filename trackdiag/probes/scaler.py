@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trackdiag.context import Component, ProbeContext, StepInputs
+from trackdiag.context import ProbeContext, StepInputs
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 
@@ -40,7 +40,6 @@ class ScalerProbe(Probe):
         self._n = 0
         self._prev: float | None = None  # last scale of the previous window (host)
         self._streak = 0
-        self._opt_calls = 0
         self._no_opt = 0
         self._start: torch.Tensor | None = None
         self._streak_start = -1
@@ -50,9 +49,6 @@ class ScalerProbe(Probe):
     def attach(self, ctx: ProbeContext) -> None:
         scale = getattr(ctx.scaler, "_scale", None) if ctx.scaler is not None else None
         self._start = scale.detach().clone().reshape(()) if scale is not None else None  # a resumed scaler
-
-    def after_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
-        self._opt_calls += 1
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         scaler = ctx.scaler
@@ -69,9 +65,8 @@ class ScalerProbe(Probe):
         self._buf[self._n].copy_(scale.detach().reshape(()))
         self._n += 1
         self._steps.append(ctx.step)
-        if self._opt_calls == 0:
+        if not ctx.stepped:  # no optimizer ran in this step (the step hooks saw none)
             self._no_opt += 1
-        self._opt_calls = 0
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         if self._buf is None or self._n == 0:
