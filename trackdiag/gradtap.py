@@ -209,8 +209,8 @@ class _Queue:
         if self.queued:
             return
         self.queued = True
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._again)
+        try:  # DDP/FSDP queue their own end-of-backward work: run after it (twice removed); else at once
+            torch.autograd.Variable._execution_engine.queue_callback(self._again if _distributed() else self._end)
         except Exception:  # noqa: BLE001 - not inside the engine: measured at the step instead
             self.queued = False
 
@@ -225,6 +225,12 @@ class _Queue:
 
 
 TAP_QUEUE = _Queue()
+
+
+def _distributed() -> bool:
+    """Whether a process group is up (DDP/FSDP wrappers need one)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
 
 
 class GradTap:
