@@ -6,22 +6,25 @@ optimizer, or one that passes a closure to ``step``, never shows its gradients t
 
 How: a tensor hook on every trainable parameter of every component (parameter hooks are not saved
 by ``torch.save``, are not deep-copied, and run in the autograd engine, outside any compiled
-graph). The first hook to fire in a backward pass queues one end-of-backward callback (twice
-removed, so it runs after DDP's and FSDP's own end-of-backward work); that callback measures, for
-each component the pass reached, the global L2 norm of the accumulated gradients (fp32, divided by
-the ``GradScaler``'s scale when there is one; :func:`~trackdiag.norms.global_norm`: a small model's
-in 3 ops, ``clip_grad_norm_``'s arithmetic; a large one's by a dot per large tensor), and on steps
-that need detail also the largest magnitude and the gradients' version counters (to tell later
-whether something clipped or unscaled them). One parameter per component, the *sentinel*, also
-records per backward whether its gradient was reset (``None`` or all zero) before the pass
-accumulated into it, the parameter's version counter, and (from its L2 norm at the end of the pass,
-one of the per-tensor norms the global norm is made of) whether the pass left it non-zero: that is what the zero-grad
-verdicts are made of (:mod:`trackdiag.probes.zerograd`).
+graph). The first hook to fire in a backward pass queues one end-of-backward callback (under
+``torch.distributed`` twice removed, so it runs after DDP's and FSDP's own end-of-backward work); that
+callback measures, for each component the pass reached, the global L2 norm of the accumulated gradients
+(fp32, divided by the ``GradScaler``'s scale when there is one). A small model's (few tensors, none
+large; any model off the CPU) is kept as its per-tensor norms, one ``_foreach_norm``, and their norm is
+worked out when first asked for: the every-step series asks for a whole window at the logging step
+(:func:`totals`: one ``stack`` and one norm for the window), so a plain step pays one kernel;
+``clip_grad_norm_``'s arithmetic. A large CPU model's is taken at once by a dot per large tensor
+(:func:`~trackdiag.norms.global_norm`). On steps that need detail also the per-tensor norms, the largest
+magnitude and the gradients' version counters (to tell later whether something clipped or unscaled
+them). One parameter per component, the *sentinel*, also records per backward whether its gradient was
+reset (``None`` or all zero) before the pass accumulated into it, the parameter's version counter, and
+(from its L2 norm at the end of the pass, one of the per-tensor norms above) whether the pass left it
+non-zero: that is what the zero-grad verdicts are made of (:mod:`trackdiag.probes.zerograd`).
 
-Cost per backward pass: one Python call per parameter that receives a gradient (~0.3-1 us), the
-global norm (small model: 3 ops, the sentinel's norm among them), one tiny division under a scaler; on
-the sentinel, one all-zero test (2 small ops) when its gradient was not ``None``. No host read. Detail steps add a
-``max_abs`` reduction and a host pass over the version counters.
+Cost per backward pass: one Python call per parameter that receives a gradient (~0.3-1 us), one
+``_foreach_norm`` (a small model; under a scaler its norm and a tiny division too); on the sentinel, one
+all-zero test (2 small ops) when its gradient was not ``None``. No host read. Detail steps add a
+``stack``, a norm, a ``max_abs`` reduction and a host pass over the version counters.
 """
 from __future__ import annotations
 
