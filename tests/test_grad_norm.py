@@ -17,13 +17,16 @@ def _series(out_dir, key: str) -> dict[int, float]:
     return {s: v for r in read_records(out_dir) for k, s, v in r.points() if k == key}
 
 
+@pytest.mark.parametrize("every", [1, 7])
 @pytest.mark.parametrize("mode", ["plain", "scaler_explicit_unscale", "scaler_implicit_unscale", "accumulate", "clipped"])
-def test_global_grad_norm_matches_clip_grad_norm(digits, tmp_path, mode: str) -> None:
+def test_global_grad_norm_matches_clip_grad_norm(digits, tmp_path, mode: str, every: int) -> None:
+    """``every=7``: off the due steps a step's norm is kept as its per-tensor norms and worked out for the
+    whole window at the logging step (:func:`trackdiag.gradtap.totals`); every step still matches."""
     x, y = digits
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if mode.startswith("scaler") else None
-    diag = trackdiag.Diagnostics(model, opt, scaler, level="advanced", every=1, sinks=["local"], output_dir=str(tmp_path), probes=LEAN_PROBES)
+    diag = trackdiag.Diagnostics(model, opt, scaler, level="advanced", every=every, sinks=["local"], output_dir=str(tmp_path), probes=LEAN_PROBES)
     expected: dict[int, float] = {}
     data = batches(x, y)
     micro = 3 if mode == "accumulate" else 1
@@ -54,7 +57,7 @@ def test_global_grad_norm_matches_clip_grad_norm(digits, tmp_path, mode: str) ->
     assert sorted(got) == list(range(12))
     for step, ref in expected.items():
         assert got[step] == pytest.approx(ref, rel=1e-5), step
-    if mode == "clipped":  # the clipped norm and the coefficient beside it
+    if mode == "clipped" and every == 1:  # the clipped norm and the coefficient beside it (due-step values)
         clipped = _series(tmp_path, "diag/grad/clipped_norm")
         coef = _series(tmp_path, "diag/grad/clip_coef")
         assert sorted(clipped) == sorted(coef) == list(range(12))
@@ -246,39 +249,6 @@ def test_global_norm_of_small_and_large_cpu_tensors_matches_float64() -> None:
         got = global_norm(tensors)
         assert got.dtype == torch.float32 and got.dim() == 0
         assert float(got) == pytest.approx(float(ref), rel=2e-5)
-
-
-@pytest.mark.parametrize("mode", ["plain", "clipped", "scaler"])
-def test_off_due_steps_norms_worked_out_per_window_match_clip_grad_norm(digits, tmp_path, mode: str) -> None:
-    """Off the due steps a step's norm is kept as its per-tensor norms and worked out for the whole
-    window at the logging step (:func:`trackdiag.gradtap.totals`): every step of the series still equals
-    ``clip_grad_norm_``'s return value (the clipped steps: the pre-clip value; under a scaler: unscaled)."""
-    x, y = digits
-    model = make_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if mode == "scaler" else None
-    diag = trackdiag.Diagnostics(model, opt, scaler, level="basic", every=7, sinks=["local"], output_dir=str(tmp_path), probes=LEAN_PROBES)
-    expected: dict[int, float] = {}
-    data = batches(x, y)
-    with diag:
-        for step in range(23):
-            xb, yb = next(data)
-            loss = F.cross_entropy(model(xb), yb)
-            (scaler.scale(loss) if scaler else loss).backward()
-            if scaler:
-                scaler.unscale_(opt)
-            expected[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1 if mode == "clipped" else math.inf).item()
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            diag.step(loss)
-    got = _series(tmp_path, "diag/grad/global_norm")
-    assert sorted(got) == list(range(23))
-    for step, ref in expected.items():
-        assert got[step] == pytest.approx(ref, rel=1e-5), step
 
 
 def test_totals_of_mixed_passes_keep_their_order() -> None:
