@@ -9,12 +9,12 @@ by ``torch.save``, are not deep-copied, and run in the autograd engine, outside 
 graph). The first hook to fire in a backward pass queues one end-of-backward callback (under
 ``torch.distributed`` twice removed, so it runs after DDP's and FSDP's own end-of-backward work); that
 callback measures, for each component the pass reached, the global L2 norm of the accumulated gradients
-(fp32, divided by the ``GradScaler``'s scale when there is one). A small model's (few tensors, none
-large; any model off the CPU) is kept as its per-tensor norms, one ``_foreach_norm``, and their norm is
-worked out when first asked for: the every-step series asks for a whole window at the logging step
+(fp32, divided by the ``GradScaler``'s scale when there is one). A small model's (at most
+``LAZY_TENSORS`` tensors, none large on the CPU) is kept as its per-tensor norms, one ``_foreach_norm``,
+and their norm is worked out when first asked for: the every-step series asks for a whole window at the logging step
 (:func:`totals`: one ``stack`` and one norm for the window), so a plain step pays one kernel;
-``clip_grad_norm_``'s arithmetic. A large CPU model's is taken at once by a dot per large tensor
-(:func:`~trackdiag.norms.global_norm`). On steps that need detail also the per-tensor norms, the largest
+``clip_grad_norm_``'s arithmetic. A model of more tensors is taken at once (off the CPU: the foreach
+norms' norm, 3 kernels; on the CPU: a dot per large tensor, :func:`~trackdiag.norms.global_norm`). On steps that need detail also the per-tensor norms, the largest
 magnitude and the gradients' version counters (to tell later whether something clipped or unscaled
 them). One parameter per component, the *sentinel*, also records per backward whether its gradient was
 reset (``None`` or all zero) before the pass accumulated into it, the parameter's version counter, and
@@ -229,6 +229,9 @@ class _Queue:
 
 TAP_QUEUE = _Queue()
 
+#: a pass of at most this many gradient tensors keeps its per-tensor norms until its total is asked for
+LAZY_TENSORS = 64
+
 
 def _distributed() -> bool:
     """Whether a process group is up (DDP/FSDP wrappers need one)."""
@@ -364,7 +367,9 @@ class GradTap:
                 except (RuntimeError, NotImplementedError):  # sparse or mixed gradients: the per-tensor way
                     parts = None
             total = norms = None
-            if parts is not None and (detail or scale is not None):  # under a scaler: now, at this pass's scale
+            # now: on detail steps, under a scaler (at this pass's scale), and for many tensors (a window of 0-d
+            # norms per tensor would pile up: 50 steps x 3,000 tensors of CUDA blocks); else when asked for
+            if parts is not None and (detail or scale is not None or len(parts) > LAZY_TENSORS):
                 norms = torch.stack(parts).float()
                 total = torch.linalg.vector_norm(norms)
             elif parts is None:
