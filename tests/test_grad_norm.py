@@ -21,7 +21,7 @@ def _series(out_dir, key: str) -> dict[int, float]:
 @pytest.mark.parametrize("mode", ["plain", "scaler_explicit_unscale", "scaler_implicit_unscale", "accumulate", "clipped"])
 def test_global_grad_norm_matches_clip_grad_norm(digits, tmp_path, mode: str, every: int) -> None:
     """``every=7``: off the due steps a step's norm is kept as its per-tensor norms and worked out for the
-    whole window at the logging step (:func:`trackdiag.gradtap.totals`); every step still matches."""
+    whole window at the logging step (:func:`trackdiag.grad_records.totals`); every step still matches."""
     x, y = digits
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -253,7 +253,7 @@ def test_global_norm_of_small_and_large_cpu_tensors_matches_float64() -> None:
 
 def test_totals_of_mixed_passes_keep_their_order() -> None:
     """Passes of different sizes, some worked out already, some under a scale: one tensor in order."""
-    from trackdiag.gradtap import totals
+    from trackdiag.grad_records import totals
 
     g = torch.Generator().manual_seed(0)
     grads = [[torch.randn(n, generator=g) for n in sizes] for sizes in ([3, 4], [5], [3, 4], [2, 2, 2], [5])]

@@ -6,7 +6,7 @@ Mixed into :class:`trackdiag.Diagnostics`. The moment a component's gradients ar
     backward inside ``step()``; the first backward inside it is the one at the step's parameters;
   * ``Diagnostics.step()``, for a component whose optimizer did not step (no optimizer, a hand-
     written update, a ``GradScaler``-skipped step, an optimizer the user stopped calling).
-At that moment the gradient probes get a :class:`~trackdiag.gradtap.GradView` whose norms are the
+At that moment the gradient probes get a :class:`~trackdiag.grad_records.GradView` whose norms are the
 ones the backward pass left (pre-clip, unscaled) and the zero-grad sentinel's record of the passes.
 
 Optimizers are followed through torch's global step hooks (:mod:`trackdiag.optimizers`): any
@@ -25,7 +25,8 @@ import torch
 
 from trackdiag.components import attachable, groups_signature, reindex
 from trackdiag.context import Component
-from trackdiag.gradtap import GradTap, GradView
+from trackdiag.grad_records import GradView
+from trackdiag.gradtap import GradTap
 from trackdiag.optimizers import DISPATCH, accelerate_accumulating, gradient_states, scaler_of
 from trackdiag.probes.base import Probe
 
@@ -140,10 +141,8 @@ class OptimizerEvents:
                     self._guard(p, "reindexed", self._ctx, comp)
 
     # ------------------------------------------------------------------ torch's global step hooks
-    def _owner(self, opt: Any) -> Component | None:
-        comp = self._owners.get(id(opt))  # an optimizer of ours: one look-up (the component keeps it alive)
-        if comp is not None:
-            return comp
+    def _adopted(self, opt: Any) -> Component | None:
+        """An optimizer not (yet) ours: the component it steps (adopted now), or None."""
         if opt in self._foreign or any(st.depth for st in self._steps.values()):
             return None  # not ours, or the inner optimizer of a wrapper that is stepping
         for comp in self.components:
@@ -156,7 +155,7 @@ class OptimizerEvents:
     def optimizer_pre_step(self, opt: Any, closure: Any) -> None:
         if self._closed:
             return
-        comp = self._owners.get(id(opt)) or self._owner(opt)  # an optimizer of ours: one look-up
+        comp = self._owners.get(id(opt)) or self._adopted(opt)  # ours: one look-up (the component keeps it alive)
         if comp is None:
             return
         st = self._steps[comp.name]
@@ -172,8 +171,7 @@ class OptimizerEvents:
         st.stepped = True
         if not st.pre_done:
             st.pre_done = True
-            if self._pre_probes:
-                self._run(self._pre_probes, "before_optimizer_step", comp)
+            self._run(self._pre_probes, "before_optimizer_step", comp)
         if closure is not None and not st.consumed:
             st.closure = True
             self._tap.begin_closure(comp.name)

@@ -9,7 +9,7 @@ import torch
 from trackdiag.context import Component, ProbeContext, StepInputs
 
 if TYPE_CHECKING:
-    from trackdiag.gradtap import GradView
+    from trackdiag.grad_records import GradView
 from trackdiag.record import Record
 from trackdiag.schedule import Every
 
@@ -59,7 +59,7 @@ class Probe:
 
     def on_grads(self, ctx: ProbeContext, comp: Component, view: "GradView") -> None:
         """Once per step and component, when the step consumes the gradients: ``view.norms`` are
-        the pre-clip norms the backward pass left (see :class:`~trackdiag.gradtap.GradView`).
+        the pre-clip norms the backward pass left (see :class:`~trackdiag.grad_records.GradView`).
         Every step: must cost at most a few device ops off due steps. Default: nothing."""
 
     def reindexed(self, ctx: ProbeContext, comp: Component) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext
-from trackdiag.gradtap import GradView
+from trackdiag.grad_records import GradView
 from trackdiag.layers import layer_of
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from trackdiag.context import Component, ProbeContext
-from trackdiag.gradtap import GradView, sentinel_norm, totals
+from trackdiag.grad_records import GradView, sentinel_norm, totals
 from trackdiag.norms import max_abs, plain, stack_scalars, tensor_norms  # noqa: F401  (re-exported for user probes)
 from trackdiag.probes.base import Probe, take_pending
 from trackdiag.record import Record

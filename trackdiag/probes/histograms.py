@@ -45,7 +45,7 @@ import torch
 
 from trackdiag.context import Component, ProbeContext
 from trackdiag.errors import ConfigError
-from trackdiag.gradtap import GradView
+from trackdiag.grad_records import GradView
 from trackdiag.layers import group_names, layer_of
 from trackdiag.norms import bin_counts, flat_chunks
 from trackdiag.probes.base import Probe

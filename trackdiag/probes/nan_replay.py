@@ -52,7 +52,7 @@ from trackdiag.alert import Alert
 from trackdiag.context import Component, ProbeContext, StepInputs
 from trackdiag.errors import ConfigError, brief
 from trackdiag.forward_watch import FORWARD
-from trackdiag.gradtap import GradView
+from trackdiag.grad_records import GradView
 from trackdiag.incidents import nonfinite
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record

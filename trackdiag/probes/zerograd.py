@@ -33,7 +33,7 @@ import torch
 
 from trackdiag.context import Component, ProbeContext
 from trackdiag.errors import ConfigError
-from trackdiag.gradtap import GradView, Pass
+from trackdiag.grad_records import GradView, Pass
 from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
