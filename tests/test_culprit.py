@@ -175,3 +175,40 @@ def test_output_flags_name_the_first_module_and_its_input(batched, chunk):
         assert ("", "0") in flags.habitual
     finally:
         flags.stop()
+
+
+def test_output_flags_of_a_step_judged_healthy_are_never_computed():
+    """With the NaN replay's per-step judgement (``mode=step``), a healthy non-logging step's held outputs
+    are let go without a kernel; the bad step, a logging step and a step whose last forward came after the
+    judgement still get their flags."""
+    from trackdiag.context import Component, ProbeContext
+    from trackdiag.layers import LayerIndex
+    from trackdiag.output_flags import OutputFlags
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), zoo.NanGate(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2))
+    comp = Component("", model, None, LayerIndex.build(model, list(model.parameters()), 64))
+    flags = OutputFlags(ProbeContext([comp], 5, 64), ring=8)
+    sums = []
+    real_sum = torch.Tensor.sum
+    flags.start()
+    try:
+        torch.Tensor.sum = lambda t, *a, **k: (sums.append(1), real_sum(t, *a, **k))[1]  # type: ignore[method-assign]
+        for step in range(5):
+            model[2].fault.fill_(1.0 if step == 2 else 0.0)
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            loss.backward()
+            flags.judged(bool(torch.isfinite(loss)))
+            if step == 3:
+                model(torch.randn(3, 4))  # a forward after the judgement: not covered by it
+            before = len(sums)
+            flags.end_step(step, due=step == 4)
+            computed = len(sums) - before
+            assert computed == (0 if step in (0, 1) else 7 if step in (2, 4) else 14), (step, computed)  # 6 outputs + the batch per forward
+        torch.Tensor.sum = real_sum  # type: ignore[method-assign]
+        assert flags.device_flags(1) is None and flags.recorded(1) == 6 and flags.first_bad(1) is None
+        assert flags.first_bad(2) == (("", "2"), True, 6, 3)
+        assert flags.device_flags(4).shape == (7,)
+    finally:
+        torch.Tensor.sum = real_sum  # type: ignore[method-assign]
+        flags.stop()
+

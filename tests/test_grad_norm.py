@@ -269,3 +269,41 @@ def test_totals_of_mixed_passes_keep_their_order() -> None:
     out = totals(items)
     assert out.shape == (5,) and out.dtype == torch.float32
     assert out.tolist() == pytest.approx(ref, rel=1e-6)
+
+
+def test_one_hook_per_builtin_layer_still_sees_every_pass_that_reaches_the_component(tmp_path) -> None:
+    """The tap hooks one parameter per built-in layer (its forward uses them all) but every parameter of
+    anything else: a pass that reaches only a custom module's second tensor is still measured, and its
+    norm equals the direct one."""
+    from trackdiag.gradtap import firing
+
+    class Two(torch.nn.Module):  # two tensors a pass can reach one at a time
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+
+    emb = torch.nn.Embedding(5, 3)
+    model = torch.nn.ModuleDict({"lin": torch.nn.Linear(3, 3), "gru": torch.nn.GRU(3, 3), "two": Two(), "emb": emb})
+    model["tied"] = torch.nn.Linear(3, 5)
+    model["tied"].weight = emb.weight  # weight tying: one tensor in two layers
+    params = list(model.parameters())
+    fire = firing(model, params, sentinel=model["lin"].bias)
+    named = {n for n, p in model.named_parameters() if id(p) in fire}
+    assert named == {"lin.bias", "gru.weight_ih_l0", "two.a", "two.b", "emb.weight"}, named
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    diag = trackdiag.Diagnostics(model, opt, level="basic", every=1, sinks=["local"], output_dir=str(tmp_path),
+                                 probes=LEAN_PROBES)
+    expected = {}
+    with diag:
+        for step in range(3):
+            (model["two"].b * torch.arange(1.0, 4.0)).sum().backward()  # reaches only two.b (hooked: not a built-in)
+            # the pre-clip norm is the tap's (a pass it missed would be read at the step: the clipped 1e-3)
+            expected[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).item()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            diag.step()
+    got = _series(tmp_path, "diag/grad/global_norm")
+    assert sorted(got) == [0, 1, 2]
+    for step, ref in expected.items():
+        assert ref == pytest.approx(math.sqrt(14.0)) and got[step] == pytest.approx(ref, rel=1e-5), step

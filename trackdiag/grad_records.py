@@ -49,7 +49,12 @@ class Tap:
     @property
     def total(self) -> torch.Tensor:
         if self.total_ is None:
-            self.total_ = totals([(self.parts, self.scale)])[0] if self.parts is not None else torch.zeros(())
+            if self.parts is None:
+                self.total_ = torch.zeros(())
+            else:  # one pass: a stack and a norm (the norms carry no graph)
+                stacked = torch.stack(self.parts)
+                total = torch.linalg.vector_norm(stacked if stacked.dtype is torch.float32 else stacked.float())
+                self.total_ = total / self.scale if self.scale is not None else total
             self.parts = None
         return self.total_
 

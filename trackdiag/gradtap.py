@@ -4,9 +4,9 @@ Why: the optimizer's step hooks run after the user's ``clip_grad_norm_`` and ``s
 so a norm read there is the post-clip norm (pinned at the clip value), and a loop without an
 optimizer, or one that passes a closure to ``step``, never shows its gradients there at all.
 
-How: a tensor hook on every trainable parameter of every component (parameter hooks are not saved
-by ``torch.save``, are not deep-copied, and run in the autograd engine, outside any compiled
-graph). The first hook to fire in a backward pass queues one end-of-backward callback (under
+How: a tensor hook on the trainable parameters of every component (one per built-in layer: a Linear's
+weight stands for its bias, see :func:`firing`; parameter hooks are not saved by ``torch.save``, are
+not deep-copied, and run in the autograd engine, outside any compiled graph). The first hook to fire in a backward pass queues one end-of-backward callback (under
 ``torch.distributed`` twice removed, so it runs after DDP's and FSDP's own end-of-backward work); that
 callback measures, for each component the pass reached, the global L2 norm of the accumulated gradients
 (fp32, divided by the ``GradScaler``'s scale when there is one). A small model's (at most
@@ -21,7 +21,7 @@ reset (``None`` or all zero) before the pass accumulated into it, the parameter'
 (from its L2 norm at the end of the pass, one of the per-tensor norms above) whether the pass left it
 non-zero: that is what the zero-grad verdicts are made of (:mod:`trackdiag.probes.zerograd`).
 
-Cost per backward pass: one Python call per parameter that receives a gradient (~0.3-1 us), one
+Cost per backward pass: one Python call per hooked parameter that receives a gradient (~0.3-1 us), one
 ``_foreach_norm`` (a small model; under a scaler its norm and a tiny division too); on the sentinel, one
 all-zero test (2 small ops) when its gradient was not ``None``. No host read. Detail steps add a
 ``stack``, a norm, a ``max_abs`` reduction and a host pass over the version counters.
@@ -180,9 +180,13 @@ class GradTap:
         params = [p for p in comp.index.params if p.requires_grad]
         st.sentinel = sentinel if sentinel is not None else pick_sentinel(comp)
         st.misses, st.last_nonzero = 0, True
+        fire = firing(comp.model, params, st.sentinel)
         try:
             for p in params:
-                st.handles.append(p.register_hook(st.watch if p is st.sentinel else st.fire))
+                if p is st.sentinel:
+                    st.handles.append(p.register_hook(st.watch))
+                elif id(p) in fire:
+                    st.handles.append(p.register_hook(st.fire))
             if st.sentinel is not None:
                 st.handles.append(st.sentinel.register_post_accumulate_grad_hook(st.accumulated))
         except RuntimeError as exc:  # e.g. a parameter that cannot take hooks
@@ -356,6 +360,27 @@ class GradTap:
     def hooked(self, name: str) -> bool:
         st = self.states.get(name)
         return st is not None and bool(st.handles)
+
+
+def firing(model: Any, params: list[torch.Tensor], sentinel: torch.Tensor | None) -> set[int]:
+    """The ids of the parameters whose hook tells that a backward pass reached the component: every
+    trainable parameter, except that of a built-in ``torch.nn`` layer's own parameters (a Linear's weight and bias, a
+    GRU's four tensors: its forward uses them all, so a pass reaches all or none) one stands for the rest:
+    the sentinel when it is one of them. Host work, at attach time."""
+    ids = {id(p) for p in params}
+    if not isinstance(model, torch.nn.Module):
+        return ids
+    keep: set[int] = set()
+    spare: set[int] = set()
+    for m in model.modules():
+        if not type(m).__module__.startswith("torch.nn.modules."):
+            continue
+        own = [p for p in m._parameters.values() if p is not None and id(p) in ids]
+        if len(own) > 1:
+            first = sentinel if any(p is sentinel for p in own) else own[0]
+            keep.add(id(first))
+            spare.update(id(p) for p in own if p is not first)
+    return ids - (spare - keep)
 
 
 def pick_sentinel(comp: Component) -> torch.Tensor | None:

@@ -5,21 +5,26 @@ do not: a fault that happens once (hardware, a race, a transient condition), a m
 ``forward`` trackdiag cannot call (a LightningModule without one), a script that died before a
 replay could run. :class:`OutputFlags` watches the forwards as they happen instead: after the
 forward of every module of the session's models (training mode, grad enabled, eager) its floating
-output, and its input when that is not one of the last outputs recorded, become one fp32 sum each: NaN and
-Inf propagate, so the flag is non-finite exactly when the tensor held a NaN/Inf (a finite sum
-overflows only past 3e38). On the CPU the sum is taken at once (nothing is kept: the CPU's multi-tensor
-norm is a per-tensor loop, 3-15x slower than a sum); on CUDA the tensors wait, at most ``chunk`` of them
-and ``max_mb`` MB, for one multi-tensor kernel, at the latest at the end of the step. The flags of the last ``ring`` steps stay on the device as one tensor per
-step; they are read back only when a non-finite alert or a crash asks which module was first
-(completion order: the innermost module that completed first, and whether its input was finite),
-and at logging steps with the session's one host copy, to learn the modules whose output is
-non-finite on healthy steps too (``-inf`` attention masks): those are never blamed.
+output, and its input when that is not one of the last outputs recorded, is *held* (a reference,
+``detach()``-ed when it is part of the graph) until the step ends. Then each becomes one fp32 sum (NaN and
+Inf propagate, so the flag is non-finite exactly when the tensor held a NaN/Inf; a finite sum
+overflows only past 3e38): one multi-tensor kernel on CUDA, a sum per tensor on the CPU (the CPU's
+multi-tensor norm is a per-tensor loop, 3-15x slower than a sum on large tensors) -- **unless the step is known
+healthy**: when the NaN replay's ``mode=step`` has read every gradient of the step finite (its one host
+sync per step, :meth:`judged`) and the step is not a logging step, the held outputs are let go and no
+flag is computed. Past ``max_mb`` MB or ``chunk`` tensors held, the waiting ones are summed at once.
+The flags of the last ``ring`` steps stay on the device as one tensor per step; they are read back only
+when a non-finite alert or a crash asks which module was first (completion order: the innermost module
+that completed first, and whether its input was finite), and at logging steps with the session's one
+host copy, to learn the modules whose output is non-finite on healthy steps too (``-inf`` attention
+masks): those are never blamed. An output changed in place after its module returned (``relu_``,
+``x += y``) is read as it is at the step's end (NaN stays NaN under such ops; ``-inf`` clamped to 0 does not).
 
-Cost per module call: a few Python operations (~2-5 us on the CPU) and one sum (CPU: ~3 us plus a
-read of the output, ~50 us per million values on one core); per step one ``stack``. No host read.
-Measured (benchmarks/flight.py, docs/crash-and-replay.md): +1 to +3 % of a step of the overhead
-benchmark's 25-50 ms CPU workloads, ~12 us per module call on small outputs. Memory: on CUDA, at most ``max_mb`` of module outputs kept (until the
-next multi-tensor kernel); 4 bytes per module call for ``ring`` steps.
+Cost per module call: a few Python operations (~3-5 us on the CPU) and no kernel; per judged healthy
+step nothing more; per other step one sum per held tensor (CPU: ~3 us plus a read of the output, ~50 us
+per million values on one core; CUDA: one kernel) and one ``stack``. No host read. Measured
+(benchmarks/flight.py, docs/crash-and-replay.md). Memory: at most ``max_mb`` of module outputs held
+past their time (until the step ends); 4 bytes per module call for ``ring`` steps.
 """
 from __future__ import annotations
 
@@ -46,14 +51,16 @@ class _Step:
         self.keys: list[Key] = []
         self.outs: list[int] = []
         self.ins: list[int] = []
-        self.vals: list[torch.Tensor | None] = []  # 0-d sums (None: waiting for the CUDA kernel)
-        self.flags: torch.Tensor | None = None      # ``vals`` stacked at the end of the step
+        self.vals: list[torch.Tensor | None] = []  # 0-d sums (None: held, waiting for the flush)
+        self.flags: torch.Tensor | None = None      # ``vals`` stacked at the end of the step (None: judged healthy)
+        self.finite: bool | None = None  # every gradient judged so far this step was finite (None: not judged)
+        self.judged = 0                  # module calls recorded before the last judgement
 
 
 class OutputFlags:
     """See module docstring."""
 
-    def __init__(self, ctx: ProbeContext, ring: int, chunk: int = 64, max_mb: float = 64.0) -> None:
+    def __init__(self, ctx: ProbeContext, ring: int, chunk: int = 4096, max_mb: float = 64.0) -> None:
         self.ctx = ctx
         self.ring, self.chunk, self.max_bytes = max(ring, 1), max(chunk, 1), int(max_mb * 2**20)
         self._names: dict[int, Key] = {}
@@ -67,7 +74,7 @@ class OutputFlags:
             if comp.outer is not None:
                 self._roots.add(id(comp.outer))
         self._now = _Step()  # the running step
-        self._waiting: list[tuple[int, torch.Tensor]] = []  # CUDA: (position, tensor) until the kernel
+        self._waiting: list[tuple[int, torch.Tensor]] = []  # (position, tensor) held until the flush
         self._bytes = 0
         self._last: torch.Tensor | None = None  # the output recorded last (a container hands it on)
         self._last_at = -1
@@ -88,7 +95,7 @@ class OutputFlags:
         self._steps.clear()
 
     def _seen(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """Every eager module forward (hot path: host work only; the norms wait for :meth:`flush`)."""
+        """Every eager module forward (hot path: host work only; the sums wait for :meth:`flush`)."""
         key = self._names.get(id(module))
         if key is None or not module.training or not torch.is_grad_enabled():
             return
@@ -129,47 +136,58 @@ class OutputFlags:
 
     @staticmethod
     def batched(t: torch.Tensor) -> bool:
-        """Whether ``t`` waits for the multi-tensor kernel (CUDA) instead of its own sum (CPU)."""
+        """Whether the held tensors (led by ``t``) take one multi-tensor kernel (CUDA) or a sum each (CPU)."""
         return t.is_cuda
 
     def _add(self, t: torch.Tensor) -> int:
-        """The position of ``t``'s flag in the running step (after the next :meth:`flush`)."""
+        """The position of ``t``'s flag in the running step (set by the next :meth:`flush`)."""
         vals = self._now.vals
         if t.layout is not torch.strided:
             vals.append(torch.zeros((), dtype=torch.float32, device=t.device))
-        elif self.batched(t):  # waits for one fused kernel
-            self._waiting.append((len(vals), t))
+        else:  # held, not read: a healthy judged step never reads it
+            self._waiting.append((len(vals), t.detach() if t.requires_grad else t))
             self._bytes += t.numel() * t.element_size()
             vals.append(None)
-        else:  # CPU: a sum now (vectorised, multi-threaded; the CPU's multi-tensor norm is a slow per-tensor loop)
-            torch._C._set_grad_enabled(False)  # no part of the user's graph (grad mode was on: checked by the caller)
-            try:
-                vals.append(t.sum(dtype=torch.float32))
-            finally:
-                torch._C._set_grad_enabled(True)
         return len(vals) - 1
 
     @torch.no_grad()
     def flush(self) -> None:
-        """CUDA: the waiting tensors into flags, one multi-tensor kernel (per device and dtype)."""
+        """The held tensors into flags: one multi-tensor kernel on CUDA (per device and dtype), a sum each on the CPU."""
         if not self._waiting:
             return
         waiting, self._waiting, self._bytes = self._waiting, [], 0
         vals = self._now.vals
-        try:  # one device (the usual case): one call; the kernel takes mixed dtypes
-            sums = torch._foreach_norm([t for _, t in waiting], 1, dtype=torch.float32)  # L1: one fused pass
-        except (RuntimeError, NotImplementedError):  # several devices
-            sums = [torch.linalg.vector_norm(t, 1, dtype=torch.float32) for _, t in waiting]
+        tensors = [t for _, t in waiting]
+        if self.batched(tensors[0]):
+            try:  # one device (the usual case): one call; the kernel takes mixed dtypes
+                sums = torch._foreach_norm(tensors, 1, dtype=torch.float32)  # L1: one fused pass
+            except (RuntimeError, NotImplementedError):  # several devices
+                sums = [torch.linalg.vector_norm(t, 1, dtype=torch.float32) for t in tensors]
+        else:  # vectorised, multi-threaded; the CPU's multi-tensor norm is a slow per-tensor loop
+            sums = [t.sum(dtype=torch.float32) for t in tensors]
         for (i, _), v in zip(waiting, sums):
             vals[i] = v
 
-    def end_step(self, step: int) -> None:
-        """``Diagnostics.step``: the running step's flags join the ring (one ``stack``)."""
-        self.flush()
-        now, self._now, self._last, self._recent = self._now, _Step(), None, []
+    def judged(self, finite: bool) -> None:
+        """The NaN replay (``mode=step``) read this pass's gradients: finite or not. A step whose every
+        judgement was finite, covering every output recorded, needs no flags (unless it is a logging step)."""
+        now = self._now
+        now.finite = finite and now.finite is not False
+        now.judged = len(now.keys)
+
+    def end_step(self, step: int, due: bool = True) -> None:
+        """``Diagnostics.step``: the running step's flags join the ring (one ``stack``), unless the step was
+        judged healthy and is not ``due`` (a logging step): then its held outputs are let go unread."""
+        now = self._now
+        if not due and now.finite and now.judged == len(now.keys):
+            self._waiting, self._bytes, now.vals = [], 0, []
+        else:
+            self.flush()
+            if now.keys:
+                now.flags = _stacked(now.vals)
+                now.vals = []
+        self._now, self._last, self._recent = _Step(), None, []
         if now.keys:
-            now.flags = _stacked(now.vals)
-            now.vals = []
             self._steps[step] = now
             while len(self._steps) > self.ring:
                 self._steps.popitem(last=False)

@@ -19,9 +19,10 @@ non-finite in the step that was running. That module comes from, in order:
 
 Emits no metric key (the crash is an alert; the flags only travel in the logging step's host copy).
 Cost: none per step without ``modules``; with it (:mod:`trackdiag.output_flags`), a few microseconds
-of host work and one sum per module call on the CPU (measured: +1-3 % of a 25-50 ms step, ~12 us per
-call on small outputs; docs/crash-and-replay.md), one multi-tensor kernel per forward on CUDA, and at
-logging steps the flags in the one host copy. On: ``extreme`` (``modules``), every preset (the rest).
+of host work per module call, and the flags themselves (a sum per module output on the CPU, one
+multi-tensor kernel on CUDA) only on logging steps and on steps not judged healthy by the NaN replay's
+``mode=step`` (every step without it); at logging steps the flags travel in the one host copy
+(docs/crash-and-replay.md). On: ``extreme`` (``modules``), every preset (the rest).
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ class FlightProbe(Probe):
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         if self.flags is not None:
-            self.flags.end_step(ctx.step)
+            self.flags.end_step(ctx.step, due=ctx.is_due(self.schedule))
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         got = self.flags.device_flags(ctx.step) if self.flags is not None else None

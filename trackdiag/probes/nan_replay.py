@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from functools import partial
 from typing import Any
@@ -58,7 +59,7 @@ from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.registry import resolve
 from trackdiag.replay import Call, Finding, replay
-from trackdiag.replay_report import Joint, compiled_before, detached, enrich, enrich_alerts, held  # noqa: F401 (re-exported)
+from trackdiag.replay_report import FLAGS_KEY, Joint, compiled_before, detached, enrich, enrich_alerts, held  # noqa: F401 (re-exported)
 from trackdiag.schedule import Never
 from trackdiag.snapshot import ParamSnapshot
 from trackdiag.tensors import inputs_of
@@ -145,6 +146,7 @@ class NanReplayProbe(Probe):
         self._watch_parts.clear()
         self._depths.clear()
         self._ring.clear()
+        self._now = (-1, None, {})
         self._snapshots.clear()
 
     def after_record(self, ctx: ProbeContext, record: Record) -> None:
@@ -162,7 +164,7 @@ class NanReplayProbe(Probe):
         if self._busy or ctx is None or not module.training or not torch.is_grad_enabled():
             return None
         now = self._now
-        if now[0] != ctx.step or now[1] is not self._ring.get(ctx.step):
+        if now[0] != ctx.step:  # the step's first capture (``_open`` and ``detach`` are the only writers)
             now = self._open(ctx.step)
         calls: list[Call] | None = now[2].get(comp)
         if calls is None:
@@ -224,7 +226,11 @@ class NanReplayProbe(Probe):
         """``mode=step``: one host sync on the gradients' finiteness; replay before the update."""
         if self.mode != "step" or self.replays >= self.max_replays or comp.model is None or not comp.index.params:
             return
-        if bool(torch.isfinite(view.total)):  # the one host sync of mode=step
+        finite = math.isfinite(float(view.total))  # the one host sync of mode=step
+        flags = ctx.extra.get(FLAGS_KEY)
+        if flags is not None:  # the flight recorder needs no flags of a step judged healthy
+            flags.judged(finite)
+        if finite:
             return
         self.replays += 1
         self.findings[ctx.step] = self.run(ctx, comp, ctx.step, None, exact=True)
