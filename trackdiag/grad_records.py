@@ -49,12 +49,7 @@ class Tap:
     @property
     def total(self) -> torch.Tensor:
         if self.total_ is None:
-            if self.parts is None:
-                self.total_ = torch.zeros(())
-            else:  # one pass: a stack and a norm (the norms carry no graph)
-                stacked = torch.stack(self.parts)
-                total = torch.linalg.vector_norm(stacked if stacked.dtype is torch.float32 else stacked.float())
-                self.total_ = total / self.scale if self.scale is not None else total
+            self.total_ = totals([(self.parts, self.scale)])[0] if self.parts is not None else torch.zeros(())
             self.parts = None
         return self.total_
 
@@ -67,6 +62,11 @@ def totals(items: list[Any]) -> torch.Tensor:
     """Global norms of several passes as one 1-D fp32 tensor, in order: each item a total (0-d) or the
     ``(parts, scale)`` of a pass whose total is not worked out yet. Passes with the same number of
     tensors share one ``stack`` and one norm (a window of steps: 2-3 kernels, not 2 per step)."""
+    if len(items) == 1 and isinstance(items[0], tuple):  # one pass (``Tap.total``): a stack and a norm, no graph
+        parts, scale = items[0]
+        stacked = torch.stack(parts)
+        one = torch.linalg.vector_norm(stacked if stacked.dtype is torch.float32 else stacked.float()).reshape(1)
+        return one / scale if scale is not None else one
     lazy: dict[int, list[int]] = {}
     done: list[int] = []
     for i, it in enumerate(items):
