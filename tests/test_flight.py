@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import trackdiag
 from trackdiag import exit_status
@@ -127,6 +129,42 @@ def test_ctrl_c_is_not_a_crash_and_the_finding_is_written_once(tmp_path, monkeyp
     diag.close()
     assert [a.kind for a in diag.alerts] == ["crash"] and "OSError: disk full" in diag.alerts[0].message
     assert [a["kind"] for a in json.loads((tmp_path / "b" / "alerts.json").read_text())] == ["crash"]
+
+
+@pytest.mark.parametrize("where", ["collect", "judge", "emit"])
+def test_ctrl_c_inside_a_logging_step_keeps_that_step_in_the_record(tmp_path, monkeypatch, where):
+    """SIGINT lands wherever the main thread is; on a logging step it used to land after the window
+    was marked logged and before its record reached the sinks: the last loss point was lost."""
+    import trackdiag.session as session_mod
+
+    def interrupt(real):
+        def hit(*a, **k):
+            if diag._step == 10 and not fired:
+                fired.append(True)
+                raise KeyboardInterrupt
+            return real(*a, **k)
+        return hit
+
+    fired: list[bool] = []
+
+    model = zoo.mlp_model()
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    diag = trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path), every=5)
+    target = {"collect": (session_mod, "to_host"), "judge": (session_mod, "enrich_alerts"),
+              "emit": (type(diag), "_emit")}[where]
+    monkeypatch.setattr(*target, interrupt(getattr(*target)))
+    x, y = zoo.digits()
+    with pytest.raises(KeyboardInterrupt), diag:
+        for step in range(20):
+            loss = F.cross_entropy(model(x[:64]), y[:64])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss)
+    assert fired
+    steps = sorted(s for r in read_records(tmp_path) for k, s, _ in r.points() if k == "diag/loss")
+    assert steps == list(range(11)), steps  # the interrupted step's loss too, once (close() logged it)
+    assert json.loads((tmp_path / "run.json").read_text())["status"] == "KILLED"
 
 
 def test_without_with_the_uncaught_exception_is_described_at_exit(tmp_path, monkeypatch):

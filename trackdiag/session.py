@@ -123,6 +123,8 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder):
         self._handles: list[Any] = []
         self._step = 0
         self._last_logged = -1
+        self._logging: int | None = None  # the step whose window is being logged (see close())
+        self._unsent: Record | dict[str, Any] | None = None  # collected or measured, not yet sent
         self._overhead = 0.0
         self._window_overhead = 0.0
         self._t_first: float | None = None
@@ -234,7 +236,9 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder):
         raised = None
         for sched in self._schedules:  # a few distinct schedules, not every probe
             if ctx.is_due(sched):
+                self._logging = ctx.step  # a Ctrl-C in here: close() logs this step's window again
                 raised = self._log(ctx.step)
+                self._logging = None
                 self._check_reindex()
                 break
         self._reset_steps()
@@ -284,16 +288,39 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder):
     def _log(self, step: int, final: bool = False) -> Alert | None:
         ctx = self._ctx
         collected: dict[str, Any] = {}
-        owners = []
         for i, p in enumerate(self.probes):
             if p.enabled and (p.always_collect or (not final and ctx.is_due(p.schedule))):
                 vals = self._guard(p, "collect", ctx) or {}
                 collected.update({f"{i}\t{k}": v for k, v in vals.items()})
-                owners.append(p)
+        self._unsent = collected  # a Ctrl-C from here on: close() still sends what was measured
+        record = self._measured(step, collected)
+        n = max(step - self._last_logged, 1)
+        self._window_overhead += ctx.hook_seconds  # forward/backward hooks ran inside the user's passes
+        ctx.hook_seconds = 0.0
+        record.scalars["diag/perf/overhead_ms"] = 1e3 * self._window_overhead / n
+        self._overhead += self._window_overhead
+        self._window_overhead = 0.0
+        alerts = self._judge("check", record, self._history, self.components)
+        if final:
+            alerts += self._judge("at_close", record, self._history, self.components)
+        ctx.anomaly_until = max([ctx.anomaly_until, *(r.follow_until for r in self.rules if r.enabled)])
+        alerts = enrich_alerts(self.probes, ctx, alerts)  # NaN replay: the culprit module into `where`
+        for p in self._after_record:
+            if p.enabled:
+                self._guard(p, "after_record", ctx, record)
+        self._history.append(record)
+        raised = self._emit(record, alerts)
+        self._last_logged = step  # only once the record is with the sinks
+        return raised
+
+    def _measured(self, step: int, collected: dict[str, Any]) -> Record:
+        """The record of what the probes collected: one host copy, then each probe publishes."""
+        ctx = self._ctx
         host = to_host(collected)
         if self._dist is not None:  # collective: every rank reduces, then judges the same record
             host, reduced = self._dist.reduce(host, self.probes)
         record = Record(step=step, time=time.time())
+        self._unsent = record
         if ctx.phase and ctx.phase_start > self._last_logged:  # a training phase began in this window
             record.tables["diag/phase"] = {"start": float(ctx.phase_start), "phase": float(ctx.phase)}
             record.scalars["diag/phase"] = float(ctx.phase)
@@ -305,23 +332,7 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder):
             self._guard(self.probes[i], "publish", ctx, mine, record)
         if self._dist is not None:
             reduced.apply(record)
-        n = max(step - self._last_logged, 1)
-        self._window_overhead += ctx.hook_seconds  # forward/backward hooks ran inside the user's passes
-        ctx.hook_seconds = 0.0
-        record.scalars["diag/perf/overhead_ms"] = 1e3 * self._window_overhead / n
-        self._overhead += self._window_overhead
-        self._window_overhead = 0.0
-        self._last_logged = step
-        alerts = self._judge("check", record, self._history, self.components)
-        if final:
-            alerts += self._judge("at_close", record, self._history, self.components)
-        ctx.anomaly_until = max([ctx.anomaly_until, *(r.follow_until for r in self.rules if r.enabled)])
-        alerts = enrich_alerts(self.probes, ctx, alerts)  # NaN replay: the culprit module into `where`
-        for p in self._after_record:
-            if p.enabled:
-                self._guard(p, "after_record", ctx, record)
-        self._history.append(record)
-        return self._emit(record, alerts)
+        return record
 
     def _emit(self, record: Record, alerts: list[tuple[Rule, Alert]]) -> Alert | None:
         """Fold findings into incidents (:mod:`trackdiag.alerting`), apply actions, send the record
@@ -347,6 +358,8 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder):
         self._incidents.update(record)
         if any(a.severity != "info" for a in record.alerts) and self.config["anomaly_window"]:
             self._ctx.anomaly_until = max(self._ctx.anomaly_until, self._step + self.config["anomaly_window"])
+        if record is self._unsent:
+            self._unsent = None
         self._hub.write(record)
         for alert in record.alerts:
             self._hub.alert(alert)
@@ -393,8 +406,13 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder):
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self._opened and self._step - 1 > self._last_logged:
-            self._log(self._step - 1, final=True)
+        if self._unsent is not None and self._logging is not None:  # a Ctrl-C inside a logging step
+            unsent, self._unsent = self._unsent, None  # its record as far as it got, unjudged
+            self._hub.write(unsent if isinstance(unsent, Record) else self._measured(self._logging, unsent))
+            self._last_logged = self._logging
+        last = self._step - 1 if self._logging is None else self._logging  # interrupted while logging
+        if self._opened and last > self._last_logged:
+            self._log(last, final=True)
         elif self._opened and self._step > 0:  # findings still waiting for steps that will not come
             last = Record(step=self._step - 1, time=time.time())
             pending = self._judge("at_close", last, self._history, self.components)
