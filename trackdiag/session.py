@@ -1,4 +1,5 @@
-"""The diagnostics session: hooks, schedules, the one host copy per logging step, rules, sinks."""
+"""The diagnostics session: hooks, schedules, the one host copy per logging step, rules, sinks (its end:
+:mod:`trackdiag.session_close`)."""
 from __future__ import annotations
 
 import atexit
@@ -28,6 +29,7 @@ from trackdiag.registry import PROBES, RULES, SINKS, lookup
 from trackdiag.rules.base import Rule
 from trackdiag.runinfo import RunInfo, resolve_run
 from trackdiag.session_checks import SetupChecks
+from trackdiag.session_close import RunEnd
 from trackdiag.session_steps import OptimizerEvents
 from trackdiag.sinks.base import Sink, SinkHub
 from trackdiag.transfer import to_host
@@ -43,7 +45,7 @@ def _build(family: dict[str, str], name: str, entry: Mapping[str, Any] | None) -
     return lookup(family, name, entry)(**{k: v for k, v in entry.items() if k != "_target_"})
 
 
-class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder):
+class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd):
     """Training diagnostics for one run. See the README for the metric keys and alert kinds.
 
     Args:
@@ -364,79 +366,6 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder):
         for alert in record.alerts:
             self._hub.alert(alert)
         return raised
-
-    def summary(self) -> dict[str, Any]:
-        """Per alert kind: count, first step, where, suppressed; steps seen; health; overhead."""
-        wall = (self._t_last - self._t_first) if self._t_first is not None else 0.0
-        spent = self._overhead + self._window_overhead + self._ctx.hook_seconds
-        return {
-            "enabled": True, "level": self.config["level"], "run_name": self.run.name, "steps": self._step,
-            "health": self._book.health(), "alerts": {k: dict(v) for k, v in self._book.kinds.items()},
-            "overhead": {"seconds": spent, "per_step_ms": 1e3 * spent / max(self._step, 1),
-                         "fraction": spent / wall if wall > 0 else 0.0,
-                         "sink_thread_cpu_seconds": self._hub.cpu_seconds},
-            "should_stop": self.should_stop, "disabled_probes": dict(self._disabled),
-            "notes": [*self._notes.values(), *self._ctx.notes.values()],
-            "consequences_suppressed": dict(self._book.consequences),
-            "incidents": self._book.summary(),
-            "objectives": self.objectives.summary(), "phases": self._ctx.phase + 1,
-            "output_dir": str(self.run.output_dir),
-        }
-
-    def flush(self) -> None:
-        """Block until the sinks have handled everything sent so far."""
-        self._hub.drain()
-
-    def close(self, status: str | None = None, timeout: float | None = None) -> None:
-        """Flush the last partial window, remove every hook and close the sinks. Idempotent.
-
-        ``status``: ``FINISHED`` | ``FAILED`` | ``KILLED``; None (and at exit): how the run is ending
-        (an exception being handled or left uncaught: FAILED, KeyboardInterrupt/SIGTERM: KILLED, see
-        :mod:`trackdiag.exit_status`). ``timeout``: seconds to wait for the sinks; None: as long as
-        their own limits allow (MLflow: ``close_timeout``). Raises ValueError for another status.
-        """
-        if self._closed:
-            return
-        status = exit_status.current(self) if status is None else status
-        if status not in (exit_status.FINISHED, exit_status.FAILED, exit_status.KILLED):
-            raise ValueError(f"status: {status!r} is not one of FINISHED, FAILED, KILLED")
-        self._closed = True
-        atexit.unregister(self.close)
-        self._stop_events()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        if self._unsent is not None and self._logging is not None:  # a Ctrl-C inside a logging step
-            unsent, self._unsent = self._unsent, None  # its record as far as it got, unjudged
-            self._hub.write(unsent if isinstance(unsent, Record) else self._measured(self._logging, unsent))
-            self._last_logged = self._logging
-        last = self._step - 1 if self._logging is None else self._logging  # interrupted while logging
-        if self._opened and last > self._last_logged:
-            self._log(last, final=True)
-        elif self._opened and self._step > 0:  # findings still waiting for steps that will not come
-            last = Record(step=self._step - 1, time=time.time())
-            pending = self._judge("at_close", last, self._history, self.components)
-            if pending:
-                self._emit(last, pending)
-        if self._opened:
-            self._report_crash(status)  # an exception or SIGTERM: the crash finding (flight.py)
-        for p in self.probes:
-            self._guard(p, "detach")
-        if self._opened:
-            self._finish()
-            self._hub.close(status, {**self.summary(), "status": status}, timeout)
-
-    def _finish(self) -> None:
-        """End-of-run artifacts: probes read the complete local record and add files."""
-        finishers = [p for p in self.probes if p.enabled and type(p).finish is not Probe.finish]
-        if not finishers or not is_main_process():
-            return
-        self._hub.drain()  # the local record is complete on disk before anyone reads it
-        record = Record(step=max(self._step - 1, 0), time=time.time())
-        for p in finishers:
-            self._guard(p, "finish", self._ctx, record)
-        if record.artifacts or record.scalars:
-            self._hub.write(record)
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter and probe/rule state, to save with a checkpoint."""
