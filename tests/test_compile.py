@@ -105,3 +105,21 @@ def test_compiled_model_without_batch_says_activations_are_not_recorded(tmp_path
     notes = diag.summary()["notes"]
     assert sum("step(batch=...)" in n for n in notes) == 1, notes
     assert not any(k.startswith("diag/act/") for r in read_records(tmp_path) for k in r.scalars)
+
+
+def test_trackdiags_own_call_slot_is_not_taken_for_a_compiled_model(tmp_path) -> None:
+    """trackdiag watches a root through the slot ``module.compile()`` uses: an eager model that a
+    session watches is still eager to the next session (and to the pre-flight, which hooks only
+    eager models), a compiled one is still compiled."""
+    from trackdiag.forward_watch import compiled_parts
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    first = trackdiag.Diagnostics(model, None, level="advanced", sinks=["local"], output_dir=str(tmp_path / "a"))
+    assert model.__dict__.get("_compiled_call_impl") is not None  # the NaN replay's watcher holds the slot
+    assert compiled_parts(model) == []
+    second = trackdiag.Diagnostics(model, None, level="advanced", sinks=["local"], output_dir=str(tmp_path / "b"))
+    assert second._ctx.compiled is False
+    second.close()
+    first.close()
+    model.compile()
+    assert compiled_parts(model) == [""]

@@ -376,6 +376,53 @@ def test_preflight_catches_frozen_detached_and_eval(tmp_path):
     assert model.body[2].lin.weight.grad is None and not model.training  # reference: untouched
 
 
+class Experts(nn.Module):
+    """Top-1 mixture of experts: only the experts some sample is routed to run (``route`` pins the
+    choice: expert ``i % 4`` of 8 for sample ``i``, so experts 4-7 never run on a batch)."""
+
+    def __init__(self, detach_first: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(64, 32)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(8)])
+        self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(3)])
+        self.head = nn.Linear(32, 10)
+        self.detach_first = detach_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        route = torch.arange(len(x)) % 4
+        out = torch.zeros_like(h)
+        for e in route.unique().tolist():
+            out[route == e] = self.experts[e](h[route == e])
+        h = h + out
+        for i, block in enumerate(self.blocks):  # every block runs; the first one's output may be cut
+            h = block(h)
+            if i == 0 and self.detach_first:
+                h = h.detach()
+        return self.head(h)
+
+
+def test_preflight_notes_experts_the_batch_never_called_but_fails_a_called_block_that_was_cut(tmp_path):
+    x, y = next(batches(1))
+    model = Experts()
+    report = session(model, torch.optim.Adam(model.parameters(), 1e-3), tmp_path / "moe").preflight((x, y))
+    F.cross_entropy(model(x), y).backward()  # reference: which parameters the user's own pass reaches
+    unreached = sorted(n for n, p in model.named_parameters() if p.grad is None)
+    assert unreached == sorted(f"experts.{i}.0.{k}" for i in range(4, 8) for k in ("weight", "bias"))
+    assert report["grads"].ok is None and "experts.4.0.bias" in report["grads"].detail, str(report)
+    assert report.ok and report["params_change"].ok, str(report)
+    cut = Experts(detach_first=True)
+    diag = session(cut, torch.optim.Adam(cut.parameters(), 1e-3), tmp_path / "cut")
+    report = diag.preflight((x, y))
+    assert report["grads"].ok is False and report["grads"].where == "inp.weight", str(report)
+    assert {a.where for a in diag.alerts} == {"grads:inp.weight"}
+    F.cross_entropy(cut(x), y).backward()
+    cut_off = [n for n, p in cut.named_parameters() if p.grad is None and not n.startswith(("experts.4", "experts.5", "experts.6", "experts.7"))]
+    assert "blocks.0.weight" in cut_off  # a ModuleList entry that ran, cut from the loss: counted, not noted
+    assert report["grads"].detail.startswith(f"{len(cut_off)} trainable parameter(s) get no gradient"), report["grads"].detail
+
+
 def test_preflight_runs_automatically_at_extreme(tmp_path):
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), 1e-3)

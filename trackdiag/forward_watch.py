@@ -187,9 +187,9 @@ def compiled_parts(model: Any) -> list[str]:
         return []
     found = []
     mods = model.named_modules() if isinstance(model, nn.Module) else []
-    if getattr(model, "_orig_mod", None) is not None or getattr(model, "_compiled_call_impl", None) is not None:
+    if getattr(model, "_orig_mod", None) is not None or root_call.compiled(model):
         found.append("")
     for name, m in mods:
-        if name and (getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"):
+        if name and (root_call.compiled(m) or type(m).__name__ == "OptimizedModule"):
             found.append(name)
     return found

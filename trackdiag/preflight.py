@@ -11,7 +11,9 @@
   ``optimizer``      every trainable parameter is in the optimizer, no frozen one is;
   ``forward``        the forward and the loss run and the loss is finite;
   ``grads``          every trainable parameter receives a finite gradient (a ``.detach()``, ``.data``
-                     or ``no_grad`` on its path, or an unused module, shows up here);
+                     or ``no_grad`` on its path, or an unused module, shows up here); children of a
+                     ``ModuleList``/``ModuleDict`` the batch never called while a sibling was called
+                     (experts of a mixture, conditional branches) are noted, not failed;
   ``params_change``  one optimizer step changes every parameter that got a non-zero gradient;
   ``overfit``        ``overfit_steps`` steps on this one batch lower the loss by ``overfit_drop``
                      (relative); a loss that falls by less than a tenth of that fails, one that
@@ -152,7 +154,8 @@ def run_preflight(model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn 
             for clone in trial.clones:
                 clone.zero_grad(set_to_none=True)
             try:
-                loss, real = trial.loss()
+                with trial.calls_seen() as seen:
+                    loss, real = trial.loss()
                 loss0 = float(loss.detach())
             except Exception as exc:  # noqa: BLE001 - the check reports it
                 report.checks.append(Check("forward", None if lenient else False,
@@ -175,7 +178,7 @@ def run_preflight(model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn 
                                                            "its path (all frozen, or the graph is cut by .detach()/no_grad)."))
                 return report
             loss.backward()
-            report.checks.append(_grad_check(trial))
+            report.checks.append(_grad_check(trial, seen))
             if not trial.opts or any(o is None for o in trial.opts):
                 return report
             report.checks.append(_change_check(trial))
@@ -207,16 +210,45 @@ def _named(trial: Trial) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
     return out
 
 
-def _grad_check(trial: Trial) -> Check:
+def _grad_check(trial: Trial, seen: set[int] | None) -> Check:
     named = _named(trial)
-    none = [n for n, _, c in named if c.grad is None]
+    routed = _routed(trial, seen)
+    none = [n for n, _, c in named if c.grad is None and n not in routed]
     if none:
         return Check("grads", False, f"{len(none)} trainable parameter(s) get no gradient, e.g. {none[0]}: not used in "
                                      f"the forward, or cut from the loss (.detach(), .data, torch.no_grad, a NumPy round-trip).", none[0])
     bad = [n for n, _, c in named if c.grad is not None and not all_finite(c.grad)]  # sparse gradients by their values
     if bad:
         return Check("grads", False, f"{len(bad)} gradient(s) hold NaN/Inf on this batch, e.g. {bad[0]}.", bad[0])
+    if routed:
+        return Check("grads", None, f"{len(routed)} trainable parameter(s) of ModuleList/ModuleDict entries this batch "
+                                    f"never called while their siblings ran got no gradient, e.g. {min(routed)} (routed "
+                                    f"or conditional branches, mixture-of-experts): not judged on one batch; every other "
+                                    f"parameter gets a finite gradient.")
     return Check("grads", True, f"all {len(named)} trainable parameter(s) get a finite gradient.")
+
+
+def _routed(trial: Trial, seen: set[int] | None) -> set[str]:
+    """Report names of the trainable parameters of ``ModuleList``/``ModuleDict`` children the batch
+    never called while a sibling was called: a branch not taken (an expert no token was routed to),
+    not a cut graph (a block whose output was detached was still called). Empty when the calls are
+    unknown (a compiled model)."""
+    out: set[str] = set()
+    for i, clone in enumerate(trial.clones):
+        called = trial.called(i, seen)
+        if not called:
+            continue
+        for prefix, box in clone.named_modules():
+            if not isinstance(box, (nn.ModuleList, nn.ModuleDict)):
+                continue
+            kids = {child: f"{prefix}.{child}" if prefix else child for child, _ in box.named_children()}
+            if not any(name in called for name in kids.values()):
+                continue
+            for child, name in kids.items():
+                if name not in called:
+                    mod = box[int(child)] if isinstance(box, nn.ModuleList) else box[child]
+                    out.update(trial.named(i, f"{name}.{n}") for n, p in mod.named_parameters() if p.requires_grad)
+    return out
 
 
 def _change_check(trial: Trial) -> Check:

@@ -108,6 +108,30 @@ class Trial:
         """A parameter's name as the report shows it (``<component>.<name>`` with several models)."""
         return f"{self.parts[i][0]}.{name}" if self.multi else name
 
+    @contextlib.contextmanager
+    def calls_seen(self) -> Iterator[set[int] | None]:
+        """The ``id`` of every module called inside (a global forward hook while it lasts; the copies and,
+        with ``batch_loss``, the user's modules); None for a compiled model (a hook would cost it a
+        recompile): then nothing is known."""
+        from trackdiag.forward_watch import compiled_parts
+
+        if any(compiled_parts(m) for _, m, _ in self.parts):
+            yield None
+            return
+        seen: set[int] = set()
+        handle = nn.modules.module.register_module_forward_hook(lambda m, _a, _o: seen.add(id(m)))
+        try:
+            yield seen
+        finally:
+            handle.remove()
+
+    def called(self, i: int, seen: set[int] | None) -> set[str] | None:
+        """Names of model ``i``'s modules among ``seen`` (its copy's or, with ``batch_loss``, its own)."""
+        if seen is None:
+            return None
+        models = (self.clones[i], self.parts[i][1])
+        return {n for m in models for n, mod in m.named_modules() if id(mod) in seen}
+
     def loss(self) -> tuple[torch.Tensor, bool]:
         """(loss, real) on the copies."""
         if self.batch_loss is not None:

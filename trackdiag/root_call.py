@@ -69,8 +69,15 @@ def install(module: nn.Module, dispatch: Dispatch) -> Callable[..., Any]:
                 return caller._call_impl(*args, **kwargs)
         return dispatch(module, args, kwargs, impl)
 
+    call.trackdiag = True  # type: ignore[attr-defined]  # see :func:`compiled`
     object.__setattr__(module, SLOT, call)
     return call
+
+
+def compiled(module: Any) -> bool:
+    """Whether ``module``'s call slot holds a compiled call (``module.compile()``), not trackdiag's own."""
+    impl = getattr(module, SLOT, None)
+    return impl is not None and not getattr(impl, "trackdiag", False)
 
 
 def uninstall(module: nn.Module, call: Callable[..., Any]) -> None:

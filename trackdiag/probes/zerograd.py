@@ -15,17 +15,22 @@ the parameters in place). Two verdicts per step, for every step and every loop s
   backward passes started from a reset gradient while the parameters did not change between them:
   every pass but the last was thrown away (``model.zero_grad()`` inside accelerate's
   ``accumulate``, instead of the prepared optimizer's). Passes separated by a parameter update
-  (LBFGS line search, SAM's two passes) are not counted together.
+  (LBFGS line search, SAM's two passes) are not counted together. A step whose model was fed an
+  input that asks for its own gradient (adversarial training, saliency: :mod:`trackdiag.input_grads`)
+  is marked ``input_grad`` in the table: its extra pass was for that input, and the rule says so
+  as an ``info`` finding. Seen through the model's call slot (the first call of each step only).
 
 Emits per component, at the logging step: ``diag/[<c>/]grad/not_zeroed`` and
 ``diag/[<c>/]grad/accum_reset`` (1.0 when some step of the window failed, else 0.0), and the tables
-``grad/zero_check`` / ``grad/accum_check`` = ``{"step": first failing step, "backwards": its passes}``.
+``grad/zero_check`` / ``grad/accum_check`` = ``{"step": first failing step, "backwards": its passes}``
+(``accum_check`` also ``"input_grad"``: 1.0 when that step's model input asked for its gradient).
 Cost per step: nothing when the loop zeroes with ``set_to_none`` (the usual way); otherwise one
 ``|`` per backward pass of small device booleans. No host read off logging steps.
 """
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -33,10 +38,13 @@ import torch
 
 from trackdiag.context import Component, ProbeContext
 from trackdiag.errors import ConfigError
+from trackdiag.forward_watch import FORWARD
 from trackdiag.grad_records import GradView, Pass
+from trackdiag.input_grads import asks_input_grad
 from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
+from trackdiag.replay_report import compiled_before
 
 Flag = bool | torch.Tensor
 
@@ -101,7 +109,35 @@ class ZeroGradProbe(Probe):
         self.accumulation_steps = accumulation_steps
         self._windows: dict[str, deque[Flag]] = {}
         self._verdicts: dict[str, list[tuple[int, int, Flag, Flag]]] = {}
-        self._meta: dict[str, list[tuple[int, int]]] = {}
+        self._asked: set[tuple[str, int]] = set()  # (component, step) of multi-pass steps fed an input-gradient input
+        self._meta: dict[str, list[tuple[int, int, list[float]]]] = {}
+        self._looked: dict[str, int] = {}  # component -> the step whose first model call was looked at
+        self._input_grad: dict[str, int] = {}  # component -> the last step whose model input asked for its gradient
+        self._stops: list[Any] = []
+        self._ctx: ProbeContext | None = None
+
+    def attach(self, ctx: ProbeContext) -> None:
+        self._ctx = ctx
+        if ctx.compiled and compiled_before():  # a watcher now would cost the compiled graphs a recompile
+            return
+        for comp in ctx.components:
+            if comp.model is not None:
+                root = comp.outer if comp.outer is not None else comp.model
+                self._stops.append(FORWARD.watch(root, post=partial(self._inputs, comp.name), root=True))
+
+    def detach(self) -> None:
+        for stop in self._stops:
+            stop()
+        self._stops.clear()
+
+    def _inputs(self, name: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """Forward watcher (the first call of each step): does the model's input ask for its gradient?"""
+        step = self._ctx.step if self._ctx is not None else -1
+        if self._looked.get(name) == step:
+            return
+        self._looked[name] = step
+        if torch.is_grad_enabled() and asks_input_grad(args, kwargs):
+            self._input_grad[name] = step
 
     def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         passes = view.passes
@@ -120,6 +156,8 @@ class ZeroGradProbe(Probe):
             any_reset = _any(list(window))
             stale = (not any_reset) if isinstance(any_reset, bool) else ~any_reset
         self._verdicts.setdefault(comp.name, []).append((ctx.step, len(passes), stale, wiped(passes)))
+        if self._input_grad.get(comp.name) == ctx.step:
+            self._asked.add((comp.name, ctx.step))
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         """Device flags go in one stacked tensor (no tensor is made from host data); host flags
@@ -157,3 +195,6 @@ class ZeroGradProbe(Probe):
                 record.scalars[comp.key(f"grad/{key}")] = 1.0 if bad else 0.0
                 step, backwards, _ = rows[bad[0]] if bad else rows[-1]
                 record.tables[comp.key(f"grad/{table}")] = {"step": float(step), "backwards": float(backwards)}
+                if col == 1 and (comp.name, step) in self._asked:
+                    record.tables[comp.key(f"grad/{table}")]["input_grad"] = 1.0
+        self._asked.clear()

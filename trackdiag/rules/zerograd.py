@@ -46,7 +46,8 @@ class AccumulationReset(Rule):
     """Fires when gradients were reset between the backward passes of one optimizer step (the
     ``zerograd`` probe's ``grad/accum_reset`` == 1): every pass but the last was thrown away, so
     each update used a fraction of the batch. Exact, no patience: ``step`` is the optimizer step
-    whose window lost gradients; ``where`` the component."""
+    whose window lost gradients; ``where`` the component. ``info`` when that step's model input
+    asked for its own gradient (``input_grad``: adversarial training's extra pass)."""
 
     kind = "accumulation_reset"
     hint = ("Gradients were zeroed inside the accumulation window. Zero them only after the optimizer step: with "
@@ -58,7 +59,12 @@ class AccumulationReset(Rule):
         for comp, step, n in flagged(record, components, "grad/accum_reset", "grad/accum_check"):
             msg = (f"gradients were reset between the {n} backward passes of optimizer step {step}: only the last "
                    f"pass's gradients reached the update.")
-            out.append(self.make(step, msg, 1.0, 0.0, comp.name or "optimizer", ["unambiguous"]))
+            evidence = ["unambiguous"]
+            if record.tables.get(comp.key("grad/accum_check"), {}).get("input_grad"):
+                msg += (" The model's input in that step asked for its own gradient (adversarial examples, saliency):"
+                        " if that pass was for the input, zeroing the parameters' gradients after it is right.")
+                evidence = []  # a finding, not an alarm: the usual adversarial-training loop looks exactly like this
+            out.append(self.make(step, msg, 1.0, 0.0, comp.name or "optimizer", evidence))
         return out
 
 

@@ -1,0 +1,131 @@
+"""Loops that back-propagate for their *inputs'* gradient (adversarial training, PGD) before the
+real backward pass: the extra pass's parameter gradients are zeroed on purpose, which looks exactly
+like gradients reset inside an accumulation window. Found on a public FGSM-style loop that raised
+``accumulation_reset`` critical at step 0 of a healthy run. Now: an ``info`` finding that says why,
+the pre-clip norm is the pass the optimizer used, and the real accumulation mistake (also in a model
+fed another component's output, whose input requires grad through parameters) stays critical."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import trackdiag
+from _zoo_a import digits, one_thread, quiet_probes
+from trackdiag.input_grads import asks_input_grad
+from trackdiag.sinks.local import read_records
+
+LEVELS = ["basic", "advanced", "extreme"]
+
+
+def points(out, key: str) -> dict[int, float]:
+    return {s: v for r in read_records(out) for k, s, v in r.points() if k == key}
+
+
+def session(model, opt, out, level, **kw):
+    return trackdiag.Diagnostics(model, opt, level=level, sinks=["local"], output_dir=str(out), probes=quiet_probes(), **kw)
+
+
+def loud(diag) -> list[tuple[str, str, int]]:
+    return [(a.kind, a.severity, a.step) for a in diag.alerts if a.severity != "info"]
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("attack", ["fgsm", "pgd"])
+def test_adversarial_training_is_not_an_accumulation_reset(tmp_path, level, attack) -> None:
+    xtr, ytr, _, _ = digits()
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    refs = {}
+    diag = session(model, opt, tmp_path, level, every=5)
+    with one_thread(), diag:
+        for step in range(30):
+            idx = torch.randint(len(xtr), (64,), generator=g)
+            x, y = xtr[idx].clone(), ytr[idx]
+            if attack == "fgsm":  # the input itself is the leaf that asks for its gradient
+                x.requires_grad_(True)
+                model.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                x_adv = (x + 0.1 * x.grad.sign()).clamp(0, 1).detach()
+            else:  # PGD: a perturbation leaf; the model sees x + delta, two steps of ascent
+                delta = torch.zeros_like(x, requires_grad=True)
+                for _ in range(2):
+                    F.cross_entropy(model((x + delta).clamp(0, 1)), y).backward()
+                    delta = (delta + 0.05 * delta.grad.sign()).clamp(-0.1, 0.1).detach().requires_grad_(True)
+                x_adv = (x + delta).clamp(0, 1).detach()
+            opt.zero_grad()
+            out = model(x_adv)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            refs[step] = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()])).item()
+            opt.step()
+            diag.step(loss, outputs=out, batch=(x_adv, y))
+    assert loud(diag) == []
+    found = [a for a in diag.alerts if a.kind == "accumulation_reset"]
+    assert found and found[0].step == 0 and found[0].severity == "info", found
+    assert "asked for its own gradient" in found[0].message
+    got = points(tmp_path, "diag/grad/global_norm")  # the pass the optimizer used, not the input's
+    assert sorted(got) == list(range(30))
+    for step, ref in refs.items():
+        assert got[step] == pytest.approx(ref, rel=1e-5), step
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_accumulation_reset_stays_critical_for_a_component_fed_another_components_output(tmp_path, level) -> None:
+    """The decoder's input requires grad (the encoder's output): no exemption; the zero_grad placed
+    inside the 4-micro-batch loop from step 6 is caught at step 6."""
+    xtr, ytr, _, _ = digits()
+    torch.manual_seed(0)
+    enc, dec = Encoder(), nn.Linear(32, 10)
+    opts = {"encoder": torch.optim.Adam(enc.parameters(), 1e-3), "decoder": torch.optim.Adam(dec.parameters(), 1e-3)}
+    diag = session({"encoder": enc, "decoder": dec}, opts, tmp_path, level, every=5)
+    with one_thread(), diag:
+        for step in range(12):
+            total = 0.0
+            for micro in range(4):
+                if step >= 6:  # the planted mistake: zeroed inside the accumulation window
+                    for o in opts.values():
+                        o.zero_grad()
+                x, y = xtr[(step * 4 + micro) * 16:][:16], ytr[(step * 4 + micro) * 16:][:16]
+                loss = F.cross_entropy(dec(enc(x)), y) / 4
+                loss.backward()
+                total += loss.detach()
+            for o in opts.values():
+                o.step()
+                o.zero_grad()
+            diag.step(total)
+    found = sorted((a.where, a.step, a.severity) for a in diag.alerts if a.kind == "accumulation_reset")
+    assert found == [("decoder", 6, "critical"), ("encoder", 6, "critical")], diag.alerts
+
+
+def test_which_inputs_ask_for_their_gradient() -> None:
+    """Reference: how each tensor was made."""
+    enc = Encoder()
+    x = torch.rand(4, 64)
+    leaf = x.clone().requires_grad_(True)
+    delta = torch.zeros_like(x, requires_grad=True)
+    assert not asks_input_grad((x,), {})  # plain data
+    assert asks_input_grad((leaf,), {})  # FGSM
+    assert asks_input_grad(((x + delta).clamp(0, 1),), {})  # PGD: a few nodes to a non-parameter leaf
+    assert not asks_input_grad((enc(x),), {})  # another module's output: its graph ends in parameters
+    assert not asks_input_grad((enc.net[0].weight,), {})  # a parameter passed in (weight tying) is no input
+    assert asks_input_grad((), {"inputs_embeds": leaf})  # by keyword
+    assert asks_input_grad(([x, leaf],), {})  # inside a list
+    with torch.no_grad():
+        assert not asks_input_grad((x + 1,), {})

@@ -1,0 +1,54 @@
+"""Does a forward call ask for gradients of its *inputs*?
+
+Adversarial training (FGSM: ``x.requires_grad_()``; PGD: ``model(x + delta)`` with a ``delta`` that
+requires grad), saliency maps and input optimisation run a backward pass for the input's gradient;
+it fills the parameters' ``.grad`` too, and the loop then zeroes those before the real backward.
+That pass is not part of the optimizer step, so two resets in one step are no accumulation mistake
+(:mod:`trackdiag.probes.zerograd`). Told apart from a model fed another trained module's output (an
+encoder's, a generator's), whose graph leads to ``nn.Parameter`` leaves: an input counts when it is a
+leaf that requires grad or its graph reaches, within a few nodes, a leaf that is not a parameter.
+
+Cost: host work only; the graph walk visits at most ``_NODES`` autograd nodes.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+_NODES = 16
+
+
+def asks_input_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a floating tensor among ``args``/``kwargs`` (one level into lists, tuples and dicts)
+    is an input whose gradient the caller wants (see module docstring)."""
+    return any(_wanted(t) for t in _tensors(args)) or (bool(kwargs) and any(_wanted(t) for t in _tensors(kwargs.values())))
+
+
+def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (t for t in v if isinstance(t, torch.Tensor))
+        elif isinstance(v, dict):
+            yield from (t for t in v.values() if isinstance(t, torch.Tensor))
+
+
+def _wanted(t: torch.Tensor) -> bool:
+    if not t.requires_grad:
+        return False
+    if t.grad_fn is None:  # a leaf: x.requires_grad_()
+        return not isinstance(t, nn.Parameter)
+    todo, seen = [t.grad_fn], 0
+    while todo and seen < _NODES:
+        node = todo.pop()
+        seen += 1
+        var = getattr(node, "variable", None)  # an AccumulateGrad node: its leaf
+        if var is not None:
+            if not isinstance(var, nn.Parameter):
+                return True
+            continue
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return False
