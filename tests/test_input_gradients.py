@@ -129,3 +129,43 @@ def test_which_inputs_ask_for_their_gradient() -> None:
     assert asks_input_grad(([x, leaf],), {})  # inside a list
     with torch.no_grad():
         assert not asks_input_grad((x + 1,), {})
+
+
+@pytest.mark.parametrize("late", ["adversarial", "accumulation_reset"])
+def test_watching_rests_after_one_pass_steps_and_resumes_when_several_passes_begin(tmp_path, late) -> None:
+    """30 clean steps (the inputs stop being watched at step 20), then from step 30 either FGSM
+    training (silent: the first such step is not judged, the next ones are seen) or the
+    accumulation mistake (critical, one step later than with watching on: step 31)."""
+    from trackdiag.forward_watch import FORWARD
+
+    xtr, ytr, _, _ = digits()
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    diag = session(model, opt, tmp_path, "basic", every=5)
+    zg = next(p for p in diag.probes if p.name == "zerograd")
+    watched = {}
+    with one_thread(), diag:
+        for step in range(40):
+            x, y = xtr[step * 32:][:32].clone(), ytr[step * 32:][:32]
+            watched[step] = bool(zg._stops) and id(model) in FORWARD._rpost
+            if step >= 30 and late == "adversarial":
+                x.requires_grad_(True)
+                F.cross_entropy(model(x), y).backward()
+                x = (x + 0.1 * x.grad.sign()).detach()
+                opt.zero_grad()
+            elif step >= 30:  # two micro-batches, zeroed between them
+                F.cross_entropy(model(x[:16]), y[:16]).backward()
+                opt.zero_grad()
+                x, y = x[16:], y[16:]
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            diag.step(loss)
+    assert all(watched[s] for s in range(21)) and not any(watched[s] for s in range(22, 31))
+    assert all(watched[s] for s in range(31, 40))
+    found = [(a.kind, a.severity, a.step) for a in diag.alerts if a.kind == "accumulation_reset"]
+    if late == "adversarial":
+        assert loud(diag) == [] and found == [("accumulation_reset", "info", 31)], diag.alerts
+    else:
+        assert found == [("accumulation_reset", "critical", 31)], diag.alerts

@@ -18,7 +18,11 @@ the parameters in place). Two verdicts per step, for every step and every loop s
   (LBFGS line search, SAM's two passes) are not counted together. A step whose model was fed an
   input that asks for its own gradient (adversarial training, saliency: :mod:`trackdiag.input_grads`)
   is marked ``input_grad`` in the table: its extra pass was for that input, and the rule says so
-  as an ``info`` finding. Seen through the model's call slot (the first call of each step only).
+  as an ``info`` finding. Seen through the model's call slot (the first call of each step; the
+  graph walk only on a step with several passes). A loop that ran ``WATCH_STEPS`` (20) steps with
+  one backward pass each stops being watched (nothing per call from then on); should several passes
+  per step begin later, watching resumes, and the first such step (its inputs unseen) is not judged
+  for ``accumulation_reset``: the next one is.
 
 Emits per component, at the logging step: ``diag/[<c>/]grad/not_zeroed`` and
 ``diag/[<c>/]grad/accum_reset`` (1.0 when some step of the window failed, else 0.0), and the tables
@@ -40,13 +44,15 @@ from trackdiag.context import Component, ProbeContext
 from trackdiag.errors import ConfigError
 from trackdiag.forward_watch import FORWARD
 from trackdiag.grad_records import GradView, Pass
-from trackdiag.input_grads import asks_input_grad
+from trackdiag.input_grads import grad_inputs, wanted
 from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.replay_report import compiled_before
 
 Flag = bool | torch.Tensor
+#: a loop with one backward pass per step for this many steps stops having its model inputs watched
+WATCH_STEPS = 20
 
 
 def _any(flags: list[Flag]) -> Flag:
@@ -111,14 +117,21 @@ class ZeroGradProbe(Probe):
         self._verdicts: dict[str, list[tuple[int, int, Flag, Flag]]] = {}
         self._asked: set[tuple[str, int]] = set()  # (component, step) of multi-pass steps fed an input-gradient input
         self._meta: dict[str, list[tuple[int, int, list[float]]]] = {}
-        self._looked: dict[str, int] = {}  # component -> the step whose first model call was looked at
-        self._input_grad: dict[str, int] = {}  # component -> the last step whose model input asked for its gradient
+        self._fed: dict[str, tuple[int, list[torch.Tensor]]] = {}  # component -> (step, its first call's grad-requiring inputs)
         self._stops: list[Any] = []
         self._ctx: ProbeContext | None = None
+        self._multi = False  # a step with several backward passes was seen
+        self._resting = False  # watching stopped after WATCH_STEPS steps of one pass each
+        self._blind = -1  # the step several passes resumed at, unwatched: not judged for accumulation_reset
 
     def attach(self, ctx: ProbeContext) -> None:
         self._ctx = ctx
-        if ctx.compiled and compiled_before():  # a watcher now would cost the compiled graphs a recompile
+        self._watch()
+
+    def _watch(self) -> None:
+        """Watch each model's first call of a step (its call slot), unless compiled models would pay a recompile."""
+        ctx = self._ctx
+        if ctx is None or self._stops or (ctx.compiled and compiled_before()):
             return
         for comp in ctx.components:
             if comp.model is not None:
@@ -131,18 +144,26 @@ class ZeroGradProbe(Probe):
         self._stops.clear()
 
     def _inputs(self, name: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        """Forward watcher (the first call of each step): does the model's input ask for its gradient?"""
+        """Forward watcher: keep the first call's inputs that require grad (references; judged only on a
+        step with several backward passes)."""
         step = self._ctx.step if self._ctx is not None else -1
-        if self._looked.get(name) == step:
-            return
-        self._looked[name] = step
-        if torch.is_grad_enabled() and asks_input_grad(args, kwargs):
-            self._input_grad[name] = step
+        fed = self._fed.get(name)
+        if fed is None or fed[0] != step:
+            self._fed[name] = (step, grad_inputs(args, kwargs) if torch.is_grad_enabled() else [])
 
     def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         passes = view.passes
+        fed = self._fed.pop(comp.name, None)
         if not passes:  # no backward reached the component: no verdict
             return
+        if len(passes) > 1 and not self._multi:  # several passes per step after all: watch the inputs again
+            self._multi = True
+            if self._resting:  # this step's inputs nobody saw: judged from the next step on
+                self._resting, self._blind = False, ctx.step
+            self._watch()
+        elif not self._multi and ctx.step >= WATCH_STEPS and self._stops:  # one pass per step: stop watching
+            self.detach()
+            self._resting = True
         if len(passes) == 1 and passes[0].reset is True and self.accumulation_steps == 1:
             # the usual step: one backward pass into gradients that were None (host facts: no kernel)
             self._verdicts.setdefault(comp.name, []).append((ctx.step, 1, False, False))
@@ -155,8 +176,8 @@ class ZeroGradProbe(Probe):
         else:
             any_reset = _any(list(window))
             stale = (not any_reset) if isinstance(any_reset, bool) else ~any_reset
-        self._verdicts.setdefault(comp.name, []).append((ctx.step, len(passes), stale, wiped(passes)))
-        if self._input_grad.get(comp.name) == ctx.step:
+        self._verdicts.setdefault(comp.name, []).append((ctx.step, len(passes), stale, False if self._blind == ctx.step else wiped(passes)))
+        if fed is not None and fed[0] == ctx.step and wanted(fed[1]):
             self._asked.add((comp.name, ctx.step))
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
