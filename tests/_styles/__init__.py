@@ -35,6 +35,8 @@ STYLE_NAMES: tuple[str, ...] = (
     "lightning_ae",
     "multitask",
     "word2vec_sgns",
+    "adversarial_fgsm",
+    "moe_top1",
 )
 
 

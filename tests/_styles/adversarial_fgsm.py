@@ -1,0 +1,94 @@
+"""Adversarial training as "Fast is better than free" (Wong et al. 2020, ``fast_adversarial``) and
+the tutorials built on it write it: a random start ``delta`` in [-eps, eps] that requires grad, one
+backward pass for **the input's gradient** (it fills the parameters' ``.grad`` too), one signed step
+of ``delta``, then ``optimizer.zero_grad()`` and the real backward pass on ``x + delta``. SGD with
+momentum, a Dropout MLP, batches of 64, clean and adversarial validation accuracy every 20 steps.
+
+Mechanisms: two backward passes per optimizer step whose first one's parameter gradients are zeroed
+on purpose (not an accumulation window), a model input that requires grad, a training loss above
+the clean loss.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard, digits,
+                      fault_onset, one_thread, session, shuffle, wipe_grads)
+
+NAME = "adversarial_fgsm"
+DESCRIPTION = "fast FGSM adversarial training: random-start delta, a backward for the input, zero_grad, the real backward"
+FAULTS = {
+    "nan": "log(0) inside the second linear layer `2` from onset",
+    "lr1000": "SGD lr x1000 from onset",
+    "lr_start": "SGD lr x1000 from step 0",
+    "no_zero": "both zero_grad() calls dropped from onset",
+    "shuffled_labels": "targets shuffled within each batch",
+    "wiped_grads": "clip_grad_norm_(max_norm=0) between the real backward and step from onset",
+    "tiny_subset": "trains on two batches; validation every 20 steps",
+}
+EPS, ALPHA = 0.1, 0.125
+
+
+def perturb(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One fast-FGSM step from a random start; its backward pass also fills the parameters' .grad."""
+    delta = (torch.rand(x.shape, generator=gen) * 2 - 1) * EPS
+    delta.requires_grad = True
+    loss = F.cross_entropy(model((x + delta).clamp(0, 1)), y)
+    loss.backward()
+    delta = (delta + ALPHA * delta.grad.detach().sign()).clamp(-EPS, EPS)
+    return ((x + delta).clamp(0, 1)).detach()
+
+
+def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, fault: str | None = None,
+        onset: int = 40, **diag_overrides: Any) -> StyleRun:
+    check_fault(fault, FAULTS)
+    timer = Timer()
+    xtr, ytr, xva, yva = digits()
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10))
+    model[2] = NanGate(model[2])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05 * (1000 if fault == "lr_start" else 1), momentum=0.9,
+                                weight_decay=5e-4)
+    if fault == "tiny_subset":
+        xtr, ytr = xtr[:128], ytr[:128]
+    loader = batches(xtr, ytr, 64, gen)
+    accs: list[float] = []
+    diag = session(model, optimizer, out, level, **diag_overrides)
+    with crash_guard(fault) as crash, one_thread(), diag:
+        model.train()
+        for step in range(steps):
+            if fault == "lr1000" and step == onset:
+                bump_lr(optimizer, 1000.0)
+            model[2].arm(active(fault, "nan", step, onset))
+            xb, yb = next(loader)
+            if fault == "shuffled_labels":
+                yb = shuffle(yb, gen)
+            zero = not active(fault, "no_zero", step, onset)
+            if zero:
+                optimizer.zero_grad()
+            x_adv = perturb(model, xb, yb, gen)
+            if zero:
+                optimizer.zero_grad()
+            out_ = model(x_adv)
+            loss = F.cross_entropy(out_, yb)
+            loss.backward()
+            if active(fault, "wiped_grads", step, onset):
+                wipe_grads(model.parameters())
+            optimizer.step()
+            diag.step(loss, outputs=out_, batch=(x_adv, yb))
+            if step % 20 == 19:
+                model.eval()
+                with torch.no_grad():
+                    logits = model(xva)
+                acc = float((logits.argmax(1) == yva).float().mean())
+                diag.log_eval(loss=F.cross_entropy(logits, yva).item(), accuracy=acc)
+                model.train()
+                accs.append(acc)
+    progress = Progress("val accuracy", accs[0], accs[-1], higher_is_better=True, min_gain=0.05)
+    return StyleRun(diag, fault_onset(fault, onset), steps, "2", fault, progress, crash["error"], timer.seconds)
