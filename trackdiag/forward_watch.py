@@ -50,6 +50,7 @@ class _ForwardWatch(Pausable):
     """See module docstring; ``paused()``: no watcher is called inside (trackdiag's own forwards)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._pre: dict[int, list[PreFn]] = {}  # global hooks' watchers, by id(module)
         self._post: dict[int, list[PostFn]] = {}
         self._rpre: dict[int, list[PreFn]] = {}  # roots watched through their call slot

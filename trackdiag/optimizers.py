@@ -145,6 +145,7 @@ class _Dispatch(Pausable):
     listener hears an optimizer step inside (trackdiag's own: the pre-flight's copies)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         self._handles: list[Any] = []
         # reentrant: a listener's finalizer (``_collected``) may run inside a garbage collection that an

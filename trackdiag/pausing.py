@@ -8,7 +8,12 @@ from typing import Iterator
 
 
 class Pausable:
-    _paused = 0
+    """Subclasses call ``super().__init__()``: ``_paused`` lives in the instance from the start (a model
+    compiled while it was still the class attribute would be recompiled at the first ``paused()``:
+    Dynamo guards on where the attribute is found)."""
+
+    def __init__(self) -> None:
+        self._paused = 0
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
