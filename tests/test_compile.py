@@ -123,3 +123,17 @@ def test_trackdiags_own_call_slot_is_not_taken_for_a_compiled_model(tmp_path) ->
     first.close()
     model.compile()
     assert compiled_parts(model) == [""]
+
+
+def test_pause_counters_live_in_the_instances_from_the_start() -> None:
+    """Dynamo guards on *where* ``_paused`` is found: had it stayed a class attribute until the first
+    ``paused()`` (the pre-flight's, at ``extreme``), a model compiled before that would be recompiled
+    there (the [inplace] case above failed when it ran first in its process). A fresh process, so no
+    earlier test has paused anything."""
+    code = ("from trackdiag.forward_watch import FORWARD; from trackdiag.optimizers import DISPATCH; "
+            "print('_paused' in vars(FORWARD), '_paused' in vars(DISPATCH))")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
