@@ -80,6 +80,60 @@ def test_without_a_weight_snapshot_log_mode_says_params_are_already_nan(tmp_path
     assert "diag.probes.nan_replay.mode=step" in inp.message and "input batch was NON-finite" in inp.message
 
 
+def _segment(tmp_path, plant, steps=25, **probe):
+    """A per-pixel classifier (4 classes) trained as segmentation scripts do: CE with ignore_index=255,
+    border pixels void; ``plant(step, y)`` changes the targets. Returns (session, host label stats per step)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    diag = session(model, opt, tmp_path, level="advanced", every=10, probes={"data_labels": probe})
+    seen = {}
+    with diag:
+        for step in range(steps):
+            x = torch.rand(2, 3, 12, 12, generator=g)
+            y = (x[:, 0] * 3.99).long()
+            y[:, :2] = 255
+            y = plant(step, y)
+            valid = y[(y >= 0) & (y < 4)]
+            seen[step] = (int(valid.min()), int(valid.max()))
+            out = model(x)
+            ok = (y >= 0) & (y < 4)  # what cross_entropy(ignore_index=255) uses; planted labels would crash it
+            loss = F.cross_entropy(out.permute(0, 2, 3, 1)[ok], y[ok])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=out, batch=(x, y))
+    return diag, seen
+
+
+def test_segmentation_void_label_255_is_padding_not_a_label_fault(tmp_path):
+    diag, seen = _segment(tmp_path, lambda step, y: y)
+    assert "label_range" not in kinds(diag)
+    rec = next(r for r in records(tmp_path) if r["step"] == 20)
+    assert rec["scalars"]["diag/data/ignore_index"] == 255
+    assert rec["scalars"]["diag/data/label_max"] == max(hi for s, (_, hi) in seen.items() if 11 <= s <= 20)
+
+
+@pytest.mark.parametrize("fault,first", [
+    ("one_based", 12),     # labels 1..4 from step 12: the class count itself, never taken as padding
+    ("second_void", 15),   # 254 beside 255 from step 15: two values above the classes
+    ("configured", 0),     # ignore_index=None: nothing is padding
+])
+def test_out_of_range_labels_beside_a_void_label_are_still_caught(tmp_path, fault, first):
+    def plant(step, y):
+        if fault == "one_based" and step >= 12:
+            return torch.where(y == 255, y, y + 1)
+        if fault == "second_void" and step >= 15:
+            y = y.clone()
+            y[:, -1] = 254
+        return y
+
+    diag, _ = _segment(tmp_path, plant, **({"ignore_index": None} if fault == "configured" else {}))
+    (a,) = kinds(diag)["label_range"]
+    assert a.step == first and a.severity == "critical", a
+
+
 def test_label_range_exact_step(tmp_path):
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), 1e-3)

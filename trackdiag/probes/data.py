@@ -24,13 +24,15 @@
   A model learning to copy its input shows ``copy`` far below ``next`` and the loss with it.
   The ignore value: ``ignore_index="auto"`` (default) takes the one negative value the targets use
   for padding (cross-entropy's -100, or -1 as many scripts pass ``ignore_index=-1``) when every
-  negative target of a step has that same value, and keeps it; a second negative value, or
-  targets >= the number of classes, are out of range. An int sets it; ``None``: no padding.
+  negative target of a step has that same value, or the one value of at least ``HIGH_IGNORE`` (250)
+  every target above the classes has (segmentation's ``255`` "void" pixels), and keeps it; a second
+  such value, or other targets outside ``[0, classes)`` (1-based labels: the class count itself),
+  are out of range. An int sets it; ``None``: no padding.
   The targets are ``batch[1]`` / ``batch['target']`` ... (option ``target``: index or key); the
   number of classes is the class dimension of the output (option ``output``: index or key of a
   structured output) when the shapes pair up (``(N, C)`` with ``(N,)``, ``(B, T, C)`` with
   ``(B, T)``, ``(N, C, H, W)`` with ``(N, H, W)``); otherwise nothing is checked.
-  Cost per step: one ``aminmax`` and one masked ``max`` over the targets (plus an ``eq``/``mean``
+  Cost per step: one ``aminmax`` and three masked ``max``/``min`` over the targets (plus an ``eq``/``mean``
   against the input when both are integer tensors of one shape), kept by reference; the window is
   stacked, copied with everything else and judged on the host.
 Both collect at every logging step (``always_collect``), so no step of a window is lost.
@@ -48,6 +50,10 @@ from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.task import masked_ce
 from trackdiag.tensors import class_dim, float_tensors, inputs_of, logits_of, targets_of
+
+#: the smallest single target value above the classes taken as padding (segmentation's void 255; not the
+#: class count itself, which is what 1-based labels produce)
+HIGH_IGNORE = 250
 
 class DataFiniteProbe(Probe):
     """See module docstring (``data_finite``). Per step and float tensor of the batch: one
@@ -124,7 +130,7 @@ class DataLabelsProbe(Probe):
         self.target, self.output = target, output
         self.auto = ignore_index == "auto"
         self.ignore_index: int | None = None if self.auto else ignore_index  # type: ignore[assignment]
-        self._seen: list[tuple[int, int, list[torch.Tensor]]] = []  # (step, classes, [lo, hi, top negative, same])
+        self._seen: list[tuple[int, int, list[torch.Tensor]]] = []  # (step, classes, [lo, hi, top negative, same, lowest over, highest in])
         self._window: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # the collected steps and classes
         self._classes = -1
 
@@ -143,11 +149,15 @@ class DataLabelsProbe(Probe):
         self._classes = int(logits.shape[dim])
         flat = t.reshape(-1)
         lo, hi = torch.aminmax(flat)
-        top_neg = torch.where(flat < 0, flat, torch.iinfo(flat.dtype).min).max()  # -inf-like when none
+        small, big = torch.iinfo(flat.dtype).min, torch.iinfo(flat.dtype).max
+        top_neg = torch.where(flat < 0, flat, small).max()  # -inf-like when none
+        over = flat >= self._classes
+        low_over = torch.where(over, flat, big).min()  # the smallest target above the classes (+inf-like: none)
+        high_in = torch.where(over, small, flat).max()  # the largest target within them
         x = inputs_of(inputs.batch)
         same = (x == t).float().mean() if isinstance(x, torch.Tensor) and x.shape == t.shape \
             and not x.is_floating_point() and not x.is_complex() else lo.new_zeros(()).float() - 1.0
-        self._seen.append((ctx.step, self._classes, [lo, hi, top_neg, same]))
+        self._seen.append((ctx.step, self._classes, [lo, hi, top_neg, same, low_over, high_in]))
         if ctx.step < self.leak_steps and dim == -1 and ctx.is_due(self.schedule) and isinstance(x, torch.Tensor) \
                 and x.shape == t.shape and not x.is_floating_point() and len(inputs.losses) == 1:
             self._leak_terms(ctx.step, logits, t, inputs.losses)
@@ -181,9 +191,9 @@ class DataLabelsProbe(Probe):
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         steps, classes = self._window
-        lo, hi, top_neg, same = values["stats"].reshape(len(steps), 4).T
-        bad = hi >= np.asarray(classes)
-        lows = []
+        lo, hi, top_neg, same, low_over, high_in = values["stats"].reshape(len(steps), 6).T
+        bad = np.zeros(len(steps), dtype=bool)
+        lows, highs = [], []
         for i, (a, b) in enumerate(zip(lo.tolist(), top_neg.tolist())):
             if a >= 0:
                 lows.append(a)
@@ -194,10 +204,23 @@ class DataLabelsProbe(Probe):
             if not (single and a == self.ignore_index):
                 bad[i] = True
                 lows.append(a)
+        for i, (a, b, c, n) in enumerate(zip(hi.tolist(), low_over.tolist(), high_in.tolist(), classes)):
+            if a < n:
+                highs.append(a)
+                continue
+            single = a == b  # every target above the classes has one value: segmentation's void label
+            if single and a >= HIGH_IGNORE and self.ignore_index is None and self.auto:
+                self.ignore_index = int(a)
+            if single and a == self.ignore_index:
+                if c >= 0:  # a step whose targets are all void has no largest class
+                    highs.append(c)
+            else:
+                bad[i] = True
+                highs.append(a)
         record.scalars["diag/data/label_first_bad_step"] = float(steps[int(np.argmax(bad))]) if bad.any() else -1.0
         record.scalars["diag/data/label_bad_steps"] = float(bad.sum())
         record.scalars["diag/data/label_min"] = float(min(lows)) if lows else 0.0
-        record.scalars["diag/data/label_max"] = float(hi.max())
+        record.scalars["diag/data/label_max"] = float(max(highs)) if highs else 0.0
         record.scalars["diag/data/num_classes"] = float(self._classes)
         if self.ignore_index is not None:
             record.scalars["diag/data/ignore_index"] = float(self.ignore_index)
