@@ -242,6 +242,40 @@ def test_update_ratio_matches_manual_diff(tmp_path: Any, budget: int) -> None:
     assert rec["scalars"]["diag/update/ratio_median"] == pytest.approx(float(np.median(list(manual.values()))), rel=1e-4)
 
 
+def test_update_ratio_is_the_optimizers_step_not_the_loops_projection_after_it(tmp_path: Any) -> None:
+    """A sparse autoencoder renormalises its decoder's columns after each optimizer step (the first
+    renormalisation scales them ~5x: it raised update_ratio critical at step 0 on a healthy run). The
+    ratio is the optimizer's own update, measured by hand between optimizer.step()'s two sides."""
+    import trackdiag
+    from trackdiag.sinks.local import read_records
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    sae = nn.ModuleDict({"enc": nn.Linear(16, 128), "dec": nn.Linear(128, 16, bias=False)})
+    opt = torch.optim.Adam(sae.parameters(), 1e-3)
+    diag = trackdiag.Diagnostics(sae, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                 probes=quiet_probes())
+    manual = {}
+    with diag:
+        for step in range(12):
+            x = torch.rand(64, 16, generator=g)
+            f = F.relu(sae["enc"](x))
+            loss = F.mse_loss(sae["dec"](f), x) + 1e-3 * f.abs().sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            before = sae["dec"].weight.detach().clone()
+            opt.step()
+            manual[step] = float((sae["dec"].weight.detach() - before).norm() / before.norm())
+            with torch.no_grad():
+                sae["dec"].weight.div_(sae["dec"].weight.norm(dim=0, keepdim=True))
+            diag.step(loss, outputs=f)
+    assert not [a for a in diag.alerts if a.severity != "info"], diag.alerts
+    got = {s: v for r in read_records(tmp_path) for k, s, v in r.points() if k == "diag/update/ratio/dec"}
+    assert sorted(got) == list(range(10))  # the first 10 steps are measured one by one
+    for step, v in got.items():
+        assert v == pytest.approx(manual[step], rel=1e-4), step
+
+
 @pytest.mark.parametrize("case", ["high", "low"])
 def test_update_ratio_fault(tmp_path: Any, case: str) -> None:
     # too large: weight decay so strong that each step shrinks the weights by a third; too small: a tiny LR

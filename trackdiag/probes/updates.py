@@ -4,7 +4,9 @@ Measured on due steps (every step of the first ``early`` steps, then every ``eve
 updates the weights:
   * a component whose optimizer steps: the parameters are copied at its first step pre-hook (one
     foreach copy, after the backward pass, so the copy never coexists with the activations) and
-    compared at ``Diagnostics.step``, after every optimizer of the step ran;
+    compared right after that optimizer's step (its post-hook: a renormalisation or clamp the loop
+    applies afterwards is not the optimizer's update), or, with several optimizers on the component,
+    at ``Diagnostics.step`` after every one of them ran;
   * a component without an optimizer (hand-written ``p.data.add_(...)``): copied at the previous
     ``Diagnostics.step`` and compared at this one;
   * a component whose optimizer did not step (an optimizer the user stopped calling): when none of
@@ -97,6 +99,17 @@ class UpdateProbe(Probe):
     def before_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
         if ctx.is_due(self.schedule) and comp.index.params:
             self._snap[comp.name] = self._copy(comp)  # replaces a copy taken at the last step()
+
+    def after_optimizer_step(self, ctx: ProbeContext, comp: Component) -> None:
+        """A component with one optimizer: its update is measured as soon as that optimizer has stepped,
+        so what the loop does to the weights afterwards (decoder columns renormalised, weights clamped
+        or projected) is not taken for the optimizer's step. Several optimizers: at ``step()``."""
+        snap = self._snap.get(comp.name)
+        if snap is None or snap[0] != comp.generation or len(comp.optimizers) != 1:
+            return
+        del self._snap[comp.name]
+        with torch.no_grad():
+            self._pending[comp.name] = self._diff(comp, snap[1], snap[2])
 
     def _count_idle(self, ctx: ProbeContext) -> None:
         scaled = ctx.scaler is not None and bool(getattr(ctx.scaler, "_enabled", False))
