@@ -3,7 +3,8 @@ real backward pass: the extra pass's parameter gradients are zeroed on purpose, 
 like gradients reset inside an accumulation window. Found on a public FGSM-style loop that raised
 ``accumulation_reset`` critical at step 0 of a healthy run. Now: an ``info`` finding that says why,
 the pre-clip norm is the pass the optimizer used, and the real accumulation mistake (also in a model
-fed another component's output, whose input requires grad through parameters) stays critical."""
+fed another component's output, whose input requires grad through parameters) stays critical. Also
+per-sample gradients under ``torch.func`` (DP-SGD): nothing is watched inside the transform."""
 from __future__ import annotations
 
 import pytest
@@ -169,3 +170,42 @@ def test_watching_rests_after_one_pass_steps_and_resumes_when_several_passes_beg
         assert loud(diag) == [] and found == [("accumulation_reset", "info", 31)], diag.alerts
     else:
         assert found == [("accumulation_reset", "critical", 31)], diag.alerts
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_per_sample_gradients_under_vmap_keep_every_probe_on(tmp_path, level) -> None:
+    """DP-SGD by hand (Opacus's idea with torch.func): per-sample gradients by ``vmap(grad(...))`` over
+    the model, clipped, noised and assigned to ``p.grad``; no ``backward()``. The module watchers used
+    to keep the transform's batched tensors (the activations probe and the flight recorder then died
+    on them); now nothing is watched inside a torch.func transform. The gradient norm is the one of
+    the gradients assigned, by hand."""
+    from torch.func import functional_call, grad, vmap
+
+    xtr, ytr, _, _ = digits()
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), 0.5)
+    g = torch.Generator().manual_seed(0)
+    per_sample = vmap(grad(lambda p, x, y: F.cross_entropy(functional_call(model, p, (x[None],)), y[None])),
+                      in_dims=(None, 0, 0))
+    refs = {}
+    diag = session(model, opt, tmp_path, level, every=5)
+    with one_thread(), diag:
+        for step in range(12):
+            x, y = xtr[step * 32:][:32], ytr[step * 32:][:32]
+            gs = per_sample({k: v.detach() for k, v in model.named_parameters()}, x, y)
+            norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in gs.values()))
+            scale = (1.0 / (norms + 1e-6)).clamp(max=1.0)
+            for k, p in model.named_parameters():
+                clipped = (gs[k] * scale.view(-1, *[1] * (gs[k].dim() - 1))).sum(0)
+                p.grad = (clipped + 0.1 * torch.randn(clipped.shape, generator=g)) / len(x)
+            refs[step] = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()])).item()
+            opt.step()
+            opt.zero_grad()
+            out = model(x)  # an ordinary forward for the record (accuracy, activations)
+            diag.step(F.cross_entropy(out, y).detach(), outputs=out.detach(), batch=(x, y))
+    assert diag.summary()["disabled_probes"] == {}
+    assert loud(diag) == []
+    got = points(tmp_path, "diag/grad/global_norm")
+    assert sorted(got) == list(range(12))
+    for step, ref in refs.items():
+        assert got[step] == pytest.approx(ref, rel=1e-5), step

@@ -16,7 +16,9 @@ A hook registered on a module lives in the module's ``__dict__``: ``torch.save(m
   (``torch.compiler.is_compiling()`` is constant-folded there, so a model compiled after the hooks
   were installed has no graph break and no extra guard failure).
 
-``paused()``: nothing is called inside (trackdiag's own forwards: replays, pre-flight, landscapes).
+``paused()``: nothing is called inside (trackdiag's own forwards: replays, pre-flight, landscapes);
+nor inside a ``torch.func`` transform (``vmap(grad(...))`` per-sample gradients, as DP-SGD computes
+them): the tensors there are the transform's and must not escape it.
 ``watch_all(fn)`` calls ``fn(module, args, output)`` after the forward of *every* module (the flight
 recorder's per-module output flags, :mod:`trackdiag.output_flags`).
 
@@ -40,6 +42,12 @@ from trackdiag.errors import brief
 from trackdiag.pausing import Pausable
 
 log = logging.getLogger("trackdiag")
+
+try:  # the functorch transform level: None outside torch.func's vmap/grad/jacrev
+    from torch._C._functorch import maybe_current_level as _transform_level
+except ImportError:  # pragma: no cover - an older torch
+    def _transform_level() -> None:
+        return None
 
 PreFn = Callable[[nn.Module, tuple[Any, ...]], None]
 PostFn = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]
@@ -96,7 +104,7 @@ class _ForwardWatch(Pausable):
 
     def _dispatch(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], call: Callable[..., Any]) -> Any:
         """A watched root's call: its pre watchers, its own ``_call_impl``, its post watchers."""
-        if self._paused:
+        if self._paused or _transform_level() is not None:
             return call(*args, **kwargs)
         key = id(module)
         fns = self._rpre.get(key)
@@ -148,7 +156,7 @@ class _ForwardWatch(Pausable):
             self._handles = []
 
     def _on_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._paused or torch.compiler.is_compiling():
+        if self._paused or torch.compiler.is_compiling() or _transform_level() is not None:
             return None
         fns = self._pre.get(id(module))
         if fns:
@@ -157,7 +165,7 @@ class _ForwardWatch(Pausable):
         return None
 
     def _on_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if self._paused or torch.compiler.is_compiling():
+        if self._paused or torch.compiler.is_compiling() or _transform_level() is not None:
             return None
         for every in self._every:
             try:
