@@ -189,6 +189,22 @@ def _safe(fn: Callable[..., None], *args: Any) -> None:
 FORWARD = _ForwardWatch()
 
 
+def compiled_before() -> bool:
+    """Has Dynamo compiled anything in this process yet? (Installing a global forward hook after
+    that would invalidate those graphs' guards once.)"""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001
+        return False
+    return bool(counters["stats"]["unique_graphs"])
+
+
+def may_watch(compiled: bool) -> bool:
+    """Whether a probe may start watching a session's forwards now: always for eager models; with a
+    compiled one only before Dynamo has compiled anything (a watcher after that costs a recompile)."""
+    return not compiled or not compiled_before()
+
+
 def compiled_parts(model: Any) -> list[str]:
     """Names of the compiled parts of ``model`` (``torch.compile(m)`` wrappers, ``m.compile()``),
     ``""`` for the model itself; ``[]`` for an eager model. Host work only."""

@@ -241,12 +241,11 @@ def _routed(trial: Trial, seen: set[int] | None) -> set[str]:
         for prefix, box in clone.named_modules():
             if not isinstance(box, (nn.ModuleList, nn.ModuleDict)):
                 continue
-            kids = {child: f"{prefix}.{child}" if prefix else child for child, _ in box.named_children()}
-            if not any(name in called for name in kids.values()):
+            kids = {f"{prefix}.{child}" if prefix else child: mod for child, mod in box.named_children()}
+            if not any(name in called for name in kids):
                 continue
-            for child, name in kids.items():
+            for name, mod in kids.items():
                 if name not in called:
-                    mod = box[int(child)] if isinstance(box, nn.ModuleList) else box[child]
                     out.update(trial.named(i, f"{name}.{n}") for n, p in mod.named_parameters() if p.requires_grad)
     return out
 

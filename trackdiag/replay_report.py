@@ -58,16 +58,6 @@ def held(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def compiled_before() -> bool:
-    """Has Dynamo compiled anything in this process yet? (Installing a global forward hook after
-    that would invalidate those graphs' guards once.)"""
-    try:
-        from torch._dynamo.utils import counters
-    except Exception:  # noqa: BLE001
-        return False
-    return bool(counters["stats"]["unique_graphs"])
-
-
 class Joint:
     """Several components' weight snapshots applied together (the user's loss runs every model)."""
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from trackdiag.context import Component, ProbeContext, StepInputs
-from trackdiag.forward_watch import FORWARD
+from trackdiag.forward_watch import FORWARD, may_watch
 from trackdiag.probes.base import Probe
 
 
@@ -41,9 +41,7 @@ class MemoryPhasesProbe(Probe):
         self._devices: dict[str, torch.device] = {}
 
     def attach(self, ctx: ProbeContext) -> None:
-        from trackdiag.probes.nan_replay import compiled_before
-
-        watch = not ctx.compiled or not compiled_before()
+        watch = may_watch(ctx.compiled)
         for comp in ctx.components:
             dev = _cuda_device(comp)
             if dev is not None and comp.model is not None:

@@ -52,14 +52,14 @@ from torch import nn
 from trackdiag.alert import Alert
 from trackdiag.context import Component, ProbeContext, StepInputs
 from trackdiag.errors import ConfigError, brief
-from trackdiag.forward_watch import FORWARD
+from trackdiag.forward_watch import FORWARD, may_watch
 from trackdiag.grad_records import GradView
 from trackdiag.incidents import nonfinite
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.registry import resolve
 from trackdiag.replay import Call, Finding, replay
-from trackdiag.replay_report import FLAGS_KEY, Joint, compiled_before, detached, enrich, enrich_alerts, held  # noqa: F401 (re-exported)
+from trackdiag.replay_report import FLAGS_KEY, Joint, detached, enrich, enrich_alerts, held  # noqa: F401 (re-exported)
 from trackdiag.schedule import Never
 from trackdiag.snapshot import ParamSnapshot
 from trackdiag.tensors import inputs_of
@@ -104,7 +104,7 @@ class NanReplayProbe(Probe):
 
     def attach(self, ctx: ProbeContext) -> None:
         self._ctx = ctx
-        watch = not ctx.compiled or not compiled_before()
+        watch = may_watch(ctx.compiled)
         for comp in ctx.components:
             if comp.model is None:
                 continue

@@ -42,13 +42,12 @@ import torch
 
 from trackdiag.context import Component, ProbeContext
 from trackdiag.errors import ConfigError
-from trackdiag.forward_watch import FORWARD
+from trackdiag.forward_watch import FORWARD, may_watch
 from trackdiag.grad_records import GradView, Pass
 from trackdiag.input_grads import grad_inputs, wanted
 from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
-from trackdiag.replay_report import compiled_before
 
 Flag = bool | torch.Tensor
 #: a loop with one backward pass per step for this many steps stops having its model inputs watched
@@ -131,7 +130,7 @@ class ZeroGradProbe(Probe):
     def _watch(self) -> None:
         """Watch each model's first call of a step (its call slot), unless compiled models would pay a recompile."""
         ctx = self._ctx
-        if ctx is None or self._stops or (ctx.compiled and compiled_before()):
+        if ctx is None or self._stops or not may_watch(ctx.compiled):
             return
         for comp in ctx.components:
             if comp.model is not None:
