@@ -22,7 +22,7 @@ them): the tensors there are the transform's and must not escape it.
 ``watch_all(fn)`` calls ``fn(module, args, output)`` after the forward of *every* module (the flight
 recorder's per-module output flags, :mod:`trackdiag.output_flags`).
 
-Cost: a watched root, one Python call and two dict look-ups per call; while the global hooks are
+Cost: a watched root, one Python call per call (its watchers are bound into it); while the global hooks are
 installed, PyTorch takes its slower ``_call_impl`` path for every module call in the process (~1.5-2
 us per module call on CPU, hook included), plus what a ``watch_all`` function does; nothing when no
 session watches.
@@ -84,10 +84,10 @@ class _ForwardWatch(Pausable):
                 pres.setdefault(key, []).append(pre)
             if post is not None:
                 posts.setdefault(key, []).append(post)
-            if not direct:
+            if direct:
+                self._route(module)
+            else:
                 self._install()
-            elif key not in self._roots:
-                self._roots[key] = (module, root_call.install(module, self._dispatch))
 
         def stop() -> None:
             with self._lock:
@@ -97,29 +97,26 @@ class _ForwardWatch(Pausable):
                         fns.remove(fn)
                         if not fns:
                             del table[key]
-                if direct and key not in self._rpre and key not in self._rpost and key in self._roots:
-                    root_call.uninstall(*self._roots.pop(key))
+                if direct and key in self._roots:
+                    self._route(self._roots[key][0])
                 self._uninstall()
         return stop
 
-    def _dispatch(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], call: Callable[..., Any]) -> Any:
-        """A watched root's call: its pre watchers, its own ``_call_impl``, its post watchers."""
-        if self._paused or _transform_level() is not None:
-            return call(*args, **kwargs)
+    def _route(self, module: nn.Module) -> None:
+        """(Re)install ``module``'s call slot with its current root watchers bound in; give the slot
+        back when none is left."""
         key = id(module)
-        fns = self._rpre.get(key)
-        if fns:
-            for fn in list(fns):
-                _safe(fn, module, args)
-        output = call(*args, **kwargs)
-        fns = self._rpost.get(key)
-        if fns:
-            for fn in list(fns):
-                try:  # inline: this runs at every call of a watched root
-                    fn(module, args, kwargs, output)
-                except Exception as exc:  # noqa: BLE001 - never raise into the user's forward
-                    log.warning("trackdiag: forward watcher failed (%s)", brief(exc))
-        return output
+        pre, post = tuple(self._rpre.get(key, ())), tuple(self._rpost.get(key, ()))
+        _, current = self._roots.pop(key, (module, None))
+        if not pre and not post:
+            if current is not None:
+                root_call.uninstall(module, current)
+            return
+        self._roots[key] = (module, root_call.install(module, pre, post, self._active, current))
+
+    def _active(self) -> bool:
+        """Watchers are called: not paused (trackdiag's own forwards), not inside a torch.func transform."""
+        return not self._paused and _transform_level() is None
 
     def watch_all(self, fn: AllFn) -> Callable[[], None]:
         """Call ``fn(module, args, output)`` after every eager forward of every module. Returns the stopper."""

@@ -19,10 +19,11 @@ the slot (< 2.2). Removed when the last watcher stops, unless something replaced
 another thread than the one that installed the slot checks which module it belongs to (one frame
 look-up) and runs that module's own call, unwatched.
 
-Cost per call of a watched root: one Python function call and two dict look-ups, plus the watchers.
+Cost per call of a watched root: one Python function call (the watchers are bound into it), plus the watchers.
 """
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from typing import Any, Callable
@@ -30,8 +31,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from trackdiag.errors import brief
+
 SLOT = "_compiled_call_impl"
-Dispatch = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Callable[..., Any]], Any]
+PreFn = Callable[[nn.Module, tuple[Any, ...]], None]
+PostFn = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]
+log = logging.getLogger("trackdiag")
 
 
 def _slot_is_private() -> bool:
@@ -54,20 +59,44 @@ def usable(module: Any) -> bool:
     return _PRIVATE and isinstance(module, nn.Module) and module.__dict__.get(SLOT) is None
 
 
-def install(module: nn.Module, dispatch: Dispatch) -> Callable[..., Any]:
-    """Route ``module``'s calls through ``dispatch(module, args, kwargs, call)`` (``call`` runs the
-    module's own ``_call_impl``); returns the installed function, for :func:`uninstall`."""
+def install(module: nn.Module, pre: tuple[PreFn, ...], post: tuple[PostFn, ...], active: Callable[[], bool],
+            current: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """Route ``module``'s calls through ``pre(module, args)`` watchers, the module's own
+    ``_call_impl``, then ``post(module, args, kwargs, output)`` watchers, while ``active()``; returns
+    the installed function, for :func:`uninstall`. ``current``: the function installed before (the
+    watchers changed), replaced only if the slot still holds it.
+
+    The function is rebuilt whenever the watchers change, with them bound in: a call pays one Python
+    frame and the watchers, nothing else (a dispatcher that looked the watchers up per call cost
+    ~0.3 ms per step on a 16-call seq2seq step, ~6 %: Python inside the user's forward is dearer than
+    the same code timed alone)."""
+    if current is not None and module.__dict__.get(SLOT) is not current:
+        return current
     impl = module._call_impl
     owner = threading.get_ident()
+    is_compiling = torch.compiler.is_compiling
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # traced by Dynamo: the plain call, nothing of trackdiag
+        if is_compiling():  # traced by Dynamo: the plain call, nothing of trackdiag (first: no guard on active())
             return impl(*args, **kwargs)
         if threading.get_ident() != owner:  # a DataParallel replica shares this slot: run its own call
             caller = sys._getframe(1).f_locals.get("self")
             if isinstance(caller, nn.Module) and caller is not module:
                 return caller._call_impl(*args, **kwargs)
-        return dispatch(module, args, kwargs, impl)
+        if not active():
+            return impl(*args, **kwargs)
+        for fn in pre:
+            try:
+                fn(module, args)
+            except Exception as exc:  # noqa: BLE001 - never raise into the user's forward
+                log.warning("trackdiag: forward watcher failed (%s)", brief(exc))
+        output = impl(*args, **kwargs)
+        for fn in post:
+            try:
+                fn(module, args, kwargs, output)
+            except Exception as exc:  # noqa: BLE001 - never raise into the user's forward
+                log.warning("trackdiag: forward watcher failed (%s)", brief(exc))
+        return output
 
     call.trackdiag = True  # type: ignore[attr-defined]  # see :func:`compiled`
     object.__setattr__(module, SLOT, call)

@@ -5,8 +5,9 @@ writes the culprit into the alert: ``where="body.2 (input finite)"`` and the mes
 
 What it keeps:
   * *references* (``detach()``-ed views, no copies) to the arguments of every training-mode forward
-    of each root model with grad enabled, with the autocast state, for the last ``ring`` steps
-    (default: the session's ``every`` + 1). They are seen through the root's call slot
+    of each root model with grad enabled (the first ``max_calls``, 8, per step), with the autocast
+    state, for the last ``ring`` steps (default: the session's ``every`` + 1). During the step a call
+    costs one list append (the arguments as passed); they are detached when the step ends. They are seen through the root's call slot
     (:mod:`trackdiag.root_call`: an attribute ``torch.save``, pickle and ``deepcopy`` drop, so a saved
     model stays clean, and the model's other modules keep PyTorch's fast call path; a global forward
     hook when ``module.compile()`` took the slot). On a model that was already compiled before the session, or when nothing was
@@ -42,8 +43,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import time
-from functools import partial
 from typing import Any
 
 import torch
@@ -91,7 +90,7 @@ class NanReplayProbe(Probe):
         self.loss_fn = resolve(loss_fn) if isinstance(loss_fn, str) else loss_fn
         self._size = ring or 2
         self._ring: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
-        self._now: tuple[int, Any, dict[str, list[Call]]] = (-1, None, {})  # the running step's ring entry
+        self._pending: dict[str, list[tuple[Any, ...]]] = {}  # the running step's calls, as passed (see _capturer)
         self.findings: dict[int, tuple[str, Finding]] = {}
         self.replays = 0
         self.told: dict[tuple[str, int], tuple[str, int, bool]] = {}  # finding -> (kind, step) told, data at fault
@@ -113,7 +112,7 @@ class NanReplayProbe(Probe):
             if watch:
                 dev = comp.index.params[0].device.type if comp.index.params else "cpu"
                 self._stops.append(FORWARD.watch(comp.outer if comp.outer is not None else comp.model,
-                                                 post=partial(self._capture, comp.name, dev), root=True))
+                                                 post=self._capturer(comp.name, dev), root=True))
                 self._watch_parts[comp.name] = dev
 
     def _watch_outermost(self, comp: Component) -> None:
@@ -133,7 +132,7 @@ class NanReplayProbe(Probe):
         def leave(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             depth[0] = max(depth[0] - 1, 0)
             if depth[0] == 0:
-                self._capture(comp.name, dev, module, args, kwargs, output, target=module)
+                self._capture(comp.name, dev, module, args, kwargs, output, module)
 
         for name, module in comp.model.named_modules():
             if name:
@@ -146,7 +145,7 @@ class NanReplayProbe(Probe):
         self._watch_parts.clear()
         self._depths.clear()
         self._ring.clear()
-        self._now = (-1, None, {})
+        self._pending.clear()
         self._snapshots.clear()
 
     def after_record(self, ctx: ProbeContext, record: Record) -> None:
@@ -157,51 +156,65 @@ class NanReplayProbe(Probe):
             for snap in self._snapshots.values():
                 snap.take(ctx.step + 1)  # the weights the next step's forward will use
 
-    def _capture(self, comp: str, device_type: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 output: Any, target: nn.Module | None = None) -> None:
-        """Forward watcher: keep references to a training forward's arguments (host work only)."""
-        ctx = self._ctx
-        if self._busy or ctx is None or not module.training or not torch.is_grad_enabled():
-            return None
-        now = self._now
-        if now[0] != ctx.step:  # the step's first capture (``_open`` and ``detach`` are the only writers)
-            now = self._open(ctx.step)
-        calls: list[Call] | None = now[2].get(comp)
-        if calls is None:
-            calls = now[2][comp] = []
-        elif len(calls) >= self.max_calls:  # a loop calling the model many times per step: the first ones
-            return None
-        t0 = time.perf_counter()
-        if device_type == "meta":  # built on the meta device, materialised after the session began
-            device_type = next((p.device.type for p in module.parameters()), "cpu")
-            device_type = "cpu" if device_type == "meta" else device_type
-        amp = (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
-        call = (held(args), detached(kwargs) if kwargs else {}, amp)
-        calls.append(call if target is None else (*call, target))  # a submodule's call: replayed on it
-        ctx.hook_seconds += time.perf_counter() - t0
-        return None
+    def _capturer(self, comp: str, device_type: str) -> Any:
+        """The forward watcher of a root model: keeps each training forward's arguments as passed, up
+        to ``max_calls`` per step (one list append; detached when the step ends, :meth:`_flush`)."""
+        pending, max_calls = self._pending, self.max_calls
+        grad_enabled, autocast = torch.is_grad_enabled, torch.is_autocast_enabled
 
-    def _open(self, step: int) -> tuple[int, dict[str, Any], dict[str, list[Call]]]:
-        """The ring entry of ``step`` (made if new; the oldest dropped past the ring's size), cached for the
-        step's next captures."""
+        def capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if self._busy or not module.training or not grad_enabled():
+                return
+            calls = pending.get(comp)
+            if calls is None:
+                calls = pending[comp] = []
+            elif len(calls) >= max_calls:  # a loop calling the model many times per step: the first ones
+                return
+            dev = device_type if device_type != "meta" else _device_of(module)
+            calls.append((args, kwargs, (dev, torch.get_autocast_dtype(dev)) if autocast(dev) else None))
+        return capture
+
+    def _capture(self, comp: str, device_type: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 output: Any, target: nn.Module) -> None:
+        """Watcher of a submodule's outermost call (see :meth:`_watch_outermost`): replayed on ``target``."""
+        if self._busy or not module.training or not torch.is_grad_enabled():
+            return
+        calls = self._pending.setdefault(comp, [])
+        if len(calls) < self.max_calls:
+            dev = device_type if device_type != "meta" else _device_of(module)
+            amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
+            calls.append((args, kwargs, amp, target))
+
+    def _flush(self, step: int) -> dict[str, Any] | None:
+        """The running step's calls into its ring entry (made if new, the oldest dropped past the ring's
+        size), as a replay keeps them: tensors ``detach()``-ed (no copy; the graph goes). Returns the entry."""
         entry = self._ring.get(step)
+        if not self._pending:
+            return entry
         if entry is None:
             entry = self._ring[step] = {"calls": {}, "batch": None}
             while len(self._ring) > self._size:
                 self._ring.popitem(last=False)
-        self._now = (step, entry, entry["calls"])
-        return self._now
+        for comp, calls in self._pending.items():
+            kept = entry["calls"].setdefault(comp, [])
+            kept.extend((held(c[0]), detached(c[1]) if c[1] else {}, *c[2:]) for c in calls)
+        self._pending.clear()
+        return entry
+
+    def _entry(self, step: int) -> dict[str, Any] | None:
+        """The ring entry of ``step``, the running step's calls included."""
+        return self._flush(step) if self._ctx is not None and step == self._ctx.step else self._ring.get(step)
 
     def calls_of(self, step: int, component: str | None = None) -> list[Call]:
         """The forward calls captured at ``step`` (for ``component``, default the first model's)."""
-        entry = self._ring.get(step) or {"calls": {}}
+        entry = self._entry(step) or {"calls": {}}
         calls = entry["calls"]
         if component is not None:
             return list(calls.get(component, []))
         return list(next(iter(calls.values()), []))
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
-        entry = self._ring.get(ctx.step)
+        entry = self._flush(ctx.step)
         for depth in self._depths.values():
             depth[0] = 0
         if self._watch_parts and torch.is_grad_enabled():  # decided once per model, at its first step
@@ -239,7 +252,7 @@ class NanReplayProbe(Probe):
             backward: bool | None = None) -> tuple[str, Finding]:
         """Replay ``step`` for ``comp`` (all components together when the user's loss is replayed);
         ``exact``: the current weights are the ones step ``step`` ran on. Returns (component, finding)."""
-        entry = self._ring.get(step) or {"calls": {}}
+        entry = self._entry(step) or {"calls": {}}
         batch_loss = ctx.loss_fn if batch is not None else None
         model: nn.Module | None = comp.model
         name, snapshot = comp.name, self._snapshots.get(comp.name)
@@ -263,7 +276,7 @@ class NanReplayProbe(Probe):
     def running(self, ctx: ProbeContext) -> tuple[str, Finding] | None:
         """The flight recorder at a crash: replay the step in progress (its captured forward calls, on
         the current weights: the optimizer has not stepped since), forward only. None without calls."""
-        entry = self._ring.get(ctx.step)
+        entry = self._flush(ctx.step)
         if entry is None or not entry["calls"]:
             return None
         got: tuple[str, Finding] | None = None
@@ -285,7 +298,7 @@ class NanReplayProbe(Probe):
             return self.findings[max(earlier)]
         if self.replays >= self.max_replays:
             return None
-        entry = self._ring.get(step)
+        entry = self._entry(step)
         if entry is None or not entry["calls"]:
             return "", Finding(step, "unavailable", detail=f"no training forward of step {step} is held (ring of {self._size} steps).")
         self.replays += 1
@@ -306,3 +319,9 @@ class NanReplayProbe(Probe):
     def enrich(self, ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> list[tuple[Any, Alert]]:
         """``alerts`` with the culprit in ``where`` (see :func:`trackdiag.replay_report.enrich`)."""
         return enrich(self, ctx, alerts)
+
+
+def _device_of(module: nn.Module) -> str:
+    """The device type of a model built on the meta device and materialised after the session began."""
+    dev = next((p.device.type for p in module.parameters()), "cpu")
+    return "cpu" if dev == "meta" else dev
