@@ -125,6 +125,7 @@ class NanReplayProbe(Probe):
         if dev is None or comp.model is None:
             return
         depth = self._depths[comp.name] = [0]  # reset at each step (a forward that raised never left)
+        capture = self._capturer(comp.name, dev, submodule=True)
 
         def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
             depth[0] += 1
@@ -132,7 +133,7 @@ class NanReplayProbe(Probe):
         def leave(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             depth[0] = max(depth[0] - 1, 0)
             if depth[0] == 0:
-                self._capture(comp.name, dev, module, args, kwargs, output, module)
+                capture(module, args, kwargs, output)
 
         for name, module in comp.model.named_modules():
             if name:
@@ -156,9 +157,10 @@ class NanReplayProbe(Probe):
             for snap in self._snapshots.values():
                 snap.take(ctx.step + 1)  # the weights the next step's forward will use
 
-    def _capturer(self, comp: str, device_type: str) -> Any:
+    def _capturer(self, comp: str, device_type: str, submodule: bool = False) -> Any:
         """The forward watcher of a root model: keeps each training forward's arguments as passed, up
-        to ``max_calls`` per step (one list append; detached when the step ends, :meth:`_flush`)."""
+        to ``max_calls`` per step (one list append; detached when the step ends, :meth:`_flush`).
+        ``submodule``: the watcher of a submodule's outermost call (:meth:`_watch_outermost`), replayed on it."""
         pending, max_calls = self._pending, self.max_calls
         grad_enabled, autocast = torch.is_grad_enabled, torch.is_autocast_enabled
 
@@ -171,19 +173,9 @@ class NanReplayProbe(Probe):
             elif len(calls) >= max_calls:  # a loop calling the model many times per step: the first ones
                 return
             dev = device_type if device_type != "meta" else _device_of(module)
-            calls.append((args, kwargs, (dev, torch.get_autocast_dtype(dev)) if autocast(dev) else None))
+            amp = (dev, torch.get_autocast_dtype(dev)) if autocast(dev) else None
+            calls.append((args, kwargs, amp, module) if submodule else (args, kwargs, amp))
         return capture
-
-    def _capture(self, comp: str, device_type: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 output: Any, target: nn.Module) -> None:
-        """Watcher of a submodule's outermost call (see :meth:`_watch_outermost`): replayed on ``target``."""
-        if self._busy or not module.training or not torch.is_grad_enabled():
-            return
-        calls = self._pending.setdefault(comp, [])
-        if len(calls) < self.max_calls:
-            dev = device_type if device_type != "meta" else _device_of(module)
-            amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
-            calls.append((args, kwargs, amp, target))
 
     def _flush(self, step: int) -> dict[str, Any] | None:
         """The running step's calls into its ring entry (made if new, the oldest dropped past the ring's
