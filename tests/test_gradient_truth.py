@@ -350,6 +350,61 @@ def test_torch_save_during_a_session_carries_nothing_of_trackdiag(tmp_path) -> N
     assert proc.returncode == 0 and proc.stdout.strip() == f"ok {len(saved)}", proc.stderr[-2000:]
 
 
+_LOAD_RNN = """
+import sys, torch
+from torch import nn
+sys.modules["trackdiag"] = None  # a process where trackdiag cannot be imported
+torch.serialization.add_safe_globals([nn.LSTM, nn.GRU, nn.Embedding, nn.Linear, nn.ModuleDict])
+for path in sys.argv[1:]:
+    m = torch.load(path, weights_only=True)
+    assert not any("_compiled_call_impl" in x.__dict__ or "__getstate__" in x.__dict__ for x in m.modules())
+print("ok", len(sys.argv) - 1)
+"""
+
+
+@pytest.mark.parametrize("level", ["advanced", "extreme"])
+def test_rnn_modules_saved_and_copied_mid_session_carry_nothing_and_run_their_own_weights(tmp_path, level) -> None:
+    """``nn.LSTM``/``nn.GRU`` keep every attribute in their pickled state (``RNNBase.__getstate__``), so
+    trackdiag's call slot on them (the NaN replay's on an RNN model, extreme's per-module flags on every
+    module) must be dropped for them: ``torch.save(model)`` of a bare LSTM model and of a model holding a
+    GRU loads with ``weights_only=True`` without trackdiag, and a ``copy.deepcopy`` (an EMA or "best"
+    copy) runs its own weights, not the original's."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(6, 8)  # a component that is an RNN itself: its root call slot
+    head = nn.ModuleDict({"emb": nn.Embedding(10, 6), "gru": nn.GRU(6, 8), "out": nn.Linear(16, 3)})
+    opts = {"lstm": torch.optim.Adam(lstm.parameters(), 1e-3), "head": torch.optim.Adam(head.parameters(), 1e-3)}
+    saved, copies = [], []
+    with one_thread():
+        diag = session({"lstm": lstm, "head": head}, opts, tmp_path / "run", level=level, every=3)
+        with diag:
+            for step in range(5):
+                tokens = torch.randint(10, (7, 2))
+                x = head["emb"](tokens)
+                a, _ = lstm(x)
+                b, _ = head["gru"](x)
+                loss = F.cross_entropy(head["out"](torch.cat([a[-1], b[-1]], 1)), torch.randint(3, (2,)))
+                loss.backward()
+                for opt in opts.values():
+                    opt.step()
+                    opt.zero_grad()
+                diag.step(loss)
+                for name, m in (("lstm", lstm), ("head", head)):
+                    torch.save(m, tmp_path / f"{name}{step}.pt")
+                    saved.append(tmp_path / f"{name}{step}.pt")
+                copies.append((copy.deepcopy(lstm), copy.deepcopy(head["gru"]), x.detach()))
+            watched = [m for m in (lstm, head["gru"]) if "_compiled_call_impl" in m.__dict__]
+            assert lstm in watched  # the slot is there during the session (the NaN replay watches the root)
+            for twin_lstm, twin_gru, x in copies:
+                with torch.no_grad():
+                    for p in (*twin_lstm.parameters(), *twin_gru.parameters()):
+                        p.zero_()
+                    assert twin_lstm(x)[0].abs().max() == 0 and twin_gru(x)[0].abs().max() == 0  # its own (zero) weights
+                    assert lstm(x)[0].abs().max() > 0
+    assert not any("__getstate__" in m.__dict__ for m in (lstm, *head.modules()))  # given back at close
+    proc = subprocess.run([sys.executable, "-c", _LOAD_RNN, *map(str, saved)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"ok {len(saved)}", proc.stderr[-2000:]
+
+
 def test_no_diagnostic_forward_changes_the_users_model(tmp_path) -> None:
     """extreme's model summary and pre-flight, the activations replay and the NaN replay run extra
     forwards: BatchNorm's batch counter and statistics, and a module's own step counter, are as in

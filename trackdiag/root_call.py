@@ -2,8 +2,9 @@
 
 ``Module.__call__`` runs ``self._compiled_call_impl(*args, **kwargs)`` instead of ``self._call_impl``
 when that instance attribute is set (``Module.compile()`` sets it to the compiled call), and torch's
-own ``Module.__getstate__`` drops it: ``torch.save(model)``, ``pickle`` and ``copy.deepcopy`` never
-carry it, ``state_dict`` never sees it, ``torch.jit.script`` ignores it, and a model compiled later
+own ``Module.__getstate__`` drops it (a class with its own ``__getstate__`` that keeps it, ``nn.GRU`` and
+``nn.LSTM``, gets an instance ``__getstate__`` that drops it, removed with the slot): ``torch.save(model)``,
+``pickle``, ``copy.copy`` and ``copy.deepcopy`` never carry it (a copy runs its own weights), ``state_dict`` never sees it, ``torch.jit.script`` ignores it, and a model compiled later
 traces it as a plain function (``torch.compiler.is_compiling()`` is constant-folded: no graph break).
 trackdiag sets it on the roots whose forward calls a probe watches (the NaN replay's captured calls,
 the integrations' step loss, CUDA memory phases) to a function that calls the watchers around the
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -99,7 +101,30 @@ def install(module: nn.Module, pre: tuple[PreFn, ...], post: tuple[PostFn, ...],
 
     call.trackdiag = True  # type: ignore[attr-defined]  # see :func:`compiled`
     object.__setattr__(module, SLOT, call)
+    if type(module).__getstate__ is not nn.Module.__getstate__ and GETSTATE not in module.__dict__:
+        object.__setattr__(module, GETSTATE, _StateWithoutSlot(module))
     return call
+
+
+GETSTATE = "__getstate__"
+
+
+class _StateWithoutSlot:
+    """An instance ``__getstate__`` (``pickle``, ``copy`` and ``deepcopy`` look it up on the instance
+    first) for a module whose class keeps every attribute in its state (``RNNBase.__getstate__`` copies
+    ``__dict__``): the class's state without trackdiag's call slot and without itself."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = weakref.ref(module)
+
+    def __call__(self) -> dict[str, Any]:
+        module = self.module()
+        state = type(module).__getstate__(module) if module is not None else {}
+        state.pop(SLOT, None)
+        state.pop(GETSTATE, None)
+        return state
 
 
 def compiled(module: Any) -> bool:
@@ -112,3 +137,5 @@ def uninstall(module: nn.Module, call: Callable[..., Any]) -> None:
     """Give ``module`` its own call back, unless the slot holds something else by now."""
     if module.__dict__.get(SLOT) is call:
         del module.__dict__[SLOT]
+        if isinstance(module.__dict__.get(GETSTATE), _StateWithoutSlot):
+            del module.__dict__[GETSTATE]
