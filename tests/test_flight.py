@@ -297,3 +297,42 @@ def test_health_shown_for_a_crash_is_the_status_unless_other_alerts_say_worse():
     assert display_health({"health": "critical", "status": "FAILED", "alerts": both}) == "critical"
     spike = {"crash": crash, "loss_spike": {**crash, "severity": "warning"}}
     assert display_health({"health": "critical", "status": "FAILED", "alerts": spike}) == "warning"
+
+
+def test_extreme_flags_watch_through_call_slots_and_leave_other_models_on_the_fast_path(tmp_path):
+    """extreme's per-module output flags watch each module of the session's models through its own call
+    slot: no global forward hook is installed (with one, every module call of the process takes PyTorch's
+    slower path: another model's too), a planted NaN still names its module from the flags, and at close
+    every slot is given back."""
+    from torch import nn
+
+    from trackdiag.registry import PROBES
+    from trackdiag.root_call import SLOT
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), zoo.NanGate(nn.Linear(16, 16)), nn.ReLU(), nn.Linear(16, 2))
+    other = nn.Sequential(nn.Linear(8, 8), nn.ReLU())  # not the session's: must keep the fast path
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probes = {"activations": {"enabled": False}, "report": {"enabled": False}, "landscape": {"enabled": False},
+              "histograms": {"enabled": False}, "preflight": {"enabled": False}}
+    diag = trackdiag.Diagnostics(model, opt, level="extreme", sinks=["local"], output_dir=str(tmp_path), every=5,
+                                 probes={k: v for k, v in probes.items() if k in PROBES})
+    hooks = torch.nn.modules.module._global_forward_hooks
+    with diag:
+        flags = next(p for p in diag.probes if p.name == "flight").flags
+        assert flags is not None
+        for step in range(8):
+            model[2].fault.fill_(1.0 if step == 6 else 0.0)
+            x = torch.randn(4, 8)
+            other(x)
+            loss = F.cross_entropy(model(x), torch.randint(2, (4,)))
+            assert not hooks, "a global forward hook puts every module call of the process on the slow path"
+            assert all(SLOT in m.__dict__ for m in model.modules()) and not any(SLOT in m.__dict__ for m in other.modules())
+            if step == 6:
+                assert flags.first_bad(step, running=True)[0] == ("", "2")  # the flags of the real forward
+                break
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            diag.step(loss)
+    assert not any(SLOT in m.__dict__ for m in model.modules())

@@ -5,7 +5,8 @@ A hook registered on a module lives in the module's ``__dict__``: ``torch.save(m
 ``torch.compile`` traces it. trackdiag watches instead:
 
 * a session's *root* modules (``watch(..., root=True)``: the NaN replay's captured calls, the
-  integrations' step loss, CUDA memory phases) through the module's own call slot
+  integrations' step loss, CUDA memory phases; and every module of the models under ``extreme``'s
+  per-module output flags) through the module's own call slot
   (:mod:`trackdiag.root_call`: an attribute torch drops from pickles and copies); every other module
   keeps PyTorch's fast call path;
 * any other module (activations on their due steps), a root whose slot is taken (``module.compile()``)
@@ -19,8 +20,8 @@ A hook registered on a module lives in the module's ``__dict__``: ``torch.save(m
 ``paused()``: nothing is called inside (trackdiag's own forwards: replays, pre-flight, landscapes);
 nor inside a ``torch.func`` transform (``vmap(grad(...))`` per-sample gradients, as DP-SGD computes
 them): the tensors there are the transform's and must not escape it.
-``watch_all(fn)`` calls ``fn(module, args, output)`` after the forward of *every* module (the flight
-recorder's per-module output flags, :mod:`trackdiag.output_flags`).
+``watch_all(fn)`` calls ``fn(module, args, output)`` after the forward of *every* module of the
+process (through the global hook: no probe uses it on the training path).
 
 Cost: a watched root, one Python call per call (its watchers are bound into it); while the global hooks are
 installed, PyTorch takes its slower ``_call_impl`` path for every module call in the process (~1.5-2

@@ -4,16 +4,19 @@ A replay (:mod:`trackdiag.replay`) finds the module that makes a NaN when the fa
 do not: a fault that happens once (hardware, a race, a transient condition), a model whose
 ``forward`` trackdiag cannot call (a LightningModule without one), a script that died before a
 replay could run. :class:`OutputFlags` watches the forwards as they happen instead: after the
-forward of every module of the session's models (training mode, grad enabled, eager) its floating
-output, and its input when that is not one of the last outputs recorded, is *held* (a reference,
-``detach()``-ed when it is part of the graph) until the step ends (on the CPU only outputs of at most
-``HELD_NUMEL`` values: a larger one is summed at once). Then each becomes one fp32 sum (NaN and
-Inf propagate, so the flag is non-finite exactly when the tensor held a NaN/Inf; a finite sum
-overflows only past 3e38): one multi-tensor kernel on CUDA, a sum per tensor on the CPU (the CPU's
-multi-tensor norm is a per-tensor loop, 3-15x slower than a sum on large tensors) -- **unless the step is known
-healthy**: when the NaN replay's ``mode=step`` has read every gradient of the step finite (its one host
-sync per step, :meth:`judged`) and the step is not a logging step, the held outputs are let go and no
-flag is computed. Past ``max_mb`` MB or ``chunk`` tensors held, the waiting ones are summed at once.
+forward of every module of the session's models (training mode, grad enabled, eager; seen through each
+module's own call slot, :mod:`trackdiag.root_call`, so no module of the process leaves PyTorch's fast
+call path) its floating output, and its input when that is not the output recorded just before, is
+*held*: one list append of the tensors as they are, until the step ends (on the CPU only outputs of at
+most ``HELD_NUMEL`` values: a larger one is summed at once). Then, **unless the step is known healthy**,
+each call gets its positions (a tensor seen twice in the step, an input that is an earlier module's
+output, keeps one), each held tensor is detached and becomes one fp32 sum (NaN and Inf propagate, so
+the flag is non-finite exactly when the tensor held a NaN/Inf; a finite sum overflows only past 3e38):
+one multi-tensor kernel on CUDA, a sum per tensor on the CPU (the CPU's multi-tensor norm is a
+per-tensor loop, 3-15x slower than a sum on large tensors). Known healthy: the NaN replay's
+``mode=step`` has read every gradient of the step finite (its one host sync per step, :meth:`judged`)
+and the step is not a logging step; then the held calls are let go unread. Past ``max_mb`` MB or
+``chunk`` calls held, the waiting ones are placed and summed at once.
 The flags of the last ``ring`` steps stay on the device as one tensor per step; they are read back only
 when a non-finite alert or a crash asks which module was first (completion order: the innermost module
 that completed first, and whether its input was finite), and at logging steps with the session's one
@@ -21,11 +24,12 @@ host copy, to learn the modules whose output is non-finite on healthy steps too 
 masks): those are never blamed. An output changed in place after its module returned (``relu_``,
 ``x += y``) is read as it is at the step's end (NaN stays NaN under such ops; ``-inf`` clamped to 0 does not).
 
-Cost per module call: a few Python operations (~3-5 us on the CPU) and no kernel; per judged healthy
-step nothing more; per other step one sum per held tensor (CPU: ~3 us plus a read of the output, ~50 us
-per million values on one core; CUDA: one kernel) and one ``stack``. No host read. Measured
-(benchmarks/flight.py, docs/crash-and-replay.md). Memory: at most ``max_mb`` of module outputs held
-past their time (until the step ends); 4 bytes per module call for ``ring`` steps.
+Cost per module call: its call slot and one append (~1-2 us on the CPU) and no kernel; per judged
+healthy step nothing more; per other step the placing (a few Python operations per call), one sum per
+held tensor (CPU: ~3 us plus a read of the output, ~50 us per million values on one core; CUDA: one
+kernel) and one ``stack``. No host read. Measured (benchmarks/flight.py, docs/crash-and-replay.md).
+Memory: until the step ends, the held outputs (at most ``max_mb``) and their autograd nodes (not the
+activations the graph saved: ``backward()`` frees those); 4 bytes per module call for ``ring`` steps.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ Key = tuple[str, str]  # (component, module name)
 #: CPU outputs of more values are summed at once, in cache, not held: keeping a large activation alive past the
 #: backward pass costs the allocator more than its sum (a CNN at ``extreme``: 1.10 -> 1.20 of the bare step)
 HELD_NUMEL = 1 << 16
+_grad_enabled = torch.is_grad_enabled
 
 
 class _Step:
@@ -59,6 +64,11 @@ class _Step:
         self.flags: torch.Tensor | None = None      # ``vals`` stacked at the end of the step (None: judged healthy)
         self.finite: bool | None = None  # every gradient judged so far this step was finite (None: not judged)
         self.judged = 0                  # module calls recorded before the last judgement
+        self.calls = 0                   # module calls recorded (placed in ``keys`` or let go unread)
+
+
+#: a call's input was the output recorded just before it (the usual chain of modules)
+_PREV = object()
 
 
 class OutputFlags:
@@ -78,63 +88,72 @@ class OutputFlags:
             if comp.outer is not None:
                 self._roots.add(id(comp.outer))
         self._now = _Step()  # the running step
+        # the running step's calls as recorded (key, output, input, output already summed), placed lazily
+        self._calls: list[tuple[Key, torch.Tensor, Any, bool]] = []
         self._waiting: list[tuple[int, torch.Tensor]] = []  # (position, tensor) held until the flush
+        self._placed: dict[int, tuple[int, torch.Tensor]] = {}  # id(tensor) -> (position, tensor), until the flush
+        self._prev_at = -1  # position of the output placed last
         self._bytes = 0
         self._last: torch.Tensor | None = None  # the output recorded last (a container hands it on)
-        self._last_at = -1
-        self._recent: list[tuple[torch.Tensor, int]] = []  # the last few outputs: a module's input is often one
         self._steps: collections.OrderedDict[int, _Step] = collections.OrderedDict()
         self.habitual: set[Key] = set()  # non-finite on healthy steps too: never blamed
         self._stop: Any = None
 
     def start(self) -> None:
+        """Watch the forward of every module of the session's models through its own call slot (the
+        global forward hook only for a module whose slot is taken: ``module.compile()``): a global hook
+        would put every module call of the process on PyTorch's slower path."""
         if self._stop is None:
-            self._stop = FORWARD.watch_all(self._seen)
+            modules = {id(m): m for comp in self.ctx.components if comp.model is not None
+                       for m in comp.model.modules() if id(m) in self._names}
+            stops = [FORWARD.watch(m, post=self._seen, root=True) for m in modules.values()]
+            self._stop = lambda: [stop() for stop in stops]
 
     def stop(self) -> None:
         if self._stop is not None:
             self._stop()
             self._stop = None
-        self._now, self._waiting, self._last, self._recent = _Step(), [], None, []
+        self._reset()
         self._steps.clear()
 
-    def _seen(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """Every eager module forward (hot path: host work only; the sums wait for :meth:`flush`)."""
-        key = self._names.get(id(module))
-        if key is None or not module.training or not torch.is_grad_enabled():
+    def _reset(self) -> None:
+        """A new running step: nothing held."""
+        self._now, self._calls, self._waiting, self._placed, self._last = _Step(), [], [], {}, None
+        self._prev_at, self._bytes = -1, 0
+
+    def _seen(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
+        """Every eager forward of the session's modules. Hot path: one append (the output and the input as
+        they are); positions, detaching and sums wait for :meth:`flush`, which a step judged healthy never needs."""
+        mid = id(module)
+        key = self._names.get(mid)
+        if key is None or not module.training or not _grad_enabled():
             return
         t = output
         if type(t) is not torch.Tensor:
             t = output[0] if isinstance(output, (tuple, list)) and output else None
-        if not isinstance(t, torch.Tensor) or t is self._last or not t.is_floating_point():
-            if id(module) in self._roots:  # a container handing on its last child's output, or no tensor
-                self._last, self._recent = None, []
+            if not isinstance(t, torch.Tensor):
+                t = None
+        if t is None or t is self._last or not t.is_floating_point():
+            if mid in self._roots:  # a container handing on its last child's output, or no tensor
+                self._last = None
             return
         t0 = time.perf_counter()
         x = args[0] if args else None
-        now = self._now
         if type(x) is not torch.Tensor or not x.is_floating_point():
-            now.ins.append(-1)
-        elif x is self._last:  # the usual case: the output of the module that ran just before
-            now.ins.append(self._last_at)
+            x = None
+        elif x is self._last:
+            x = _PREV
+        elif x.numel() > HELD_NUMEL and x.layout is torch.strided and not self.batched(x):
+            x = (self._sum_now(x),)  # a large CPU input: summed now, while it is in cache
+        n = t.numel()
+        big = n > HELD_NUMEL and t.layout is torch.strided and not self.batched(t)
+        if big:
+            self._calls.append((key, self._sum_now(t), x, True))
         else:
-            at = -1
-            for r, i in self._recent:
-                if r is x:
-                    at = i
-                    break
-            now.ins.append(at if at >= 0 else self._add(x))
-        at = self._last_at = self._add(t)
-        self._last = t
-        recent = self._recent
-        recent.append((t, at))
-        if len(recent) > 4:
-            del recent[0]
-        now.outs.append(at)
-        now.keys.append(key)
-        if id(module) in self._roots:
-            self._last, self._recent = None, []  # the model's outputs: not kept past its forward
-        if len(self._waiting) >= self.chunk or self._bytes >= self.max_bytes:
+            self._calls.append((key, t, x, False))
+            self._bytes += n * t.element_size()
+        self._last = None if mid in self._roots else t  # the model's outputs: not kept past its forward
+        if len(self._calls) >= self.chunk or self._bytes >= self.max_bytes:
             self.flush()
         self.ctx.hook_seconds += time.perf_counter() - t0  # inside the user's forward: the session's clock misses it
 
@@ -143,27 +162,67 @@ class OutputFlags:
         """Whether the held tensors (led by ``t``) take one multi-tensor kernel (CUDA) or a sum each (CPU)."""
         return t.is_cuda
 
-    def _add(self, t: torch.Tensor) -> int:
+    @staticmethod
+    def _sum_now(t: torch.Tensor) -> torch.Tensor:
+        """A large CPU tensor's flag, taken at once (held, it would outlive the backward pass: a CNN at
+        ``extreme`` went 1.10 -> 1.20 of the bare step); no part of the user's graph."""
+        torch._C._set_grad_enabled(False)
+        try:
+            return t.sum(dtype=torch.float32)
+        finally:
+            torch._C._set_grad_enabled(True)
+
+    def _hold(self, t: torch.Tensor) -> int:
         """The position of ``t``'s flag in the running step (set by the next :meth:`flush`)."""
         vals = self._now.vals
+        at = len(vals)
         if t.layout is not torch.strided:
             vals.append(torch.zeros((), dtype=torch.float32, device=t.device))
-        elif t.numel() <= HELD_NUMEL or self.batched(t):  # held, not read: a healthy judged step never reads it
-            self._waiting.append((len(vals), t.detach() if t.requires_grad else t))
-            self._bytes += t.numel() * t.element_size()
+        else:  # held, not read: a healthy judged step never reads it
+            self._waiting.append((at, t.detach() if t.requires_grad else t))
             vals.append(None)
-        else:  # a large CPU output: summed now, while it is in cache (held, it would outlive the backward pass)
-            torch._C._set_grad_enabled(False)  # no part of the user's graph (grad mode was on: checked by the caller)
-            try:
-                vals.append(t.sum(dtype=torch.float32))
-            finally:
-                torch._C._set_grad_enabled(True)
-        return len(vals) - 1
+        self._placed[id(t)] = (at, t)
+        return at
+
+    def _place(self) -> None:
+        """The recorded calls into the running step's keys and flag positions: a tensor seen before in the
+        step (an input that is an earlier module's output) keeps its one position."""
+        calls, self._calls = self._calls, []
+        now, placed = self._now, self._placed
+        vals = now.vals
+        prev = self._prev_at
+        for key, t, x, big in calls:
+            if x is None:
+                i = -1
+            elif x is _PREV:
+                i = prev
+            elif type(x) is tuple:  # summed when seen
+                i = len(vals)
+                vals.append(x[0])
+            else:
+                got = placed.get(id(x))
+                i = got[0] if got is not None else self._hold(x)
+            if big:
+                prev = len(vals)
+                vals.append(t)
+            else:
+                got = placed.get(id(t))
+                prev = got[0] if got is not None else self._hold(t)
+            now.ins.append(i)
+            now.outs.append(prev)
+            now.keys.append(key)
+        self._prev_at = prev
+        now.calls += len(calls)
 
     @torch.no_grad()
     def flush(self) -> None:
-        """The held tensors into flags: one multi-tensor kernel on CUDA (per device and dtype), a sum each on the CPU."""
+        """The recorded calls placed, the held tensors into flags: one multi-tensor kernel on CUDA (per
+        device and dtype), a sum each on the CPU."""
+        self._place()
+        if len(self._placed) > 4:  # the last few stay known (a later input is often one of them); the rest let go
+            self._placed = dict(list(self._placed.items())[-4:])
         if not self._waiting:
+            self._bytes = 0
             return
         waiting, self._waiting, self._bytes = self._waiting, [], 0
         vals = self._now.vals
@@ -183,21 +242,22 @@ class OutputFlags:
         judgement was finite, covering every output recorded, needs no flags (unless it is a logging step)."""
         now = self._now
         now.finite = finite and now.finite is not False
-        now.judged = len(now.keys)
+        now.judged = now.calls + len(self._calls)
 
     def end_step(self, step: int, due: bool = True) -> None:
         """``Diagnostics.step``: the running step's flags join the ring (one ``stack``), unless the step was
         judged healthy and is not ``due`` (a logging step): then its held outputs are let go unread."""
         now = self._now
-        if not due and now.finite and now.judged == len(now.keys):
-            self._waiting, self._bytes, now.vals = [], 0, []
+        if not due and now.finite and now.judged == now.calls + len(self._calls):
+            now.calls += len(self._calls)  # let go unread
+            now.vals = []
         else:
             self.flush()
             if now.keys:
                 now.flags = _stacked(now.vals)
                 now.vals = []
-        self._now, self._last, self._recent = _Step(), None, []
-        if now.keys:
+        self._reset()
+        if now.calls:
             self._steps[step] = now
             while len(self._steps) > self.ring:
                 self._steps.popitem(last=False)
@@ -241,8 +301,10 @@ class OutputFlags:
 
     def recorded(self, step: int, running: bool = False) -> int:
         """How many module calls of ``step`` were recorded (0: none: compiled, or no eager forward)."""
-        entry = self._now if running else self._steps.get(step)
-        return len(entry.keys) if entry is not None else 0
+        if running:
+            return self._now.calls + len(self._calls)
+        entry = self._steps.get(step)
+        return entry.calls if entry is not None else 0
 
 
 def _stacked(vals: list[torch.Tensor | None]) -> torch.Tensor:
