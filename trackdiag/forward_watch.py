@@ -44,11 +44,7 @@ from trackdiag.pausing import Pausable
 
 log = logging.getLogger("trackdiag")
 
-try:  # the functorch transform level: None outside torch.func's vmap/grad/jacrev
-    from torch._C._functorch import maybe_current_level as _transform_level
-except ImportError:  # pragma: no cover - an older torch
-    def _transform_level() -> None:
-        return None
+_transform_level = root_call.transform_level
 
 PreFn = Callable[[nn.Module, tuple[Any, ...]], None]
 PostFn = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]
@@ -113,11 +109,7 @@ class _ForwardWatch(Pausable):
             if current is not None:
                 root_call.uninstall(module, current)
             return
-        self._roots[key] = (module, root_call.install(module, pre, post, self._active, current))
-
-    def _active(self) -> bool:
-        """Watchers are called: not paused (trackdiag's own forwards), not inside a torch.func transform."""
-        return not self._paused and _transform_level() is None
+        self._roots[key] = (module, root_call.install(module, pre, post, self, current))
 
     def watch_all(self, fn: AllFn) -> Callable[[], None]:
         """Call ``fn(module, args, output)`` after every eager forward of every module. Returns the stopper."""

@@ -34,6 +34,13 @@ import torch
 from torch import nn
 
 from trackdiag.errors import brief
+from trackdiag.pausing import Pausable
+
+try:  # the functorch transform level: None outside torch.func's vmap/grad/jacrev
+    from torch._C._functorch import maybe_current_level as transform_level
+except ImportError:  # pragma: no cover - an older torch
+    def transform_level() -> None:
+        return None
 
 SLOT = "_compiled_call_impl"
 PreFn = Callable[[nn.Module, tuple[Any, ...]], None]
@@ -61,10 +68,11 @@ def usable(module: Any) -> bool:
     return _PRIVATE and isinstance(module, nn.Module) and module.__dict__.get(SLOT) is None
 
 
-def install(module: nn.Module, pre: tuple[PreFn, ...], post: tuple[PostFn, ...], active: Callable[[], bool],
+def install(module: nn.Module, pre: tuple[PreFn, ...], post: tuple[PostFn, ...], gate: Pausable,
             current: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """Route ``module``'s calls through ``pre(module, args)`` watchers, the module's own
-    ``_call_impl``, then ``post(module, args, kwargs, output)`` watchers, while ``active()``; returns
+    ``_call_impl``, then ``post(module, args, kwargs, output)`` watchers, unless ``gate`` is paused
+    (trackdiag's own forwards) or a ``torch.func`` transform is running (its tensors must not escape it); returns
     the installed function, for :func:`uninstall`. ``current``: the function installed before (the
     watchers changed), replaced only if the slot still holds it.
 
@@ -84,7 +92,7 @@ def install(module: nn.Module, pre: tuple[PreFn, ...], post: tuple[PostFn, ...],
             caller = sys._getframe(1).f_locals.get("self")
             if isinstance(caller, nn.Module) and caller is not module:
                 return caller._call_impl(*args, **kwargs)
-        if not active():
+        if gate._paused or transform_level() is not None:
             return impl(*args, **kwargs)
         for fn in pre:
             try:
