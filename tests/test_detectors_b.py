@@ -487,6 +487,22 @@ def test_preflight_runs_automatically_at_extreme(tmp_path):
     assert [x.where for x in a] == ["train_mode"] and a[0].step == 0
 
 
+def test_auto_preflight_reads_the_steps_loss_without_a_torch_warning(tmp_path):
+    """The loss handed to step() still requires grad (most loops pass it as is): the pre-flight's one
+    read of it must not make torch print "Converting a tensor with requires_grad=True to a scalar"
+    into the user's console."""
+    import warnings
+
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    diag = session(model, opt, tmp_path, level="extreme", probes={"landscape": {"enabled": False}, "report": {"enabled": False}})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train(diag, model, opt, batches(2))
+    assert not [str(w.message) for w in seen if "requires_grad" in str(w.message)]
+    assert diag.summary()["steps"] == 2
+
+
 # ---------------------------------------------------------------- a healthy run fires nothing
 def test_healthy_run_at_advanced_is_silent(tmp_path):
     model = mlp()

@@ -112,6 +112,31 @@ def test_model_summary_and_environment() -> None:
     assert env["torch"] == torch.__version__ and "numpy" in env["packages"] and env["devices"]
 
 
+def test_model_summary_of_a_model_with_a_torchscript_part_leaves_no_hook(tmp_path: Path) -> None:
+    """A ScriptModule takes no Python forward hook: the summary skips its shapes (the others are
+    there), leaves no hook on any module (one left behind made the user's ``torch.save(model)`` of such a
+    model without its TorchScript part fail: "Can't pickle local object 'model_summary.<locals>...'"), and
+    the report probe is not switched off."""
+    from torch import nn
+
+    model = nn.Sequential(torch.jit.script(nn.Sequential(nn.Linear(6, 8), nn.ReLU())), nn.Linear(8, 3))
+    s = model_summary(model, (torch.randn(4, 6), torch.zeros(4)))
+    rows = {r["name"]: r for r in s["modules"]}
+    assert rows["(root)"]["output"] == [4, 3] and rows["1"]["input"] == [4, 8] and rows["0"]["output"] is None
+    assert not any(m._forward_hooks for m in model.modules() if not isinstance(m, torch.jit.ScriptModule))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path)) as diag:
+        for _ in range(3):
+            x, y = torch.randn(4, 6), torch.randint(3, (4,))
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            diag.step(loss, batch=(x, y))
+            assert not any(m._forward_hooks for m in model.modules() if not isinstance(m, torch.jit.ScriptModule))
+    assert "report" not in diag.summary()["disabled_probes"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
 def test_memory_snapshot_is_a_noop_without_cuda(tmp_path: Path) -> None:
     snap = MemorySnapshot(tmp_path / "snap.pickle", steps=2)

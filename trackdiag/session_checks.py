@@ -77,7 +77,7 @@ class SetupChecks:
             # without the user's loss_fn, the step's own loss on this batch tells whether a guessed loss is the one
             # being trained (a host read at the first step only); called another way than the step did, no check of
             # the training is possible
-            reference = None if user else (float(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1
+            reference = None if user else (float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1
                                            and forward is not None else math.nan)
             try:
                 report = self.preflight(inputs.batch, forward=forward, auto=True, reference=reference)

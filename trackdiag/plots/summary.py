@@ -83,9 +83,12 @@ def model_summary(model: nn.Module, batch: Any = None, *, max_depth: int = 2, ma
         return record
 
     modules = dict(model.named_modules())
-    for name in rows:
-        handles.append(modules[name].register_forward_hook(hook(name), with_kwargs=True))
     try:
+        for name in rows:
+            try:
+                handles.append(modules[name].register_forward_hook(hook(name), with_kwargs=True))
+            except RuntimeError:  # a ScriptModule takes no Python hook: its shapes stay unknown
+                continue
         from torch.utils.flop_counter import FlopCounterMode
 
         from trackdiag.isolation import isolated
