@@ -405,6 +405,43 @@ def test_rnn_modules_saved_and_copied_mid_session_carry_nothing_and_run_their_ow
     assert proc.returncode == 0 and proc.stdout.strip() == f"ok {len(saved)}", proc.stderr[-2000:]
 
 
+def test_parametrized_modules_deep_copied_mid_session_run_their_own_weights(tmp_path) -> None:
+    """``weight_norm``/``spectral_norm`` (``torch.nn.utils.parametrizations``) give a module class whose own
+    ``__deepcopy__`` copies ``__dict__``: a copy made while extreme's per-module flags watch the module
+    must run its own weights (the pre-flight's copies got no gradient: a false "parameters get no
+    gradient" warning on a healthy run), and the run stays silent."""
+    from torch.nn.utils import parametrizations as P
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.out = P.weight_norm(nn.Linear(8, 16)), P.spectral_norm(nn.Linear(16, 3))
+
+        def forward(self, *, x: torch.Tensor) -> torch.Tensor:  # called with keywords only, as HF models are
+            return self.out(torch.tanh(self.inp(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with one_thread():
+        diag = session(model, opt, tmp_path / "run", level="extreme", every=3)
+        with diag:
+            for _ in range(6):
+                x, y = torch.randn(8, 8), torch.randint(3, (8,))
+                loss = F.cross_entropy(model(x=x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                diag.step(loss, batch=(x, y))
+            assert "_compiled_call_impl" in model.inp.__dict__  # watched: the flags' call slot
+            twin = copy.deepcopy(model)
+            with torch.no_grad():
+                for p in twin.parameters():
+                    p.add_(0.5)
+                assert not torch.allclose(twin(x=x), model(x=x))  # the copy's own (changed) weights
+    assert [a for a in diag.alerts if a.severity != "info"] == [], [a.describe() for a in diag.alerts]
+
+
 def test_no_diagnostic_forward_changes_the_users_model(tmp_path) -> None:
     """extreme's model summary and pre-flight, the activations replay and the NaN replay run extra
     forwards: BatchNorm's batch counter and statistics, and a module's own step counter, are as in

@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - an older torch
         return None
 
 SLOT = "_compiled_call_impl"
+_is_compiling = torch.compiler.is_compiling
 PreFn = Callable[[nn.Module, tuple[Any, ...]], None]
 PostFn = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]
 log = logging.getLogger("trackdiag")
@@ -68,53 +69,83 @@ def usable(module: Any) -> bool:
     return _PRIVATE and isinstance(module, nn.Module) and module.__dict__.get(SLOT) is None
 
 
-def install(module: nn.Module, pre: tuple[PreFn, ...], post: tuple[PostFn, ...], gate: Pausable,
-            current: Callable[..., Any] | None = None) -> Callable[..., Any]:
-    """Route ``module``'s calls through ``pre(module, args)`` watchers, the module's own
-    ``_call_impl``, then ``post(module, args, kwargs, output)`` watchers, unless ``gate`` is paused
-    (trackdiag's own forwards) or a ``torch.func`` transform is running (its tensors must not escape it); returns
-    the installed function, for :func:`uninstall`. ``current``: the function installed before (the
-    watchers changed), replaced only if the slot still holds it.
+class _Slot:
+    """A watched module's call (see :func:`install`): a ``deepcopy`` of it is None, so a module class with
+    its own ``__deepcopy__`` that copies ``__dict__`` (parametrized modules: ``weight_norm``,
+    ``spectral_norm``) gives a copy that runs its own call, not this module's (its weights untouched by the
+    copy's training: the pre-flight's copies saw no gradient); it pickles as None too."""
 
-    The function is rebuilt whenever the watchers change, with them bound in: a call pays one Python
-    frame and the watchers. (A dispatcher that looked them up per call, plus the NaN replay's capture,
-    cost ~0.35 ms of a 16-call seq2seq step, ~7 % of it; now ~0.2 ms: benchmarks/overhead.py --workloads short.)"""
-    if current is not None and module.__dict__.get(SLOT) is not current:
-        return current
-    impl = module._call_impl
-    owner = threading.get_ident()
-    is_compiling = torch.compiler.is_compiling
+    __slots__ = ("module", "impl", "pre", "post", "gate", "owner")
+    trackdiag = True  # see :func:`compiled`
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if is_compiling():  # traced by Dynamo: the plain call, nothing of trackdiag (first: no guard on active())
+    def __init__(self, module: nn.Module, pre: tuple[PreFn, ...], post: tuple[PostFn, ...], gate: Pausable) -> None:
+        self.module, self.impl, self.pre, self.post, self.gate = module, module._call_impl, pre, post, gate
+        self.owner = threading.get_ident()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        impl = self.impl
+        if _is_compiling():  # traced by Dynamo: the plain call, nothing of trackdiag (first: no guard on the gate)
             return impl(*args, **kwargs)
-        if threading.get_ident() != owner:  # a DataParallel replica shares this slot: run its own call
+        module = self.module
+        if threading.get_ident() != self.owner:  # a DataParallel replica shares this slot: run its own call
             caller = sys._getframe(1).f_locals.get("self")
             if isinstance(caller, nn.Module) and caller is not module:
                 return caller._call_impl(*args, **kwargs)
-        if gate._paused or transform_level() is not None:
+        if self.gate._paused or transform_level() is not None:
             return impl(*args, **kwargs)
-        for fn in pre:
+        for fn in self.pre:
             try:
                 fn(module, args)
             except Exception as exc:  # noqa: BLE001 - never raise into the user's forward
                 log.warning("trackdiag: forward watcher failed (%s)", brief(exc))
         output = impl(*args, **kwargs)
-        for fn in post:
+        for fn in self.post:
             try:
                 fn(module, args, kwargs, output)
             except Exception as exc:  # noqa: BLE001 - never raise into the user's forward
                 log.warning("trackdiag: forward watcher failed (%s)", brief(exc))
         return output
 
-    call.trackdiag = True  # type: ignore[attr-defined]  # see :func:`compiled`
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return type(None), ()  # unpickled as None: the module's own call
+
+
+def install(module: nn.Module, pre: tuple[PreFn, ...], post: tuple[PostFn, ...], gate: Pausable,
+            current: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """Route ``module``'s calls through ``pre(module, args)`` watchers, the module's own
+    ``_call_impl``, then ``post(module, args, kwargs, output)`` watchers, unless ``gate`` is paused
+    (trackdiag's own forwards) or a ``torch.func`` transform is running (its tensors must not escape it); returns
+    the installed call, for :func:`uninstall`. ``current``: the call installed before (the watchers
+    changed), replaced only if the slot still holds it.
+
+    The call is rebuilt whenever the watchers change, with them bound in: a call pays one Python
+    frame and the watchers. (A dispatcher that looked them up per call, plus the NaN replay's capture,
+    cost ~0.35 ms of a 16-call seq2seq step, ~7 % of it; now ~0.2 ms: benchmarks/overhead.py --workloads short.)"""
+    if current is not None and module.__dict__.get(SLOT) is not current:
+        return current
+    call = _Slot(module, pre, post, gate)
     object.__setattr__(module, SLOT, call)
-    if type(module).__getstate__ is not nn.Module.__getstate__ and GETSTATE not in module.__dict__:
+    if GETSTATE not in module.__dict__ and _keeps_slot(module):
         object.__setattr__(module, GETSTATE, _StateWithoutSlot(module))
     return call
 
 
 GETSTATE = "__getstate__"
+
+
+def _keeps_slot(module: nn.Module) -> bool:
+    """Whether ``module``'s class puts the call slot in its pickled state (``RNNBase.__getstate__`` copies
+    ``__dict__``); a class whose ``__getstate__`` refuses to pickle (parametrized modules) needs nothing."""
+    getstate = type(module).__getstate__
+    if getstate is nn.Module.__getstate__:
+        return False
+    try:
+        return SLOT in getstate(module)
+    except Exception:  # noqa: BLE001 - the class refuses pickling: nothing of ours can travel
+        return False
 
 
 class _StateWithoutSlot:
