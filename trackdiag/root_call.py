@@ -1,16 +1,21 @@
-"""Forward calls of one root module, seen without a hook: the module's own call slot.
+"""Forward calls of a module, seen without a hook: the module's own call slot.
 
 ``Module.__call__`` runs ``self._compiled_call_impl(*args, **kwargs)`` instead of ``self._call_impl``
-when that instance attribute is set (``Module.compile()`` sets it to the compiled call), and torch's
-own ``Module.__getstate__`` drops it (a class with its own ``__getstate__`` that keeps it, ``nn.GRU`` and
-``nn.LSTM``, gets an instance ``__getstate__`` that drops it, removed with the slot): ``torch.save(model)``,
-``pickle``, ``copy.copy`` and ``copy.deepcopy`` never carry it (a copy runs its own weights), ``state_dict`` never sees it, ``torch.jit.script`` ignores it, and a model compiled later
-traces it as a plain function (``torch.compiler.is_compiling()`` is constant-folded: no graph break).
+when that instance attribute is set (``Module.compile()`` sets it to the compiled call). torch's own
+``Module.__getstate__`` drops it, so ``torch.save(model)``, ``pickle``, ``copy.copy`` and
+``copy.deepcopy`` never carry it; ``state_dict`` never sees it, ``torch.jit.script`` ignores it, and a
+model compiled later traces it as a plain function (``torch.compiler.is_compiling()`` is
+constant-folded: no graph break). Classes that copy their ``__dict__`` themselves are covered too:
+``nn.GRU``/``nn.LSTM`` (``RNNBase.__getstate__`` keeps every attribute) get an instance ``__getstate__``
+that drops the slot (removed with it), and the slot's call object deep-copies and pickles as None
+(parametrized modules' own ``__deepcopy__`` copies ``__dict__``): a copy always runs its own weights.
+
 trackdiag sets it on the roots whose forward calls a probe watches (the NaN replay's captured calls,
-the integrations' step loss, CUDA memory phases) to a function that calls the watchers around the
-module's own ``_call_impl``: every other module of the process keeps PyTorch's fast call path, which
-a global forward hook would take from all of them (~1.5-2 us per module call on a CPU; a GRU
-seq2seq step makes ~65 module calls of which 16 are the roots').
+the integrations' step loss, CUDA memory phases) and, under ``extreme``'s per-module output flags, on
+every module of the session's models, to a call that runs the watchers around the module's own
+``_call_impl``: every other module of the process keeps PyTorch's fast call path, which a global
+forward hook would take from all of them (~1.5-2 us per module call on a CPU; a GRU seq2seq step
+makes ~65 module calls of which 16 are the roots').
 
 Not used (:func:`usable` is False, and :mod:`trackdiag.forward_watch` falls back to its global
 hooks) for a module compiled with ``module.compile()`` (the slot is taken) and on a torch without
@@ -20,7 +25,7 @@ the slot (< 2.2). Removed when the last watcher stops, unless something replaced
 another thread than the one that installed the slot checks which module it belongs to (one frame
 look-up) and runs that module's own call, unwatched.
 
-Cost per call of a watched root: one Python function call (the watchers are bound into it), plus the watchers.
+Cost per call of a watched module: one Python call (the watchers are bound into it), plus the watchers.
 """
 from __future__ import annotations
 
