@@ -28,8 +28,9 @@ Cost per module call: its call slot and one append (~1-2 us on the CPU) and no k
 healthy step nothing more; per other step the placing (a few Python operations per call), one sum per
 held tensor (CPU: ~3 us plus a read of the output, ~50 us per million values on one core; CUDA: one
 kernel) and one ``stack``. No host read. Measured (benchmarks/flight.py, docs/crash-and-replay.md).
-Memory: until the step ends, the held outputs (at most ``max_mb``) and their autograd nodes (not the
-activations the graph saved: ``backward()`` frees those); 4 bytes per module call for ``ring`` steps.
+Memory: until the step ends, the held outputs (at most ``max_mb``) and their autograd graph (after
+``backward()`` only its nodes; a training-mode forward never backpropagated keeps its saved activations
+until then, as the NaN replay's capture does); 4 bytes per module call for ``ring`` steps.
 """
 from __future__ import annotations
 
