@@ -4,9 +4,18 @@ from __future__ import annotations
 import os
 import tempfile
 
-import pytest
-import torch
-from torch import nn
+# One intra-op thread per test process and per process it starts (Hydra apps, README commands, workers
+# inherit the environment): the suite runs one test per core (pytest-xdist), so torch's default of one
+# OpenMP thread per core only makes threads spin against each other and the other worker's test (the
+# example app's 2 ms step took 50-150 ms on the 2-core VM while another test ran). Set before torch loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+if os.environ["OMP_NUM_THREADS"].isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 
 os.environ.setdefault("WANDB_MODE", "offline")  # tests never reach the internet
 os.environ.setdefault("WANDB_SILENT", "true")
