@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
 
 # One intra-op thread per test process and per process it starts (Hydra apps, README commands, workers
 # inherit the environment): the suite runs one test per core (pytest-xdist), so torch's default of one
@@ -75,91 +74,10 @@ def _close_sessions_left_open():
 SHARED_FIXTURES = {"test_benchmarks", "test_compare", "test_delivery_server", "test_distributed", "test_hydra_app",
                    "test_lightning", "test_mlflow_sink", "test_plots", "test_sweep_faults", "test_sweep_server",
                    "test_view_screens", "test_view_story"}
-#: modules that share one group (one worker, so one process-wide fixture): both sweep modules log to the
-#: process's one PostgreSQL + MLflow server (``_sweeps.server_fixture``), started once instead of once per worker
-GROUP_OF = {"test_sweep_faults": "sweeps", "test_sweep_server": "sweeps"}
-
-#: rough wall seconds of the longest work units (an xdist group, or a test id up to its parameters) on the
-#: 2-core VM with both workers busy. The suite hands units out longest first (``--dist loadgroup`` follows the
-#: collection order once its reorder by test count is off, see pytest_configure): a 2-minute unit that starts
-#: last would stretch the run by its length while the other worker idles. Units not named here keep their order.
-KNOWN_SLOW = {
-    "sweeps": 290,
-    "test_benchmarks": 75,
-    "test_delivery_server": 70,
-    "test_view_story": 55,
-    "test_readme.py::test_every_command_and_snippet_works_as_printed": 45,
-    "test_lightning": 40,
-    "test_hydra_app": 40,
-    "test_compare": 36,
-    "test_mlflow_view.py::test_sweep_with_default_store_and_commands_that_work_when_pasted": 32,
-    "test_mlflow_server.py::test_server_outage_loses_nothing": 27,
-    "test_distributed": 27,
-    "test_view_screens": 27,
-    "test_oldest_versions.py::test_integrations_under_the_oldest_versions": 26,
-    "test_delivery_busy.py::test_busy_machine_fresh_default_store": 25,
-    "test_mlflow_sink": 19,
-    "test_ctrl_c.py::test_ctrl_c_to_the_process_group": 16,
-    "test_hardening_redact.py::test_hydra_app_secrets_in_config_and_overrides": 15,
-    "test_flight.py::test_sigterm_mid_step_is_recorded_everywhere": 15,
-    "test_hardening_redact.py::test_credentials_in_the_tracking_uri_connect_but_are_never_written": 14,
-    "test_delivery_status.py::test_crash_sigterm_and_ctrl_c_without_with": 14,
-    "test_delivery_status.py::test_crashed_hydra_jobs_are_failed_not_healthy": 12,
-    "test_fault_zoo.py::test_memory_leak_is_caught_within_100_steps": 11,
-    "test_plots": 11,
-}
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: hand units out in the order sorted below
-        config.option.loadscopereorder = False
-
-
-def _group_of(module: str) -> str | None:
-    return GROUP_OF.get(module, module) if module in SHARED_FIXTURES else None
-
-
-def _group(item: pytest.Item) -> str | None:
-    return _group_of(item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else "")
-
-
-def _expected_seconds(item: pytest.Item, group: str | None) -> float:
-    if group is not None:
-        return KNOWN_SLOW.get(group, 0.0)
-    name = item.nodeid.rpartition("/")[2].partition("[")[0]  # test_x.py::test_y
-    return KNOWN_SLOW.get(name, 0.0)
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (its hook would run first)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    groups = {item: _group(item) for item in items}
-    for item, group in groups.items():
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-    # longest units first; a group's tests stay together in their order; ties keep the collection order
-    first_seen: dict[str, int] = {}
-    for i, item in enumerate(items):
-        first_seen.setdefault(groups[item] or item.nodeid, i)
-    order = {item: (-_expected_seconds(item, groups[item]), first_seen[groups[item] or item.nodeid], i)
-             for i, item in enumerate(items)}
-    items.sort(key=order.__getitem__)
-
-
-@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: ignored where xdist is not installed
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadgroup`` that groups by the table above. pytest-xdist groups by an ``@group`` suffix it
-    writes into ``item._nodeid``, which pytest 9 no longer reads (``nodeid`` comes from ``item._id``): the
-    ids sent to the controller had no suffix and every test of a "shared" module ran wherever it fell, its
-    module fixture started on both workers. The group is read from the test's module here instead."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class GroupScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            if nodeid.rfind("@") > nodeid.rfind("]"):  # a suffix pytest-xdist managed to write
-                return nodeid.split("@")[-1]
-            module = nodeid.partition("::")[0].rpartition("/")[2].removesuffix(".py")
-            return _group_of(module) or nodeid
-
-    return GroupScheduling(config, log)
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+        if module in SHARED_FIXTURES:
+            item.add_marker(pytest.mark.xdist_group(module))
