@@ -98,22 +98,21 @@ class OutputFlags:
         self._last: torch.Tensor | None = None  # the output recorded last (a container hands it on)
         self._steps: collections.OrderedDict[int, _Step] = collections.OrderedDict()
         self.habitual: set[Key] = set()  # non-finite on healthy steps too: never blamed
-        self._stop: Any = None
+        self._stops: list[Any] | None = None  # one stopper per watched module, while started
 
     def start(self) -> None:
         """Watch the forward of every module of the session's models through its own call slot (the
         global forward hook only for a module whose slot is taken: ``module.compile()``): a global hook
         would put every module call of the process on PyTorch's slower path."""
-        if self._stop is None:
+        if self._stops is None:
             modules = {id(m): m for comp in self.ctx.components if comp.model is not None
                        for m in comp.model.modules() if id(m) in self._names}
-            stops = [FORWARD.watch(m, post=self._seen, root=True) for m in modules.values()]
-            self._stop = lambda: [stop() for stop in stops]
+            self._stops = [FORWARD.watch(m, post=self._seen, root=True) for m in modules.values()]
 
     def stop(self) -> None:
-        if self._stop is not None:
-            self._stop()
-            self._stop = None
+        for stop in self._stops or ():
+            stop()
+        self._stops = None
         self._reset()
         self._steps.clear()
 
