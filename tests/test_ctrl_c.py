@@ -41,6 +41,7 @@ def _limit() -> float:
 def test_ctrl_c_to_the_process_group(tmp_path: Path) -> None:
     ready_store(tmp_path)  # the default store of a job launched here (tables made already)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
+    env["PYTHONFAULTHANDLER"] = "1"  # a hang below shows every thread's stack (SIGABRT), not just a timeout
     proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "train.py"), "+diag=advanced", "steps=100000",
                              f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -55,7 +56,13 @@ def test_ctrl_c_to_the_process_group(tmp_path: Path) -> None:
         limit = _limit()
         sent = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C
-        proc.wait(120)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGABRT)  # faulthandler prints every thread's stack
+            proc.wait(10)
+            reader.join(5)
+            pytest.fail("still running 120 s after SIGINT:\n" + "".join(s for _, s in lines)[-6000:])
         took = time.monotonic() - sent
     finally:
         if proc.poll() is None:

@@ -47,15 +47,29 @@ class Sink:
 _STOP = object()
 
 
+class _Barrier:
+    """A queue item the sink thread releases on reaching it: everything queued before it is handled."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+
 class SinkHub:
     """Feeds sinks from a queue on one daemon thread so tracker I/O never blocks training.
     ``cpu_seconds``: CPU time that thread has spent on sinks (it competes with training for cores
-    and the GIL, so it is part of the diagnostics' cost; reported in ``summary()["overhead"]``)."""
+    and the GIL, so it is part of the diagnostics' cost; reported in ``summary()["overhead"]``).
+
+    The training thread only ever calls ``SimpleQueue.put`` (one C call) and waits on a plain lock:
+    a Ctrl-C's KeyboardInterrupt can arrive between any two bytecodes of the training thread, and
+    inside ``queue.Queue.put`` (Python code around a ``Condition``) it can land after the item is
+    queued but before the sink thread is woken. The sink thread then slept on a non-empty queue and
+    ``close`` waited for it forever (seen under load: the run never ended after Ctrl-C)."""
 
     def __init__(self, sinks: Sequence[Sink]) -> None:
         self.sinks = list(sinks)
         self.cpu_seconds = 0.0
-        self._q: queue.Queue[Any] = queue.Queue()
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="trackdiag-sinks", daemon=True)
         self._failed: set[str] = set()
 
@@ -89,25 +103,33 @@ class SinkHub:
             if self._thread.is_alive():
                 log.warning("trackdiag: sinks still busy after %.0fs; the local record is complete, trackers may lag", timeout)
 
-    def drain(self) -> None:
-        """Block until every queued item is handled (tests, checkpoints)."""
-        if self._thread.is_alive():
-            self._q.join()
+    def drain(self, timeout: float = -1) -> bool:
+        """Block until every item queued so far is handled (tests, checkpoints, the end-of-run
+        files); at most ``timeout`` s when given. Whether it was."""
+        if not self._thread.is_alive():
+            return True
+        barrier = _Barrier()
+        self._q.put(barrier)
+        end = None if timeout < 0 else time.monotonic() + timeout
+        while not barrier.lock.acquire(timeout=0.5 if end is None else max(0.0, min(0.5, end - time.monotonic()))):
+            if not self._thread.is_alive() or (end is not None and time.monotonic() >= end):
+                return False  # the thread ended (closed, or died) before reaching it; or out of time
+        return True
 
     def _run(self) -> None:
         while True:
             item = self._q.get()
-            try:
-                if item is _STOP:
-                    return
-                c0 = time.thread_time()
-                method, args = item
-                self._call(method, args)
-                if self._q.empty() and method != "close":
-                    self._call("flush", ())
-                self.cpu_seconds += time.thread_time() - c0
-            finally:
-                self._q.task_done()
+            if item is _STOP:
+                return
+            if isinstance(item, _Barrier):
+                item.lock.release()
+                continue
+            c0 = time.thread_time()
+            method, args = item
+            self._call(method, args)
+            if self._q.empty() and method != "close":
+                self._call("flush", ())
+            self.cpu_seconds += time.thread_time() - c0
 
     def _call(self, method: str, args: tuple[Any, ...]) -> None:
         for sink in self.sinks:
