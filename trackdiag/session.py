@@ -188,7 +188,12 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd):
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._note_exit(exc)  # for the crash finding (flight.py)
-        self.close(exit_status.status_of(exc))  # KeyboardInterrupt: KILLED, other exceptions: FAILED
+        try:
+            self.close(exit_status.status_of(exc))  # KeyboardInterrupt: KILLED, other exceptions: FAILED
+        except KeyboardInterrupt:
+            if not isinstance(exc, KeyboardInterrupt):
+                raise
+            # a second Ctrl-C cut the close short (see close()): the first one goes on up, one traceback
 
     def _open(self) -> None:
         if not self._opened:

@@ -12,6 +12,7 @@ from trackdiag import exit_status
 from trackdiag.distributed import is_main_process
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
+from trackdiag.sinks.console import say
 
 
 class RunEnd:
@@ -46,6 +47,11 @@ class RunEnd:
         (an exception being handled or left uncaught: FAILED, KeyboardInterrupt/SIGTERM: KILLED, see
         :mod:`trackdiag.exit_status`). ``timeout``: seconds to wait for the sinks; None: as long as
         their own limits allow (MLflow: ``close_timeout``). Raises ValueError for another status.
+
+        A KeyboardInterrupt while closing (a second Ctrl-C) skips the end-of-run pictures and report
+        and the wait for the trackers, but the status and summary still reach every sink (the local
+        record's ``run.json`` says KILLED, not RUNNING); what the trackers have not received stays
+        spooled for ``trackdiag sync``. Then the KeyboardInterrupt propagates.
         """
         if self._closed:
             return
@@ -58,6 +64,34 @@ class RunEnd:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if (self._opened and isinstance(exit_status.exception(self), KeyboardInterrupt) and is_main_process()
+                and any(s.name == "console" for s in self._hub.sinks)):  # said at once: the report takes a while
+            say("trackdiag: training stopped; ending the run (Ctrl-C again skips the report and the wait for "
+                "trackers: nothing is lost)")
+        again = None  # a second Ctrl-C while the run is being wound down
+        try:
+            self._last_records(status)
+        except KeyboardInterrupt as exc:
+            again = exc
+        for p in self.probes:
+            self._guard(p, "detach")
+        if not self._opened:
+            return
+        if again is None:
+            try:
+                self._finish()
+            except KeyboardInterrupt as exc:
+                again = exc
+        if again is not None:  # the status and summary still reach every sink; trackers keep the rest spooled
+            self._hub.interrupt()
+            timeout = 5.0 if timeout is None else min(timeout, 5.0)
+        self._hub.close(status, {**self.summary(), "status": status}, timeout)
+        if again is not None:
+            raise again
+
+    def _last_records(self, status: str) -> None:
+        """The last partial window (or what an interrupted logging step had collected), findings
+        still waiting for steps that will not come, and the crash finding."""
         if self._unsent is not None and self._logging is not None:  # a Ctrl-C inside a logging step
             unsent, self._unsent = self._unsent, None  # its record as far as it got, unjudged
             self._hub.write(unsent if isinstance(unsent, Record) else self._measured(self._logging, unsent))
@@ -72,11 +106,6 @@ class RunEnd:
                 self._emit(last, pending)
         if self._opened:
             self._report_crash(status)  # an exception or SIGTERM: the crash finding (flight.py)
-        for p in self.probes:
-            self._guard(p, "detach")
-        if self._opened:
-            self._finish()
-            self._hub.close(status, {**self.summary(), "status": status}, timeout)
 
     def _finish(self) -> None:
         """End-of-run artifacts: probes read the complete local record and add files."""

@@ -96,12 +96,17 @@ class SinkHub:
             try:
                 self._thread.join(timeout)
             except BaseException:
-                for sink in self.sinks:
-                    getattr(sink, "interrupt", lambda: None)()
+                self.interrupt()
                 self._thread.join(5.0)
                 raise
             if self._thread.is_alive():
                 log.warning("trackdiag: sinks still busy after %.0fs; the local record is complete, trackers may lag", timeout)
+
+    def interrupt(self) -> None:
+        """Ask the sinks that wait at close (``interrupt()``: MLflow) to stop waiting at once and keep
+        what is left (a second Ctrl-C)."""
+        for sink in self.sinks:
+            getattr(sink, "interrupt", lambda: None)()
 
     def drain(self, timeout: float = -1) -> bool:
         """Block until every item queued so far is handled (tests, checkpoints, the end-of-run

@@ -95,6 +95,7 @@ class MlflowSink(Sink):
         self.close_timeout, self.max_memory_batches, self.spool_dir = close_timeout, max_memory_batches, spool_dir
         self.close_stall_timeout, self.deliver_leftovers = close_stall_timeout, deliver_leftovers
         self.close_budget = close_timeout + 60.0  # the sink hub waits this long for close()
+        self._interrupted = False  # a second Ctrl-C: close() does not wait for delivery
         self.delivery = delivery
         self._leftovers: Any = None
         self.attach_run_id: str | None = None
@@ -220,9 +221,9 @@ class MlflowSink(Sink):
         ops.append({"op": "key_map"})
         ops.append({"op": "end", "status": status, "ts": int(time.time() * 1000)})
         self._deliver.submit(ops)
-        if status == "KILLED":  # Ctrl-C or SIGTERM: say at once what happens now, and that nothing is lost
-            say("trackdiag: training stopped; closing the MLflow run as KILLED (nothing is lost: a second Ctrl-C "
-                "stops waiting and keeps the rest for `trackdiag sync`)")
+        if status == "KILLED" and not self._interrupted:  # Ctrl-C or SIGTERM: what happens now, and that nothing is lost
+            say("trackdiag: closing the MLflow run as KILLED (nothing is lost: a second Ctrl-C stops waiting and "
+                "keeps the rest for `trackdiag sync`)")
         progress = DeliveryProgress(f"MLflow at {self.tracking_uri}")
         (left, entities), why = self._deliver.close(self.close_timeout, self.close_stall_timeout, progress)
         stop(self._leftovers)
@@ -241,6 +242,7 @@ class MlflowSink(Sink):
 
     def interrupt(self) -> None:
         """Stop waiting for delivery at once (Ctrl-C at close); the rest stays spooled."""
+        self._interrupted = True
         if self._deliver is not None:
             self._deliver.interrupt()
 
