@@ -73,9 +73,14 @@ class RunEnd:
             self._last_records(status)
         except KeyboardInterrupt as exc:
             again = exc
-        for p in self.probes:
-            self._guard(p, "detach")
+        for p in self.probes:  # every probe lets go of the user's model, whatever else was cut short
+            try:
+                self._guard(p, "detach")
+            except KeyboardInterrupt as exc:
+                again = again or exc
         if not self._opened:
+            if again is not None:
+                raise again
             return
         if again is None:
             try:
