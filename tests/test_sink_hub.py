@@ -19,10 +19,15 @@ class _Count(Sink):
 
     def __init__(self) -> None:
         self.steps: list[int] = []
+        self.calls: list[str] = []
         self.closed: str | None = None
 
     def write(self, record: Record) -> None:
         self.steps.append(record.step)
+        self.calls.append("write")
+
+    def flush(self) -> None:
+        self.calls.append("flush")
 
     def close(self, status: str, summary: dict) -> None:
         self.closed = status
@@ -70,3 +75,27 @@ def test_drain_returns_once_the_thread_is_gone(tmp_path) -> None:
     t0 = time.monotonic()
     assert hub.drain() is True  # nothing left to wait for: at once
     assert time.monotonic() - t0 < 1.0
+
+
+def test_drain_returns_after_what_it_waited_for_is_flushed(tmp_path) -> None:
+    """``flush()`` (``diag.flush()``) means handed on: a tracker sink has been told to deliver, also
+    when the drain was asked for while the last write was still being handled."""
+    gate = threading.Event()
+
+    class _Slow(_Count):
+        def write(self, record: Record) -> None:
+            gate.wait(10.0)
+            super().write(record)
+
+    sink = _Slow()
+    hub = SinkHub([sink])
+    hub.open(_run_info(tmp_path))
+    hub.write(Record(step=0, time=0.0))
+    result: list[bool] = []
+    waiter = threading.Thread(target=lambda: result.append(hub.drain(timeout=10.0)))
+    waiter.start()
+    time.sleep(0.2)  # the drain is queued behind the write in progress
+    gate.set()
+    waiter.join(10.0)
+    assert result == [True] and sink.calls[-2:] == ["write", "flush"]  # (a flush after open may come first)
+    hub.close("FINISHED", {}, timeout=10.0)

@@ -122,18 +122,24 @@ class SinkHub:
         return True
 
     def _run(self) -> None:
+        unflushed = False
         while True:
             item = self._q.get()
             if item is _STOP:
                 return
-            if isinstance(item, _Barrier):
-                item.lock.release()
-                continue
             c0 = time.thread_time()
-            method, args = item
-            self._call(method, args)
-            if self._q.empty() and method != "close":
-                self._call("flush", ())
+            if isinstance(item, _Barrier):  # what came before is handled, and handed on (flushed)
+                if unflushed:
+                    self._call("flush", ())
+                    unflushed = False
+                item.lock.release()
+            else:
+                method, args = item
+                self._call(method, args)
+                unflushed = method != "close"
+                if unflushed and self._q.empty():
+                    self._call("flush", ())
+                    unflushed = False
             self.cpu_seconds += time.thread_time() - c0
 
     def _call(self, method: str, args: tuple[Any, ...]) -> None:
