@@ -77,8 +77,8 @@ def totals(items: list[Any]) -> torch.Tensor:
     chunks: list[torch.Tensor] = []
     order: list[int] = []
     grad_mode = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)
-    try:
+    try:  # set inside the try: a KeyboardInterrupt right after it must not leave grad mode off
+        torch._C._set_grad_enabled(False)
         for n, idx in lazy.items():
             flat = torch.stack([p for i in idx for p in items[i][0]]).float().view(len(idx), n)
             tot = torch.linalg.vector_norm(flat, dim=1)

@@ -109,8 +109,9 @@ class _Queue:
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
         """Backward passes trackdiag runs itself (replays, landscapes) are not measured."""
-        before, self.paused = self.paused, True
-        try:
+        before = self.paused
+        try:  # set inside the try: a KeyboardInterrupt right after it must not leave the taps paused
+            self.paused = True
             yield
         finally:
             self.paused = before
@@ -268,8 +269,8 @@ class GradTap:
         if scale is False:
             scale = self.scale() if unscale else None
         grad_mode = torch.is_grad_enabled()  # a create_graph backward: no graph for these norms
-        torch._C._set_grad_enabled(False)
-        try:
+        try:  # set inside the try: a KeyboardInterrupt right after it must not leave grad mode off
+            torch._C._set_grad_enabled(False)
             parts = None
             if idx.foreach or detail:
                 try:
@@ -340,6 +341,10 @@ class GradTap:
             tap = self._carry(st, tap)
         st.latest = st.first_in_step = None
         st.in_closure = False
+        # no backward pass runs while the loop records its step: a pass still marked as started, or a
+        # callback still marked queued, was cut short (a KeyboardInterrupt in it); left so, no later
+        # pass would be measured
+        st.fired = TAP_QUEUE.queued = False
         passes, st.passes = st.passes, []
         return tap, passes
 

@@ -166,8 +166,8 @@ class OutputFlags:
     def _sum_now(t: torch.Tensor) -> torch.Tensor:
         """A large CPU tensor's flag, taken at once (held, it would outlive the backward pass: a CNN at
         ``extreme`` went 1.10 -> 1.20 of the bare step); no part of the user's graph."""
-        torch._C._set_grad_enabled(False)
-        try:
+        try:  # set inside the try: a KeyboardInterrupt right after it must not leave grad mode off
+            torch._C._set_grad_enabled(False)
             return t.sum(dtype=torch.float32)
         finally:
             torch._C._set_grad_enabled(True)
@@ -280,7 +280,8 @@ class OutputFlags:
         entry = self._steps.get(step)
         if entry is None or entry.flags is None or entry.flags.numel() != len(values):
             return
-        self.habitual.update(k for k, i in zip(entry.keys, entry.outs) if not math.isfinite(float(values[i])))
+        n = len(values)  # (an entry a KeyboardInterrupt cut short may name more positions than it holds)
+        self.habitual.update(k for k, i in zip(entry.keys, entry.outs) if i < n and not math.isfinite(float(values[i])))
 
     def first_bad(self, step: int, running: bool = False) -> tuple[Key, bool | None, int, int] | None:
         """``((component, module), input finite, calls, flagged)`` for the first module call of ``step``
@@ -292,12 +293,13 @@ class OutputFlags:
         if entry is None or entry.flags is None:
             return None
         values = entry.flags.float().cpu().tolist()
+        n = len(values)  # (see learn)
         bad = [(k, i) for k, o, i in zip(entry.keys, entry.outs, entry.ins)
-               if not math.isfinite(values[o]) and k not in self.habitual]
+               if o < n and not math.isfinite(values[o]) and k not in self.habitual]
         if not bad:
             return None
         key, i = bad[0]
-        return key, (math.isfinite(values[i]) if i >= 0 else None), len(entry.keys), len(bad)
+        return key, (math.isfinite(values[i]) if 0 <= i < n else None), len(entry.keys), len(bad)
 
     def recorded(self, step: int, running: bool = False) -> int:
         """How many module calls of ``step`` were recorded (0: none: compiled, or no eager forward)."""

@@ -17,9 +17,11 @@ class Pausable:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Nothing is watched inside."""
-        self._paused += 1
+        """Nothing is watched inside. The count is set inside the ``try`` and restored to what it was
+        (not decremented): a KeyboardInterrupt on either side of the change leaves it right."""
+        before = self._paused
         try:
+            self._paused = before + 1
             yield
         finally:
-            self._paused -= 1
+            self._paused = before

@@ -135,15 +135,36 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd):
         self.should_stop = False
         self._preflighted = False
         self._warned_shape: set[str] = set()
+        self._struck: dict[str, tuple[str, Exception]] = {}  # probes whose last collect/publish failed (see _guard)
         self._init_events()
 
     def _guard(self, probe: Probe, method: str, *args: Any) -> Any:
-        """Call a probe; a probe that fails is disabled with one warning, never kills training."""
+        """Call a probe; a probe that fails is disabled with one warning, never kills training.
+        ``collect``/``publish`` get a second chance: a window whose state a KeyboardInterrupt tore
+        (a notebook cell interrupted mid-step and run again: a list appended to, its twin not) fails
+        once and is dropped; a probe that fails again before publishing once more, or whose failure
+        is still the last word at close, is disabled (``_settle``)."""
         try:
-            return getattr(probe, method)(*args)
+            out = getattr(probe, method)(*args)
         except Exception as exc:
+            if method in ("collect", "publish") and probe.name not in self._struck:
+                self._struck[probe.name] = (method, exc)
+                log.debug("trackdiag: probe %r dropped its window at step %d (%s in %s)", probe.name,
+                          self._ctx.step, brief(exc), method)
+                return None
+            self._struck.pop(probe.name, None)
             self._fail(probe, method, exc)
             return None
+        if method == "publish" and self._struck:
+            self._struck.pop(probe.name, None)
+        return out
+
+    def _settle(self) -> None:
+        """At close: a probe whose window failed and that never published since is disabled (and said so)."""
+        struck, self._struck = self._struck, {}
+        for p in self.probes:
+            if p.name in struck and p.enabled:
+                self._fail(p, *struck[p.name])
 
     def _judge(self, method: str, *args: Any) -> list[tuple[Rule, Alert]]:
         """Every enabled rule's alerts for a record; a rule that raises is switched off with one

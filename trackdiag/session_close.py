@@ -73,6 +73,7 @@ class RunEnd:
             self._last_records(status)
         except KeyboardInterrupt as exc:
             again = exc
+        self._settle()
         for p in self.probes:  # every probe lets go of the user's model, whatever else was cut short
             try:
                 self._guard(p, "detach")

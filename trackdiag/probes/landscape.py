@@ -70,6 +70,16 @@ class LandscapeProbe(Probe):
         self._results: dict[str, tuple[float, float, list[str]]] = {}
         self._skip = False
 
+    def attach(self, ctx: ProbeContext) -> None:
+        """Import matplotlib now, at the session's start: imported mid-training, a Ctrl-C landing
+        inside the import (a notebook interrupted and resumed) left it half-initialised for the
+        whole process (``module 'matplotlib' has no attribute ...``, the user's own plots included)."""
+        try:
+            import matplotlib.backends.backend_agg  # noqa: F401
+            import matplotlib.figure  # noqa: F401
+        except ImportError:
+            pass  # said when a landscape is drawn
+
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         if not self.schedule(ctx.step) or (self._skip and ctx.loss_fn is None):  # plain schedule: not anomaly windows
             return

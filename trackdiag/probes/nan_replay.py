@@ -253,8 +253,8 @@ class NanReplayProbe(Probe):
             model, name = nn.ModuleDict(models), ""  # the user's loss runs every model: watch them all
             snapshot = Joint([self._snapshots[n] for n in models if n in self._snapshots]) if self._snapshots else None
         weights = f"the weights of step {step}" if exact else f"the current weights (step {ctx.step})"
-        self._busy = True
-        try:
+        try:  # set inside the try: a KeyboardInterrupt right after it must not leave capture off
+            self._busy = True
             found = replay(model, entry["calls"].get(comp.name, []), step=step, batch=batch,  # type: ignore[arg-type]
                            loss_fn=self.loss_fn, backward=self.backward if backward is None else backward,
                            snapshot=snapshot, batch_loss=batch_loss, weights=weights)

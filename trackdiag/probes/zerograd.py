@@ -26,8 +26,9 @@ the parameters in place). Two verdicts per step, for every step and every loop s
 
 Emits per component, at the logging step: ``diag/[<c>/]grad/not_zeroed`` and
 ``diag/[<c>/]grad/accum_reset`` (1.0 when some step of the window failed, else 0.0), and the tables
-``grad/zero_check`` / ``grad/accum_check`` = ``{"step": first failing step, "backwards": its passes}``
-(``accum_check`` also ``"input_grad"``: 1.0 when that step's model input asked for its gradient).
+``grad/zero_check`` / ``grad/accum_check`` = ``{"step": first failing step, "backwards": its passes, "count":
+failing steps in the window, "near": 1.0 when two of them are at most ``NEAR`` (2) steps apart, "last": the last
+one}`` (``accum_check`` also ``"input_grad"``: 1.0 when that step's model input asked for its gradient).
 Cost per step: nothing when the loop zeroes with ``set_to_none`` (the usual way); otherwise one
 ``|`` per backward pass of small device booleans. No host read off logging steps.
 """
@@ -52,6 +53,8 @@ from trackdiag.record import Record
 Flag = bool | torch.Tensor
 #: a loop with one backward pass per step for this many steps stops having its model inputs watched
 WATCH_STEPS = 20
+#: two failing steps at most this far apart are the loop's habit, not two one-offs (see rules/zerograd.py)
+NEAR = 2
 
 
 def _any(flags: list[Flag]) -> Flag:
@@ -147,8 +150,8 @@ class ZeroGradProbe(Probe):
         step with several backward passes)."""
         step = self._ctx.step if self._ctx is not None else -1
         fed = self._fed.get(name)
-        if fed is None or fed[0] != step:
-            self._fed[name] = (step, grad_inputs(args, kwargs) if torch.is_grad_enabled() else [])
+        if (fed is None or fed[0] != step) and torch.is_grad_enabled():  # an evaluation between steps is no first call
+            self._fed[name] = (step, grad_inputs(args, kwargs))
 
     def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         passes = view.passes
@@ -214,7 +217,11 @@ class ZeroGradProbe(Probe):
                 bad = [i for i, f in enumerate(flags) if f[col] > 0.5]
                 record.scalars[comp.key(f"grad/{key}")] = 1.0 if bad else 0.0
                 step, backwards, _ = rows[bad[0]] if bad else rows[-1]
-                record.tables[comp.key(f"grad/{table}")] = {"step": float(step), "backwards": float(backwards)}
+                steps = [rows[i][0] for i in bad]
+                near = any(b - a <= NEAR for a, b in zip(steps, steps[1:]))
+                record.tables[comp.key(f"grad/{table}")] = {"step": float(step), "backwards": float(backwards),
+                                                            "count": float(len(bad)), "near": 1.0 if near else 0.0,
+                                                            "last": float(steps[-1] if steps else step)}
                 if col == 1 and (comp.name, step) in self._asked:
                     record.tables[comp.key(f"grad/{table}")]["input_grad"] = 1.0
         self._asked.clear()
