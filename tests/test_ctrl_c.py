@@ -82,6 +82,27 @@ class _Job:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+    def interrupt(self, twice: bool) -> tuple[float, float, str]:
+        """A few evaluations in (the worker delivering), Ctrl-C; with ``twice`` another once the run is
+        being ended. Returns (seconds from the first signal to the exit, the limit, the output since
+        step 149), after checking the exit: by SIGINT, with the script's one traceback."""
+        try:
+            self.wait_for("step 149 ")
+            limit = _limit()
+            sent = time.monotonic()
+            self.ctrl_c()
+            if twice:
+                self.wait_for("training stopped; ending the run", limit=60)  # the report is being written now
+                self.ctrl_c()  # impatient: a second Ctrl-C
+            self.wait()
+            took = time.monotonic() - sent
+        finally:
+            self.kill()
+        after = self.out[self.out.index("step 149 "):]
+        assert self.proc.returncode in (-signal.SIGINT, 130), (self.proc.returncode, after[-3000:])
+        assert self.out.count("Traceback") == 1 and after.rstrip().endswith("KeyboardInterrupt"), after[-3000:]
+        return took, limit, after
+
 
 def _every_point_delivered(tmp_path: Path, run_dir: Path) -> None:
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -97,19 +118,8 @@ def _every_point_delivered(tmp_path: Path, run_dir: Path) -> None:
 @pytest.mark.slow
 def test_ctrl_c_to_the_process_group(tmp_path: Path) -> None:
     job = _Job(tmp_path)
-    try:
-        job.wait_for("step 149 ")  # a few evaluations in, the worker delivering
-        limit = _limit()
-        sent = time.monotonic()
-        job.ctrl_c()
-        job.wait()
-        took = time.monotonic() - sent
-    finally:
-        job.kill()
+    took, limit, after = job.interrupt(twice=False)
     out = job.out
-    after = out[out.index("step 149 "):]
-    assert job.proc.returncode in (-signal.SIGINT, 130), (job.proc.returncode, after[-3000:])
-    assert out.count("Traceback") == 1 and after.rstrip().endswith("KeyboardInterrupt"), after[-3000:]  # the script's own
     assert "_mlflow_worker" not in out and 'File "<string>"' not in out, after[-3000:]  # nothing from the worker
     assert "unreachable" not in out and "is back after" not in out and "not delivered" not in out, after[-3000:]
     assert after.count("training stopped; ending the run") == 1, after[-3000:]  # at once, before the report
@@ -125,21 +135,7 @@ def test_ctrl_c_to_the_process_group(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_second_ctrl_c_skips_the_report_and_keeps_the_rest(tmp_path: Path) -> None:
     job = _Job(tmp_path)
-    try:
-        job.wait_for("step 149 ")
-        limit = _limit()
-        sent = time.monotonic()
-        job.ctrl_c()
-        job.wait_for("training stopped; ending the run", limit=60)  # the report is being written now
-        job.ctrl_c()  # impatient: a second Ctrl-C
-        job.wait()
-        took = time.monotonic() - sent
-    finally:
-        job.kill()
-    out = job.out
-    after = out[out.index("step 149 "):]
-    assert job.proc.returncode in (-signal.SIGINT, 130), (job.proc.returncode, after[-3000:])
-    assert out.count("Traceback") == 1 and after.rstrip().endswith("KeyboardInterrupt"), after[-3000:]  # one, not two
+    took, limit, after = job.interrupt(twice=True)  # one traceback, not two
     assert "closing the MLflow run as KILLED" not in after, after[-3000:]  # it does not wait for delivery
     assert took <= limit, f"exit {took:.1f}s after the first SIGINT (limit {limit:.1f}s)\n{after[-3000:]}"
 
