@@ -139,7 +139,7 @@ class AccumulationReset(_Habit):
         for comp, step, n, habit, meta in found:
             msg = (f"gradients were reset between the {n} backward passes of optimizer step {step}: only the last "
                    f"pass's gradients reached the update")
-            msg += (", and so at later steps." if habit else f" (one step so far). {ONE_OFF}")
+            msg += (", and again at later steps." if habit else f" (one step so far). {ONE_OFF}")
             evidence = ["unambiguous", "persistent"] if habit else []
             if meta.get("input_grad"):
                 msg += (" The model's input in that step asked for its own gradient (adversarial examples, saliency):"
