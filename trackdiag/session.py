@@ -17,7 +17,7 @@ from trackdiag.components import batch_size_of, build_components
 from trackdiag.config import resolve, to_plain
 from trackdiag.context import Component, ProbeContext, StepInputs
 from trackdiag.distributed import DistSync, is_main_process
-from trackdiag.errors import AlertRaised, brief
+from trackdiag.errors import AlertRaised
 from trackdiag.flight import FlightRecorder
 from trackdiag.forward_watch import compiled_parts
 from trackdiag.incidents import Incidents, order
@@ -30,6 +30,7 @@ from trackdiag.rules.base import Rule
 from trackdiag.runinfo import RunInfo, resolve_run
 from trackdiag.session_checks import SetupChecks
 from trackdiag.session_close import RunEnd
+from trackdiag.session_guards import Guards
 from trackdiag.session_steps import OptimizerEvents
 from trackdiag.sinks.base import Sink, SinkHub
 from trackdiag.transfer import to_host
@@ -45,7 +46,7 @@ def _build(family: dict[str, str], name: str, entry: Mapping[str, Any] | None) -
     return lookup(family, name, entry)(**{k: v for k, v in entry.items() if k != "_target_"})
 
 
-class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd):
+class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards):
     """Training diagnostics for one run. See the README for the metric keys and alert kinds.
 
     Args:
@@ -137,60 +138,6 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd):
         self._warned_shape: set[str] = set()
         self._struck: dict[str, tuple[str, Exception]] = {}  # probes whose last collect/publish failed (see _guard)
         self._init_events()
-
-    def _guard(self, probe: Probe, method: str, *args: Any) -> Any:
-        """Call a probe; a probe that fails is disabled with one warning, never kills training.
-        ``collect``/``publish`` get a second chance: a window whose state a KeyboardInterrupt tore
-        (a notebook cell interrupted mid-step and run again: a list appended to, its twin not) fails
-        once and is dropped; a probe that fails again before publishing once more, or whose failure
-        is still the last word at close, is disabled (``_settle``)."""
-        try:
-            out = getattr(probe, method)(*args)
-        except Exception as exc:
-            if method in ("collect", "publish") and probe.name not in self._struck:
-                self._struck[probe.name] = (method, exc)
-                log.debug("trackdiag: probe %r dropped its window at step %d (%s in %s)", probe.name,
-                          self._ctx.step, brief(exc), method)
-                return None
-            self._struck.pop(probe.name, None)
-            self._fail(probe, method, exc)
-            return None
-        if method == "publish" and self._struck:
-            self._struck.pop(probe.name, None)
-        return out
-
-    def _settle(self) -> None:
-        """At close: a probe whose window failed and that never published since is disabled (and said so)."""
-        struck, self._struck = self._struck, {}
-        for p in self.probes:
-            if p.name in struck and p.enabled:
-                self._fail(p, *struck[p.name])
-
-    def _judge(self, method: str, *args: Any) -> list[tuple[Rule, Alert]]:
-        """Every enabled rule's alerts for a record; a rule that raises is switched off with one
-        warning (a diagnostics bug never stops training)."""
-        out: list[tuple[Rule, Alert]] = []
-        for r in self.rules:
-            if not r.enabled:
-                continue
-            try:
-                out += [(r, a) for a in getattr(r, method)(*args)]
-            except Exception as exc:  # noqa: BLE001
-                r.enabled = False
-                self._disabled[f"rule:{r.kind}"] = f"{type(exc).__name__} in {method}: {exc}"
-                log.warning("trackdiag: rule %r disabled: %s", r.kind, self._disabled[f"rule:{r.kind}"])
-        return out
-
-    def _fail(self, probe: Probe, method: str, exc: Exception) -> None:
-        probe.enabled = False
-        self._schedules = self._distinct_schedules()
-        self._disabled[probe.name] = f"{type(exc).__name__} in {method}: {exc}"  # full text: summary, record
-        log.warning("trackdiag: probe %r disabled (%s in %s; full text in summary()['disabled_probes'])",
-                    probe.name, brief(exc), method)
-
-    def _distinct_schedules(self) -> list[Any]:
-        """The enabled probes' schedules, each once: a step is a logging step if any fires."""
-        return list(dict.fromkeys(p.schedule for p in self.probes if p.enabled))
 
     # ------------------------------------------------------------------ public API
     @property

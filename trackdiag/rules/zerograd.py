@@ -23,10 +23,6 @@ ONE_OFF = ("Once is what an interrupted and resumed step (Ctrl-C in a notebook),
            "batch leaves behind; a loop with the mistake does it at every step, and is then reported as critical.")
 
 
-def _last(held: tuple[int, int, dict[str, float]]) -> int:
-    return int(held[2].get("last", held[0]))
-
-
 class _Habit(Rule):
     """A failing step is judged once it is known whether the loop does it again within ``NEAR`` (2)
     steps: at once when two failing steps of the record's window are that close (``near`` in the
@@ -49,9 +45,9 @@ class _Habit(Rule):
             value = record.scalars.get(comp.key(self.flag))
             if value is None:  # no verdict in this record: what waits goes on waiting
                 continue
-            held = self._held.pop(comp.name, None)
+            held = self._held.pop(comp.name, None)  # (the last failing step, its passes, its table)
             if value < 0.5:
-                if held is not None and record.step - _last(held) < NEAR:
+                if held is not None and record.step - held[0] < NEAR:
                     self._held[comp.name] = held  # clean so far, but not yet NEAR steps on
                 elif held is not None:
                     out.append(Flagged(comp, *held[:2], False, held[2]))
@@ -63,23 +59,21 @@ class _Habit(Rule):
             if going is not None and step - going <= NEAR:  # the habit goes on (folded into its incident)
                 self._habit[comp.name] = last
                 out.append(Flagged(comp, step, backwards, True, meta))
-                continue
-            if held is not None and step - _last(held) <= NEAR:
+            elif held is not None and step - held[0] <= NEAR:  # it went on into this window
                 self._habit[comp.name] = last
-                out.append(Flagged(comp, *held[:2], True, held[2]))  # it went on into this window
-                continue
-            if held is not None:
-                out.append(Flagged(comp, *held[:2], False, held[2]))
-            if meta.get("near", 0.0) >= 0.5:
-                self._habit[comp.name] = last
-                out.append(Flagged(comp, step, backwards, True, meta))
-            elif int(meta.get("count", 1.0)) == 1 or last == step:
-                self._held[comp.name] = (step, backwards, meta)
-            else:  # lone failing steps far apart within the window: the first told now, the last waits
-                out.append(Flagged(comp, step, backwards, False, meta))
-                self._held[comp.name] = (last, backwards, {**meta, "step": float(last)})
+                out.append(Flagged(comp, *held[:2], True, held[2]))
+            else:
+                if held is not None:
+                    out.append(Flagged(comp, *held[:2], False, held[2]))
+                if meta.get("near", 0.0) >= 0.5:
+                    self._habit[comp.name] = last
+                    out.append(Flagged(comp, step, backwards, True, meta))
+                    continue
+                if last != step:  # lone failing steps far apart within the window: the first told now
+                    out.append(Flagged(comp, step, backwards, False, meta))
+                self._held[comp.name] = (last, backwards, {**meta, "step": float(last)})  # the last waits
         # the session logs every step until the lone steps are NEAR steps old: the verdict comes at once
-        self.follow_until = max((_last(h) + NEAR for h in self._held.values()), default=-1)
+        self.follow_until = max((h[0] + NEAR for h in self._held.values()), default=-1)
         return out
 
     def _alerts(self, found: list[Flagged]) -> list[Alert]:

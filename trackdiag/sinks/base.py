@@ -43,6 +43,10 @@ class Sink:
     def close(self, status: str, summary: dict[str, Any]) -> None:
         """End the run with ``status``; ``summary`` is ``Diagnostics.summary()``. Default: nothing."""
 
+    def interrupt(self) -> None:
+        """Called from the training thread (a second Ctrl-C): make a ``close`` that waits stop waiting
+        and keep what is left. Default: nothing."""
+
 
 _STOP = object()
 
@@ -103,10 +107,9 @@ class SinkHub:
                 log.warning("trackdiag: sinks still busy after %.0fs; the local record is complete, trackers may lag", timeout)
 
     def interrupt(self) -> None:
-        """Ask the sinks that wait at close (``interrupt()``: MLflow) to stop waiting at once and keep
-        what is left (a second Ctrl-C)."""
+        """Ask every sink to stop waiting at close and keep what is left (a second Ctrl-C: see Sink.interrupt)."""
         for sink in self.sinks:
-            getattr(sink, "interrupt", lambda: None)()
+            sink.interrupt()
 
     def drain(self, timeout: float = -1) -> bool:
         """Block until every item queued so far is handled (tests, checkpoints, the end-of-run
