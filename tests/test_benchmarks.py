@@ -191,6 +191,12 @@ def test_cuda_session_under_autocast(tmp_path: Path, dtype: torch.dtype) -> None
     session_under_autocast(tmp_path, dtype, "cuda")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_session_under_autocast_on_cpu(tmp_path: Path, dtype: torch.dtype) -> None:
+    """The CUDA test's body on the CPU, so that it cannot go stale between GPU checks."""
+    session_under_autocast(tmp_path, dtype, "cpu")
+
+
 def session_under_autocast(tmp_path: Path, dtype: torch.dtype, device: str) -> None:
     """nanoGPT's loop under autocast (fp16: GradScaler, unscale_, clip): the session keeps every probe,
     logs finite unscaled gradient norms, and sees a planted overflow as exactly one skipped step."""
@@ -217,7 +223,7 @@ def session_under_autocast(tmp_path: Path, dtype: torch.dtype, device: str) -> N
     diag.close()
     assert diag.summary()["disabled_probes"] == {}
     recs = list(read_records(next(p.parent for p in tmp_path.rglob("records.jsonl"))))
-    norms = [r.scalars[k] for r in recs for k in r.scalars if k.endswith("grad/global_norm")]
+    norms = [v for r in recs for k, points in r.series.items() if k.endswith("grad/global_norm") for _, v in points]
     assert norms and all(math.isfinite(v) for v in norms)  # the skipped step's Inf never reaches the optimizer-step hook
     if scaler.is_enabled():
         backoffs = sum(r.scalars.get(k, 0) for r in recs for k in r.scalars if k.endswith("amp/backoffs"))

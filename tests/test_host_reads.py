@@ -141,17 +141,32 @@ def test_with_a_grad_scaler_the_session_adds_no_host_read(digits, tmp_path) -> N
     assert _train(digits, 16, make, scaler=True) == bare
 
 
+#: CUDA runs: (level, probe overrides); extreme without the exact-step NaN replay (one sync per step by
+#: design, tested above) and the landscape (a run of its own at close)
+CUDA_CASES = {
+    "basic": ("basic", {}),
+    "advanced": ("advanced", {}),
+    "advanced-module-flags": ("advanced", {"flight": {"modules": True}}),  # the CUDA batching path of the flags
+    "extreme": ("extreme", {"nan_replay": {"mode": "log"}, "landscape": {"enabled": False}}),
+}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("level", ["basic", "advanced"])
-def test_cuda_non_logging_steps_never_sync_and_logging_steps_sync_once(digits, tmp_path, level: str) -> None:
-    """``set_sync_debug_mode("error")`` around every non-logging step (whole step: forward, backward,
-    optimizer hooks, ``step()``); on logging steps the warnings counted must be exactly one."""
-    every = 5
-    per_logging_step: dict[int, int] = {}
+@pytest.mark.parametrize("case", list(CUDA_CASES))
+def test_cuda_non_logging_steps_never_sync_and_logging_steps_sync_once(digits, tmp_path, monkeypatch, case: str) -> None:
+    """``set_sync_debug_mode("error")`` around every step without a copy to the host (whole step: forward,
+    backward, optimizer hooks, ``step()``); on steps with one, the synchronisations counted must be exactly
+    one. The first step may add a few: the layer indexes go to the device once (a host-to-device copy waits
+    for it), and extreme's first step also runs the automatic pre-flight (89 on an H100)."""
+    level, overrides = CUDA_CASES[case]
+    every, steps = 5, 21  # the last step logs: nothing is left for close() to copy
+    early = 10 if level != "basic" else 0  # the update ratio's first steps, one by one
+    copying = {s for s in range(steps) if s % every == 0 or s < early}
+    per_copy_step: dict[int, int] = {}
 
     class Watch:
         def __init__(self, step: int) -> None:
-            self.step, self.logging = step, step % every == 0
+            self.step, self.copying = step, step in copying
             self.caught: list = []
 
         def __enter__(self):
@@ -159,18 +174,24 @@ def test_cuda_non_logging_steps_never_sync_and_logging_steps_sync_once(digits, t
             self._w = warnings.catch_warnings(record=True)
             self.caught = self._w.__enter__()
             warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn" if self.logging else "error")
+            torch.cuda.set_sync_debug_mode("warn" if self.copying else "error")
             return self
 
         def __exit__(self, *exc):
             torch.cuda.set_sync_debug_mode("default")
             self._w.__exit__(*exc)
-            if self.logging:
-                per_logging_step[self.step] = sum("synchroniz" in str(w.message) for w in self.caught)
+            if self.copying:
+                per_copy_step[self.step] = sum("synchroniz" in str(w.message) for w in self.caught)
             return False
 
+    copies = _copies(monkeypatch)
     make = lambda m, o, s: trackdiag.Diagnostics(m, o, s, level=level, every=every, sinks=["local"],  # noqa: E731
-                                                 output_dir=str(tmp_path), probes=LEAN_PROBES)
+                                                 output_dir=str(tmp_path), probes={**LEAN_PROBES, **overrides})
     _train(digits, 3, device="cuda")  # warm the CUDA context outside the checked steps
-    _train(digits, 22, make, device="cuda", watch=Watch)
-    assert per_logging_step and all(n == 1 for n in per_logging_step.values()), per_logging_step
+    _train(digits, steps, make, device="cuda", watch=Watch)
+    print(f"{case}: synchronisations per step with a copy: {per_copy_step}")
+    assert len(copies) == len(copying)
+    assert all(n >= 1 for n in per_copy_step.values()), per_copy_step
+    assert {s: n for s, n in per_copy_step.items() if s != 0 and n != 1} == {}, per_copy_step
+    if level != "extreme":
+        assert per_copy_step[0] <= 2, per_copy_step  # seen on an H100: 2 (the copy, the layer index upload)
