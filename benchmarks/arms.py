@@ -234,6 +234,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "modules": {"flight": {"modules": True}},     # per-module output flags in every training forward
     "nomodules": {"flight": {"modules": False}},
     "noflight": {"flight": {"enabled": False}},   # no flight recorder at all
+    "logreplay": {"nan_replay": {"mode": "log"}},  # NaN replay at the logging step (no per-step sync)
+    "lean": {"flight": {"modules": False}, "nan_replay": {"mode": "log"}},
 }
 
 

@@ -13,6 +13,8 @@
 # CPU-only .venv torch). What that Python lacks (trackdiag's small deps, pytest bits, Cockpit via
 # scripts/bench_setup.sh) goes into /tmp/trackdiag-gpu-site with --no-deps: from build/gpu-wheels/ when
 # present (offline boxes: carry it), else from the package index. trackdiag itself runs from this tree.
+# GPU_WORKLOADS / GPU_COMPILE_WORKLOADS / GPU_ARMS / GPU_ROUNDS pick what the benchmarks run (GPU_ARMS: e.g.
+# "basic advanced extreme extreme+logreplay"; default every arm).
 # Time: every stage has a budget and the whole run a deadline (GPU_CHECK_BUDGET, default 480 s), so it ends
 # well inside 10 minutes; a stage that runs out is reported as such with what it had measured.
 set -uo pipefail
@@ -147,7 +149,7 @@ fi
 stage cuda-tests "${GPU_TEST_BUDGET:-170}" "$PYBIN" -m pytest -p cuda_select -m cuda tests -q -rA -p no:cacheprovider \
   --junitxml="$OUTDIR/pytest_cuda.xml" -o junit_family=xunit1
 stage bench-eager "${GPU_EAGER_BUDGET:-130}" "$PYBIN" benchmarks/overhead.py --device $DEVICE --workloads $E_WL \
-  --rounds $R --steps $S --warmup 10 --markdown --json "$OUTDIR/bench_eager.json"
+  --rounds $R --steps $S --warmup 10 --markdown --json "$OUTDIR/bench_eager.json" ${GPU_ARMS:+--arms $GPU_ARMS}
 stage bench-compiled "${GPU_COMPILE_BUDGET:-170}" "$PYBIN" benchmarks/overhead.py --device $DEVICE --compile --workloads $C_WL \
   --rounds $R --steps $S --warmup 10 --markdown --json "$OUTDIR/bench_compiled.json"
 
