@@ -145,6 +145,29 @@ def test_flight_recorder_arms_and_benchmark(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_probe_costs_times_each_part_as_often_as_the_loop_calls_it(tmp_path: Path) -> None:
+    """benchmarks/probe_costs.py on the small MLP at advanced (logs every 10 steps, one optimizer): per step,
+    one ``Diagnostics.step`` and one end-of-backward tap, a pre- and a post-step dispatch, a logging step every
+    10th, the grads probe's ``on_grads`` once; the parts inside a whole cost less than it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(BENCH / "probe_costs.py"), "--workload", "small", "--arm", "advanced",
+                           "--steps", "100", "--top", "60"], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 4 and cells[1].replace(".", "").isdigit():
+            rows[cells[0]] = (float(cells[1]), float(cells[2]))
+    calls = {k: c for k, (_, c) in rows.items()}
+    assert calls["Diagnostics.step"] == 1.0 and calls["end-of-backward tap (gradient norms)"] == 1.0
+    assert calls["optimizer dispatch"] == 2.0 and calls["logging step (all of it)"] == 0.1
+    assert calls["probe grads.on_grads"] == 1.0 and calls["probe loss.on_step"] == 1.0
+    spent = {k: us for k, (us, _) in rows.items()}
+    assert 0 < spent["logging step: rules"] < spent["logging step (all of it)"] < spent["Diagnostics.step"]
+    assert spent["probe grads.on_grads"] < spent["optimizer dispatch"]
+    assert "x1." in proc.stdout.splitlines()[0]  # the header's ratio to the bare arm
+
+
 def test_overhead_compiled_table_counts_dynamo(tmp_path: Path) -> None:
     """``--compile``: bare/basic/advanced on compiled models, finite ratios (or a reported failure,
     never a crash) and Dynamo's counts per arm."""
