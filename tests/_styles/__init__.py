@@ -37,6 +37,8 @@ STYLE_NAMES: tuple[str, ...] = (
     "word2vec_sgns",
     "adversarial_fgsm",
     "moe_top1",
+    "sam_two_pass",
+    "checkpointed_warmup",
 )
 
 
