@@ -39,6 +39,7 @@ STYLE_NAMES: tuple[str, ...] = (
     "moe_top1",
     "sam_two_pass",
     "checkpointed_warmup",
+    "maml_second_order",
 )
 
 
