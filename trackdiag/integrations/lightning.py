@@ -37,8 +37,9 @@ Limits: the NaN replay re-runs the LightningModule's own forward calls (a ``trai
 calls ``self(x)``); one that only calls sub-modules is replayed as ``module(<batch input>)``.
 Manual optimization with several ``opt.step()`` per batch gives one diagnostics step per batch
 (``trainer.global_step`` counts optimizer steps), and several optimizers make one component whose
-gradients are read at the batch's first optimizer step: for per-network diagnostics of a GAN, use
-``trackdiag.Diagnostics`` with named components inside the LightningModule instead. Under
+gradients are read at the batch's first optimizer step (a GAN's second network then looks as if it got no
+gradient: a ``stale_params`` info finding, and the norm mixes the networks' passes): for per-network
+diagnostics of a GAN, use ``trackdiag.Diagnostics`` with named components inside the LightningModule instead. Under
 ``strategy="ddp_spawn"`` the sessions live in the spawned processes: ``.alerts`` of the launching
 process's callback stay empty.
 """
