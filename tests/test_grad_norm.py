@@ -127,37 +127,45 @@ def test_named_components_gan_style(tmp_path) -> None:
     assert "diag/grad/global_norm" not in records[0].series
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: one model whose optimizers each step after their own backward pass "
-                   "(a single-module actor-critic, Lightning's manual-optimization GAN) is read at its first optimizer's "
-                   "step: the other optimizer's parameters carry the previous step's gradients; as a dict of models each "
-                   "part is exact (test_named_components_gan_style)")
-def test_one_model_two_optimizers_each_after_its_own_backward(tmp_path) -> None:
-    """DDPG/SAC-style: the critic's backward and step, then the actor's, both inside one module: the step's
-    global norm is the norm of each part's gradient at its own optimizer's step."""
+@pytest.mark.parametrize("level", ["basic", "advanced"])
+def test_one_model_two_optimizers_each_after_its_own_backward(tmp_path, level: str) -> None:
+    """DDPG/SAC-style, in one module: the critic's backward and step, then the actor's. The step's global norm
+    is the norm of each part's gradient at its own optimizer's step (the actor's pass merged in at its step:
+    before, the actor's previous-step gradient was counted and the actor looked untrained), and so is every
+    layer's norm at the logging steps."""
     torch.manual_seed(0)
     agent = torch.nn.ModuleDict({"critic": torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)),
                                  "actor": torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))})
     oc, oa = torch.optim.Adam(agent["critic"].parameters(), 1e-3), torch.optim.Adam(agent["actor"].parameters(), 1e-3)
-    diag = trackdiag.Diagnostics(agent, {"critic": oc, "actor": oa}, level="basic", every=5, sinks=["local"],
+    diag = trackdiag.Diagnostics(agent, {"critic": oc, "actor": oa}, level=level, every=5, sinks=["local"],
                                  output_dir=str(tmp_path), probes=LEAN_PROBES)
-    ref = []
+    ref, layers = [], []
+    layer_norm = lambda m: math.sqrt(sum(float(p.grad.pow(2).sum()) for p in m.parameters()))  # noqa: E731
     with diag:
-        for _ in range(10):
+        for _ in range(60):
             s = torch.randn(64, 4)
             critic_loss = F.mse_loss(agent["critic"](s), s.sum(1, keepdim=True))
             oc.zero_grad()
             critic_loss.backward()
             nc = torch.nn.utils.clip_grad_norm_(agent["critic"].parameters(), math.inf).item()
+            at = {f"critic.{i}": layer_norm(agent["critic"][i]) for i in (0, 2)}
             oc.step()
             actor_loss = -(agent["actor"](s) * s[:, :2]).mean()
             oa.zero_grad()
             actor_loss.backward()
             na = torch.nn.utils.clip_grad_norm_(agent["actor"].parameters(), math.inf).item()
+            at.update({f"actor.{i}": layer_norm(agent["actor"][i]) for i in (0, 2)})
             oa.step()
             ref.append(math.hypot(nc, na))
+            layers.append(at)
             diag.step(critic_loss + actor_loss)
     got = [v for _, v in sorted(_series(tmp_path, "diag/grad/global_norm").items())]
     assert got == pytest.approx(ref, rel=1e-5)
+    assert not [a for a in diag.alerts if a.kind == "stale_params"], diag.alerts
+    if level == "advanced":
+        for name in ("critic.0", "critic.2", "actor.0", "actor.2"):
+            logged = _series(tmp_path, f"diag/grad/norm/{name}")
+            assert len(logged) >= 10 and all(v == pytest.approx(layers[step][name], rel=1e-5) for step, v in logged.items()), name
 
 
 def test_many_tensors_take_the_chunked_paths_and_still_match(tmp_path) -> None:

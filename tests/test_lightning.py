@@ -145,6 +145,61 @@ def test_accumulation_loss_and_preclip_norm_per_real_optimizer_step(tmp_path: Pa
     assert evals[ref.evals[-1]] == pytest.approx(float(tr.callback_metrics["val_loss"]), rel=1e-6)
 
 
+def test_manual_optimization_gan_reads_each_network_at_its_own_step(tmp_path: Path) -> None:
+    """Lightning's GAN template: ``automatic_optimization = False``, toggle_optimizer / manual_backward /
+    step for G, then for D, in one LightningModule. The step's pre-clip norm is the norm of G's gradient at
+    G's step and D's at D's (each network's pass merged in at its own optimizer's step), and neither network
+    looks untrained (before: D's gradient was read at G's step, where it had none: ``stale_params``)."""
+    from torch.nn import functional as F
+
+    class GAN(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.generator = nn.Sequential(nn.Linear(16, 64), nn.LeakyReLU(0.2), nn.Linear(64, 64), nn.Tanh())
+            self.discriminator = nn.Sequential(nn.Linear(64, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1), nn.Sigmoid())
+            self.norms: list[float] = []
+
+        def training_step(self, batch: Any) -> None:
+            imgs = batch[0] * 2 - 1
+            opt_g, opt_d = self.optimizers()
+            z = torch.randn(imgs.shape[0], 16)
+            ones, zeros = torch.ones(len(imgs), 1), torch.zeros(len(imgs), 1)
+            self.toggle_optimizer(opt_g)
+            self.manual_backward(F.binary_cross_entropy(self.discriminator(self.generator(z)), ones))
+            ng = torch.nn.utils.clip_grad_norm_(self.generator.parameters(), math.inf).item()
+            opt_g.step()
+            opt_g.zero_grad()
+            self.untoggle_optimizer(opt_g)
+            self.toggle_optimizer(opt_d)
+            fake = self.generator(z).detach()
+            d_loss = (F.binary_cross_entropy(self.discriminator(imgs), ones) + F.binary_cross_entropy(self.discriminator(fake), zeros)) / 2
+            self.manual_backward(d_loss)
+            nd = torch.nn.utils.clip_grad_norm_(self.discriminator.parameters(), math.inf).item()
+            opt_d.step()
+            opt_d.zero_grad()
+            self.untoggle_optimizer(opt_d)
+            self.norms.append(math.hypot(ng, nd))
+            return d_loss
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.Adam(self.generator.parameters(), 2e-4, betas=(0.5, 0.999)),
+                    torch.optim.Adam(self.discriminator.parameters(), 2e-4, betas=(0.5, 0.999))]
+
+    xtr, ytr, _, _ = digits()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xtr, ytr), batch_size=64, shuffle=True, drop_last=True,
+                                         generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = GAN()
+    cb = DiagnosticsCallback("advanced", every=5, output_dir=str(tmp_path / "run"), sinks=["local"], probes=quiet_probes())
+    with one_thread():
+        pl.Trainer(**{**TRAINER, "max_steps": 120, "logger": False}, callbacks=[cb]).fit(model, loader)
+    norms = points(tmp_path / "run", "diag/grad/global_norm")
+    assert len(norms) == len(model.norms) == 60  # global_step counts both optimizers' steps: one diagnostics step per batch
+    assert [norms[s] for s in sorted(norms)] == pytest.approx(model.norms, rel=1e-5)
+    assert [a for a in cb.alerts if a.kind == "stale_params"] == []
+
+
 def test_16_mixed_scaler_passed_and_norm_unscaled(tmp_path: Path) -> None:
     from lightning.pytorch.plugins.precision import MixedPrecision
 

@@ -167,6 +167,7 @@ class GradTap:
         grads = idx.grads()
         idx.clear_cache()
         detail = self.detail()
+        several = len(comp.optimizers) > 1  # a later optimizer's own pass may be merged in (per-tensor norms kept)
         if scale is False:
             scale = self.scale() if unscale else None
         grad_mode = torch.is_grad_enabled()  # a create_graph backward: no graph for these norms
@@ -186,7 +187,7 @@ class GradTap:
                 norms = torch.stack(parts).float()
                 total = torch.linalg.vector_norm(norms)
             elif parts is None:
-                norms = grad_norms(grads, idx.low_precision) if detail else None
+                norms = grad_norms(grads, idx.low_precision) if detail or several else None
                 total = torch.linalg.vector_norm(norms) if norms is not None else global_norm(grads, idx.low_precision)
             raw = None
             if sentinel is not None and sentinel.grad is not None:
@@ -197,7 +198,7 @@ class GradTap:
             if scale is not None:
                 total = total / scale if total is not None else None
                 top = top / scale if top is not None else None
-            tap = Tap(total, (norms / scale if scale is not None else norms) if detail else None, self.ctx.step, number,
+            tap = Tap(total, (norms / scale if scale is not None else norms) if detail or several else None, self.ctx.step, number,
                       comp.generation, top, sentinel=raw)
             if total is None:  # worked out when asked for (a window at a time)
                 tap.parts, tap.scale = parts, scale
@@ -230,6 +231,15 @@ class GradTap:
         st = self.states.get(name)
         if st is not None:
             st.in_closure, st.first_in_step = True, None
+
+    def take_latest(self, name: str) -> Tap | None:
+        """The newest backward pass's measurement since the last take (then cleared), or None; the
+        sentinel's record of the passes stays for the next :meth:`take`."""
+        st = self.states.get(name)
+        if st is None or st.latest is None or st.latest.generation != st.comp.generation:
+            return None
+        tap, st.latest = st.latest, None
+        return tap
 
     def take(self, name: str) -> tuple[Tap | None, list[Pass]]:
         """The step's tap (the first one inside a closure step, else the latest since the last

@@ -25,7 +25,7 @@ import torch
 
 from trackdiag.components import attachable, groups_signature, reindex
 from trackdiag.context import Component
-from trackdiag.grad_records import GradView
+from trackdiag.grad_records import GradView, merge_taps
 from trackdiag.gradtap import GradTap
 from trackdiag.optimizers import DISPATCH, accelerate_accumulating, gradient_states, scaler_of
 from trackdiag.probes.base import Probe
@@ -42,6 +42,8 @@ class _StepState:
     consumed: bool = False  # the gradients went to the probes
     closure: bool = False
     pre_done: bool = False
+    view: GradView | None = None  # what the probes got this step (a later optimizer's own pass is merged into it)
+    by: tuple[int, ...] = ()  # the optimizers whose gradients ``view`` holds
 
 
 class OptimizerEvents:
@@ -169,6 +171,8 @@ class OptimizerEvents:
             self._ever_stepped.add(id(opt))
             self._phase_pending = self._phase_pending or (self._ctx.step > 0 and self._phase_ready)
         st.stepped = True
+        if st.consumed and id(opt) not in st.by and len(comp.optimizers) > 1:
+            self._merge(comp, opt)
         if not st.pre_done:
             st.pre_done = True
             self._run(self._pre_probes, "before_optimizer_step", comp)
@@ -177,7 +181,38 @@ class OptimizerEvents:
             self._tap.begin_closure(comp.name)
         elif not st.consumed:
             self._consume(comp)
+            st.by = (id(opt),)
         self._window_overhead += time.perf_counter() - t0
+
+    def _merge(self, comp: Component, opt: Any) -> None:
+        """Another optimizer of ``comp`` steps after a backward pass of its own since the step's gradients
+        were consumed (a critic's update, then the actor's, in one module; Lightning's manual-optimization
+        GAN): its parameters' gradients are that pass's, the others' stay what the probes got; the probes
+        get the merged view (:meth:`~trackdiag.probes.base.Probe.on_more_grads`)."""
+        st = self._steps[comp.name]
+        first = st.view
+        later = self._tap.take_latest(comp.name)
+        st.by += (id(opt),)
+        if first is None or later is None or first.source != "backward":
+            return
+        key = (comp.generation, id(opt))
+        mask = comp.masks.get(key)
+        if mask is None:
+            mine = {id(p) for g in getattr(opt, "param_groups", ()) for p in g["params"]}
+            mask = comp.masks[key] = torch.tensor([id(p) in mine for p in comp.index.params], dtype=torch.bool)
+        tap = merge_taps(first.tap, later, mask)
+        if tap is None:
+            return
+        comp.masks[key] = mask.to(tap.total.device)  # moved once (a host-to-device copy waits on CUDA)
+        view = st.view = GradView(comp, tap, "backward", True, first.passes, first.sentinel)
+        ctx = self._ctx
+        for p in self._grad_probes:
+            if p.enabled:
+                try:
+                    p.on_more_grads(ctx, comp, view)
+                except Exception as exc:
+                    self._fail(p, "on_more_grads", exc)
+        comp.index.clear_cache()
 
     def optimizer_post_step(self, opt: Any, closure: Any) -> None:
         if self._closed:
@@ -192,6 +227,7 @@ class OptimizerEvents:
         t0 = time.perf_counter()
         if st.closure and not st.consumed:
             self._consume(comp)
+            st.by = (id(opt),)
         self._run(self._post_probes, "after_optimizer_step", comp)
         self._window_overhead += time.perf_counter() - t0
 
@@ -215,7 +251,7 @@ class OptimizerEvents:
         source = "backward"
         if tap is None:  # no backward reached the component since the last step, or the tap is off
             tap, source = self._tap.measure(comp, unscale=False), "step"
-        view = GradView(comp, tap, source, st.stepped, passes, self._tap.sentinel_of(comp.name))
+        view = st.view = GradView(comp, tap, source, st.stepped, passes, self._tap.sentinel_of(comp.name))
         if source == "backward":
             self._ctx.backward_seen.add(comp.name)
         self._ctx.passes[comp.name] = len(passes)
@@ -271,7 +307,7 @@ class OptimizerEvents:
         self._ctx.passes = {}
         for st in self._steps.values():
             st.stepped = st.consumed = st.closure = st.pre_done = False
-            st.depth = 0
+            st.depth, st.view, st.by = 0, None, ()
 
     def _check_reindex(self) -> None:
         """Logging steps: follow parameters that were unfrozen, added or materialised later."""

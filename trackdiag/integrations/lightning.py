@@ -36,10 +36,10 @@ judge the same cross-rank record, so a stop is taken by every rank at the same s
 Limits: the NaN replay re-runs the LightningModule's own forward calls (a ``training_step`` that
 calls ``self(x)``); one that only calls sub-modules is replayed as ``module(<batch input>)``.
 Manual optimization with several ``opt.step()`` per batch gives one diagnostics step per batch
-(``trainer.global_step`` counts optimizer steps), and several optimizers make one component whose
-gradients are read at the batch's first optimizer step (a GAN's second network then looks as if it got no
-gradient: a ``stale_params`` info finding, and the norm mixes the networks' passes): for per-network
-diagnostics of a GAN, use ``trackdiag.Diagnostics`` with named components inside the LightningModule instead. Under
+(``trainer.global_step`` counts optimizer steps); several optimizers make one component, each
+optimizer's parameters read as its own step found them (a GAN's G after G's backward, D after D's): for
+per-network statistics of a GAN, use ``trackdiag.Diagnostics`` with named components inside the
+LightningModule instead. Under
 ``strategy="ddp_spawn"`` the sessions live in the spawned processes: ``.alerts`` of the launching
 process's callback stay empty.
 """

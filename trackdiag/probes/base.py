@@ -62,6 +62,11 @@ class Probe:
         the pre-clip norms the backward pass left (see :class:`~trackdiag.grad_records.GradView`).
         Every step: must cost at most a few device ops off due steps. Default: nothing."""
 
+    def on_more_grads(self, ctx: ProbeContext, comp: Component, view: "GradView") -> None:
+        """After :meth:`on_grads`, in the same step: another optimizer of ``comp`` stepped its parameters
+        after a backward pass of its own (a critic's update, then the actor's, in one module); ``view`` holds
+        the step's gradients, each parameter's as its own optimizer found it. Default: nothing."""
+
     def reindexed(self, ctx: ProbeContext, comp: Component) -> None:
         """``comp.index`` was rebuilt (param groups added, layers unfrozen): drop per-component
         caches. Default: nothing."""

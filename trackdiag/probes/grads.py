@@ -99,6 +99,15 @@ class GradProbe(Probe):
             with torch.no_grad():  # a create_graph backward leaves gradients in a graph: not these norms
                 self._measure(comp, view)
 
+    def on_more_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
+        """The step's gradients with a later optimizer's own pass merged in: they replace what was kept."""
+        ring = self._ring.get(comp.name)
+        if ring and ring[-1][0] == ctx.step:
+            ring[-1] = (ctx.step, view.tap.lazy())
+        if comp.name in self._pending and ctx.is_due(self.schedule):
+            with torch.no_grad():
+                self._measure(comp, view)
+
     def _measure(self, comp: Component, view: GradView) -> None:
         total = view.total
         norms = view.norms

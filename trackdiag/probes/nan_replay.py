@@ -240,6 +240,10 @@ class NanReplayProbe(Probe):
         self.replays += 1
         self.findings[ctx.step] = self.run(ctx, comp, ctx.step, None, exact=True)
 
+    def on_more_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
+        """``mode=step``: a later optimizer's own pass is judged before its update too."""
+        self.on_grads(ctx, comp, view)
+
     def run(self, ctx: ProbeContext, comp: Component, step: int, batch: Any, exact: bool = False,
             backward: bool | None = None) -> tuple[str, Finding]:
         """Replay ``step`` for ``comp`` (all components together when the user's loss is replayed);
