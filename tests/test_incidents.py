@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -130,3 +131,28 @@ def test_console_summary_for_every_spelling_unless_turned_off(tmp_path, capsys) 
     printed = run(sinks=["local"])
     assert "health" in printed and str(tmp_path / "1") in printed
     assert run(sinks=["local"], sink={"console": {"enabled": False}}) == ""
+
+
+@pytest.mark.parametrize("level", ["basic", "advanced"])
+def test_a_nan_only_in_the_gradients_is_one_alert_at_its_first_step(tmp_path, level: str) -> None:
+    """The loss passed stays finite while every backward pass makes NaN gradients from step 30 on (a sqrt or
+    norm at 0 does this): one ``nonfinite_grad`` at step 30, at ``basic`` too (gradient tensors are checked
+    only at its logging steps, 50: the every-step norm names the step), never a second one while it lasts
+    (the tensor check names a layer, the every-step norm the component: one incident)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    diag = trackdiag.Diagnostics(model, opt, level=level, sinks=["local"], output_dir=str(tmp_path), probes=quiet_probes())
+    with diag:
+        for step in range(120):
+            x = torch.randn(64, 4)
+            out = model(x)
+            if step >= 30:
+                out = out * torch.log(torch.zeros(())) * 0  # NaN forward into the gradients only
+            opt.zero_grad()
+            (-(out * x[:, :2]).mean()).backward()
+            opt.step()
+            diag.step(x.pow(2).mean())
+    grads = [a for a in diag.alerts if a.kind == "nonfinite_grad"]
+    assert [(a.step, a.severity) for a in grads] == [(30, "critical")], diag.alerts
+    assert diag.summary()["alerts"]["nonfinite_grad"]["last_step"] >= 100  # found again in every window, folded in

@@ -38,6 +38,11 @@ class NonfiniteLoss(Rule):
 class _NonfiniteTensors(Rule):
     family = ""  # "grad" or "param"
 
+    def incident_key(self, alert: Alert) -> str:
+        """One incident while it lasts, wherever it is seen: its first layer on the steps that check the
+        tensors, the component from the every-step norm in between (two ``where``s, one NaN)."""
+        return ""
+
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for comp in components:
@@ -62,12 +67,17 @@ class NonfiniteGrad(_NonfiniteTensors):
             "log/sqrt/div with an eps, clip gradients, lower the learning rate.")
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
-        out = super().check(record, history, components)
+        out = []
         for comp in components:
-            if any(a.step == record.step and a.where.startswith(comp.name) for a in out):
-                continue
             bad = next(((s, v) for s, v in record.series.get(comp.key("grad/global_norm"), []) if not math.isfinite(v)), None)
-            if bad is not None:
+            tensors = super().check(record, history, [comp])  # on the steps gradient tensors are checked
+            if tensors:
+                a = tensors[0]
+                if bad is not None and bad[0] < a.step:  # the every-step norm saw it first: that is the step
+                    a = self.make(bad[0], f"{a.message[:-1]}; the pre-clip global norm went {bad[1]} at step {bad[0]}.",
+                                  a.value, a.threshold, a.where, ["unambiguous"])
+                out.append(a)
+            elif bad is not None:
                 msg = f"the pre-clip global gradient norm is {bad[1]} at step {bad[0]}: a gradient overflowed or went NaN."
                 out.append(self.make(bad[0], msg, bad[1], math.nan, comp.name, ["unambiguous"]))
         return out
