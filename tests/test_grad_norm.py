@@ -127,7 +127,7 @@ def test_named_components_gan_style(tmp_path) -> None:
     assert "diag/grad/global_norm" not in records[0].series
 
 
-@pytest.mark.parametrize("level", ["basic", "advanced"])
+@pytest.mark.parametrize("level", ["basic", "advanced", "extreme"])
 def test_one_model_two_optimizers_each_after_its_own_backward(tmp_path, level: str) -> None:
     """DDPG/SAC-style, in one module: the critic's backward and step, then the actor's. The step's global norm
     is the norm of each part's gradient at its own optimizer's step (the actor's pass merged in at its step:

@@ -35,8 +35,6 @@ class Component:
     outer: Any = None
     #: the step at which the optimizers' param groups were last compared with ``groups`` (once per step is enough)
     refreshed: int = -1
-    #: (generation, id(optimizer)) -> which of ``index.params`` that optimizer steps (host bools), for merging passes
-    masks: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     def key(self, suffix: str) -> str:
         """The metric key of ``suffix`` for this component: ``diag/[<name>/]<suffix>``."""

@@ -101,22 +101,13 @@ def totals(items: list[Any]) -> torch.Tensor:
     return out
 
 
-def per_tensor(tap: Tap) -> torch.Tensor | None:
-    """A pass's per-parameter norms (fp32, unscaled): kept, or stacked from its lazy parts; None if neither."""
-    if tap.norms is not None:
-        return tap.norms
-    if tap.parts is None:
-        return None
-    stacked = torch.stack(tap.parts).float()
-    return stacked / tap.scale if tap.scale is not None else stacked
-
-
 def merge_taps(first: Tap, later: Tap, mask: torch.Tensor) -> Tap | None:
     """The step's gradients when some of a component's parameters were stepped after a backward pass of
     their own: per parameter, ``later``'s norm where ``mask`` (a bool tensor over ``comp.index.params``),
-    else ``first``'s; their global norm (3 kernels). None when a pass kept no per-parameter norms or the
-    two cover different parameters. Version counters are not carried (what clipped what is not known)."""
-    a, b = per_tensor(first), per_tensor(later)
+    else ``first``'s; their global norm. None when a pass kept no per-parameter norms (the tap keeps them for
+    components with several optimizers) or the two cover different parameters. Version counters are not
+    carried (what clipped what is not known)."""
+    a, b = first.norms, later.norms
     if a is None or b is None or a.shape != b.shape or first.generation != later.generation:
         return None
     with torch.no_grad():

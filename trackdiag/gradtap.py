@@ -167,7 +167,7 @@ class GradTap:
         grads = idx.grads()
         idx.clear_cache()
         detail = self.detail()
-        several = len(comp.optimizers) > 1  # a later optimizer's own pass may be merged in (per-tensor norms kept)
+        several = len(comp.optimizers) > 1  # a later optimizer's own pass may be merged in: per-tensor norms kept
         if scale is False:
             scale = self.scale() if unscale else None
         grad_mode = torch.is_grad_enabled()  # a create_graph backward: no graph for these norms
@@ -181,9 +181,9 @@ class GradTap:
                 except (RuntimeError, NotImplementedError):  # sparse or mixed gradients: the per-tensor way
                     parts = None
             total = norms = None
-            # now: on detail steps, under a scaler (at this pass's scale), and for many tensors (a window of 0-d
-            # norms per tensor would pile up: 50 steps x 3,000 tensors of CUDA blocks); else when asked for
-            if parts is not None and (detail or scale is not None or len(parts) > LAZY_TENSORS):
+            # now: on detail steps, with several optimizers (a later pass may be merged in), under a scaler (at
+            # this pass's scale), and for many tensors (a window of 0-d norms per tensor would pile up: 50 steps x 3,000 tensors of CUDA blocks); else when asked for
+            if parts is not None and (detail or several or scale is not None or len(parts) > LAZY_TENSORS):
                 norms = torch.stack(parts).float()
                 total = torch.linalg.vector_norm(norms)
             elif parts is None:

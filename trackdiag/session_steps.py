@@ -68,6 +68,7 @@ class OptimizerEvents:
         self._find_grad_states()
         self._models = list({id(m): m for c in self.components for m in (c.outer, c.model) if m is not None}.values())
         self._notes: dict[str, str] = {}
+        self._masks: dict[tuple[str, int, int], torch.Tensor] = {}  # (component, generation, id(optimizer)) -> its params
         # training phases (greedy layer-wise training, progressive unfreezing): an optimizer stepping for the
         # first time after step 0, or parameters joining/leaving training, start one; loss and gradient
         # rules judge each phase against its own history
@@ -195,24 +196,17 @@ class OptimizerEvents:
         st.by += (id(opt),)
         if first is None or later is None or first.source != "backward":
             return
-        key = (comp.generation, id(opt))
-        mask = comp.masks.get(key)
-        if mask is None:
+        key = (comp.name, comp.generation, id(opt))
+        mask = self._masks.get(key)
+        if mask is None:  # which of the component's parameters this optimizer steps: host work, once
             mine = {id(p) for g in getattr(opt, "param_groups", ()) for p in g["params"]}
-            mask = comp.masks[key] = torch.tensor([id(p) in mine for p in comp.index.params], dtype=torch.bool)
+            mask = torch.tensor([id(p) in mine for p in comp.index.params], dtype=torch.bool)
         tap = merge_taps(first.tap, later, mask)
         if tap is None:
             return
-        comp.masks[key] = mask.to(tap.total.device)  # moved once (a host-to-device copy waits on CUDA)
-        view = st.view = GradView(comp, tap, "backward", True, first.passes, first.sentinel)
-        ctx = self._ctx
-        for p in self._grad_probes:
-            if p.enabled:
-                try:
-                    p.on_more_grads(ctx, comp, view)
-                except Exception as exc:
-                    self._fail(p, "on_more_grads", exc)
-        comp.index.clear_cache()
+        self._masks[key] = mask.to(tap.total.device)  # moved once (a host-to-device copy waits on CUDA)
+        st.view = GradView(comp, tap, "backward", True, first.passes, first.sentinel)
+        self._hand(comp, st.view, more=True)
 
     def optimizer_post_step(self, opt: Any, closure: Any) -> None:
         if self._closed:
@@ -255,13 +249,17 @@ class OptimizerEvents:
         if source == "backward":
             self._ctx.backward_seen.add(comp.name)
         self._ctx.passes[comp.name] = len(passes)
+        self._hand(comp, view)
+
+    def _hand(self, comp: Component, view: GradView, more: bool = False) -> None:
+        """The gradient probes get ``view``: ``on_grads`` at the step's consumption, ``on_more_grads`` after a merge."""
         ctx = self._ctx
         for p in self._grad_probes:
             if p.enabled:
                 try:
-                    p.on_grads(ctx, comp, view)
+                    (p.on_more_grads if more else p.on_grads)(ctx, comp, view)
                 except Exception as exc:
-                    self._fail(p, "on_grads", exc)
+                    self._fail(p, "on_more_grads" if more else "on_grads", exc)
         comp.index.clear_cache()
 
     # ------------------------------------------------------------------ Diagnostics.step
