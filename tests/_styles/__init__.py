@@ -40,6 +40,7 @@ STYLE_NAMES: tuple[str, ...] = (
     "sam_two_pass",
     "checkpointed_warmup",
     "maml_second_order",
+    "continual_replay",
 )
 
 

@@ -58,7 +58,9 @@ class Overfitting(Rule):
       after it look like a rise;
     - **ratio**: or val/train exceeds ``ratio`` (2.0, the guides' "severe overfitting") with the last
       ``patience`` evaluations above the best (a mere lag behind a fast-falling train loss, or one
-      noisy reading, with the validation loss still improving, is not overfitting).
+      noisy reading, with the validation loss still improving, is not overfitting) and the train loss
+      no higher than ``min_rise`` above what it was at the best validation loss (a train loss that rose
+      too is new data or a changed objective: a continual-learning task switch, an eval set that grew).
 
     The evaluations judged span at least ``min_span`` (20) steps (more of them when the loop evaluates
     more often than that), and the validation loss stayed above the margin for at least ``sustained``
@@ -119,7 +121,10 @@ class Overfitting(Rule):
             now, before = self._level(self._evals[-1][0]), self._level(s0)
             trend = above and now > before * (1 + self.min_rise) and train < t0 and val > train
         ratio = val / train
-        hit = trend or (above and ratio > self.ratio)
+        # overfitting fits the training data better while the validation data gets worse: a train loss that rose
+        # since the best validation loss (new data in continual learning, an eval set that grew) is not it
+        fitting = train <= self._evals[best_i][2] * (1 + self.min_rise)
+        hit = trend or (above and ratio > self.ratio and fitting)
         fire = hit and not self._active
         # an episode ends when the validation loss is back near its best, not at one softer reading
         self._active = hit or (self._active and val > best + margin)

@@ -18,6 +18,7 @@ from trackdiag.context import Component
 from trackdiag.modnames import layer_label
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent, reacted
+from trackdiag.rules._shift import HORIZON, recovered, signature
 from trackdiag.rules._spike import SpikeDetector
 from trackdiag.rules._weights import weights_moved
 from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
@@ -45,6 +46,7 @@ class _Comp:
     grad: Recent = field(default_factory=Recent)
     loss: Recent = field(default_factory=Recent)
     pending: list[tuple[int, float, float]] = field(default_factory=list)  # (step, value, the level before)
+    shifted: dict[int, bool] = field(default_factory=dict)  # pending step -> has the data-change signature
     episode: float = 0.0  # the level before the jump being followed (0: none): later values above it are the same jump
 
 
@@ -109,15 +111,34 @@ class GradExplosion(Rule):
                     st.episode = ref if math.isfinite(ref) and ref > 0 else gn
                     st.pending.append((step, gn, ref if math.isfinite(ref) else gn))
             st.loss.extend(p for p in loss_points(record, comp) if p[0] >= ps)
-            while st.pending and (final or st.pending[0][0] + self.settle <= st.grad.last_step):
+            while st.pending and (final or self._ready(st, st.pending[0][0], history, record, comp)):
                 out.append(self._verdict(st, st.pending.pop(0), history, record, comp))
             out += self._layers(record, comp)
-        self.follow_until = max((p[0] + self.settle for st in self._c.values() for p in st.pending), default=-1)
+        self.follow_until = max((p[0] + self.settle for st in self._c.values() for p in st.pending
+                                 if p[0] not in st.shifted), default=-1)
         return out
+
+    def _ready(self, st: _Comp, step: int, history: Sequence[Record], record: Record, comp: Component) -> bool:
+        """Whether the jump at ``step`` can be judged: ``settle`` steps after it, or ``HORIZON`` steps
+        when it has the data-change signature (:mod:`~trackdiag.rules._shift`: decided at ``settle``)."""
+        last = st.grad.last_step
+        if step + self.settle > last:
+            return False
+        if step not in st.shifted:
+            st.shifted[step] = signature(st.loss, st.grad, step, [*history, record], comp.key("opt/lr"))
+        return not st.shifted[step] or step + HORIZON <= last
 
     def _verdict(self, st: _Comp, spike: tuple[int, float, float], history: Sequence[Record], record: Record,
                  comp: Component) -> Alert:
         step, gn, ref = spike
+        if st.shifted.pop(step, False) and (fell := recovered(st.loss, st.grad, step)) is not None:
+            loss_at = st.loss.between(step, step)[0]
+            msg = (f"the pre-clip global gradient norm jumped to {gn:.3g} ({gn / ref:.1f}x its recent level "
+                   f"{ref:.3g}) together with the loss ({loss_at:.3g}), at one step, after a step at its usual "
+                   f"level and with the learning rate unchanged: new data (a task or curriculum switch, another "
+                   f"source) rather than an instability; {HORIZON} steps later the loss was at {fell[0]:.0%} and "
+                   f"the norm at {fell[1]:.0%} of that step's.")
+            return self.make(step, msg, gn, self.spike["factor"] * ref, comp.name, [])
         after = st.grad.between(step + 1, step + self.settle)
         high = sum(v >= self.persist_factor * ref or not math.isfinite(v) for v in after)
         evidence = []

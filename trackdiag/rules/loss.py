@@ -16,6 +16,7 @@ from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent
+from trackdiag.rules._shift import HORIZON, recovered, signature
 from trackdiag.rules._spike import SpikeDetector
 from trackdiag.rules._weights import weights_moved
 from trackdiag.rules.base import Rule, loss_series, loss_where, phase_start, where_of
@@ -56,14 +57,15 @@ class LossSpike(Rule):
         self._series: dict[str, _Series] = {}
         self._pending: dict[str, list[tuple[int, float, float]]] = {}
         self._episode: dict[str, float] = {}  # the level before the jump being followed (0: none)
+        self._shifted: dict[tuple[str, int], bool] = {}  # (series, pending step) -> the data-change signature
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
-        return self._judge(record, final=False)
+        return self._judge(record, history, final=False)
 
     def at_close(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
-        return self._judge(record, final=True)
+        return self._judge(record, history, final=True)
 
-    def _judge(self, record: Record, final: bool) -> list[Alert]:
+    def _judge(self, record: Record, history: Sequence[Record], final: bool) -> list[Alert]:
         out = []
         for key, points in loss_series(record).items():
             if not self.minimised(where_of(key)):
@@ -86,12 +88,31 @@ class LossSpike(Rule):
                 if spike and level == 0.0:
                     self._episode[key] = ref
                     pend.append((step, v, ref))
-            while pend and (final or pend[0][0] + self.settle <= ser.loss.last_step):
+            while pend and (final or self._ready(key, ser, pend[0][0], [*history, record])):
                 out.append(self._verdict(key, ser, *pend.pop(0)))
-        self.follow_until = max((p[0] + self.settle for pend in self._pending.values() for p in pend), default=-1)
+        self.follow_until = max((p[0] + self.settle for k, pend in self._pending.items() for p in pend
+                                 if (k, p[0]) not in self._shifted), default=-1)
         return out
 
+    def _ready(self, key: str, ser: _Series, step: int, records: Sequence[Record]) -> bool:
+        """Whether the spike at ``step`` can be judged: ``settle`` steps after it, or ``HORIZON`` steps
+        when it has the data-change signature (:mod:`~trackdiag.rules._shift`: decided at ``settle``)."""
+        last = ser.loss.last_step
+        if step + self.settle > last:
+            return False
+        shifted = self._shifted.get((key, step))
+        if shifted is None:
+            shifted = self._shifted[(key, step)] = signature(ser.loss, ser.grad, step, records,
+                                                             key[: -len("loss")] + "opt/lr")
+        return not shifted or step + HORIZON <= last
+
     def _verdict(self, key: str, ser: _Series, step: int, v: float, ref: float) -> Alert:
+        if self._shifted.pop((key, step), False) and (fell := recovered(ser.loss, ser.grad, step)) is not None:
+            msg = (f"loss {v:.4g} is {v / ref:.1f}x its recent average {ref:.4g}, the gradient norm jumped with it at "
+                   f"the same step, after a step at its usual level and with the learning rate unchanged: new data "
+                   f"(a task or curriculum switch, another source) rather than an instability; {HORIZON} steps later "
+                   f"the loss was at {fell[0]:.0%} and the norm at {fell[1]:.0%} of that step's.")
+            return self.make(step, msg, v, self.factor * ref, loss_where(key), [])
         after = ser.loss.between(step + 1, step + self.settle)
         evidence = []
         if after and sum(x >= 3 * ref or not math.isfinite(x) for x in after) >= min(3, len(after)):
