@@ -168,6 +168,27 @@ def test_probe_costs_times_each_part_as_often_as_the_loop_calls_it(tmp_path: Pat
     assert "x1." in proc.stdout.splitlines()[0]  # the header's ratio to the bare arm
 
 
+def test_op_trace_profiles_each_arm_beside_the_bare_loop(tmp_path: Path) -> None:
+    """benchmarks/op_trace.py on the small MLP: one profiled section per arm with finite timings, and the
+    operations trackdiag adds show in its arm only (the gradient tap's one multi-tensor norm per backward)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(BENCH / "op_trace.py"), "--workload", "small", "--arms", "advanced",
+                           "--steps", "5", "--warmup", "3", "--top", "60"], capture_output=True, text=True, timeout=240,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sections = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("## "):
+            name = line[3:].split(":")[0]
+            sections[name] = {"header": line, "ops": set()}
+        elif line.startswith("| ") and sections and not line.startswith("| op "):
+            sections[name]["ops"].add(line.strip("|").split("|")[0].strip())
+    assert set(sections) == {"bare", "advanced"}, proc.stdout[-2000:]
+    for sec in sections.values():
+        assert math.isfinite(float(sec["header"].split(": ")[1].split(" ms/step")[0])), sec["header"]
+    assert "aten::_foreach_norm" in sections["advanced"]["ops"] and "aten::_foreach_norm" not in sections["bare"]["ops"]
+
+
 def test_overhead_compiled_table_counts_dynamo(tmp_path: Path) -> None:
     """``--compile``: bare/basic/advanced on compiled models, finite ratios (or a reported failure,
     never a crash) and Dynamo's counts per arm."""
