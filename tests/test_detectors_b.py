@@ -115,6 +115,41 @@ def test_segmentation_void_label_255_is_padding_not_a_label_fault(tmp_path):
     assert rec["scalars"]["diag/data/label_max"] == max(hi for s, (_, hi) in seen.items() if 11 <= s <= 20)
 
 
+def test_preflight_guesses_the_void_label_of_segmentation_targets(tmp_path):
+    """The pre-flight and the replay compute the loss themselves when none is handed over: with VOC/Cityscapes
+    targets (void = 255, above the classes) that is cross-entropy with ignore_index=255, as the user's loss does;
+    it raised "Target 255 is out of bounds" and the pre-flight was skipped with a note."""
+    from trackdiag.tensors import default_loss
+
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(2, 4, 6, 6, generator=g)
+    y = torch.randint(0, 4, (2, 6, 6), generator=g)
+    y[:, 0] = 255
+    assert float(default_loss(out, (None, y))) == pytest.approx(float(F.cross_entropy(out, y, ignore_index=255)))
+    y[:, 0] = 2
+    assert float(default_loss(out, (None, y))) == pytest.approx(float(F.cross_entropy(out, y)))
+    with pytest.raises(IndexError):  # one-based labels (the class count itself) are no void label
+        default_loss(out, (None, y + 1))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    diag = session(model, opt, tmp_path, level="extreme", probes={"landscape": {"enabled": False}, "report": {"enabled": False}})
+    with diag:
+        for _ in range(3):
+            x = torch.rand(2, 3, 12, 12, generator=g)
+            y = (x[:, 0] * 3.99).long()
+            y[:, :2] = 255
+            out = model(x)
+            loss = F.cross_entropy(out, y, ignore_index=255)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=out, batch=(x, y))
+    assert not [n for n in diag.summary()["notes"] if "pre-flight" in n], diag.summary()["notes"]
+    assert "preflight" not in kinds(diag)
+
+
 @pytest.mark.parametrize("fault,first", [
     ("one_based", 12),     # labels 1..4 from step 12: the class count itself, never taken as padding
     ("second_void", 15),   # 254 beside 255 from step 15: two values above the classes

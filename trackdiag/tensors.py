@@ -97,20 +97,28 @@ def class_dim(logits: torch.Tensor, targets: torch.Tensor) -> int | None:
     return None
 
 
+#: the smallest single target value above the classes taken as padding (segmentation's void 255; not the
+#: class count itself, which is what 1-based labels produce)
+HIGH_IGNORE = 250
+
+
 def default_loss(outputs: Any, batch: Any, target: int | str | None = None) -> torch.Tensor | None:
     """Cross-entropy when the batch holds class targets that pair with the output's shape (padding
     targets ignored), MSE when it holds float targets of the output's shape, else ``None`` (no loss
-    can be guessed). Reads the targets' minimum back: replay and pre-flight paths only."""
+    can be guessed). Reads the targets' extremes back: replay and pre-flight paths only."""
     logits = logits_of(outputs)
     if logits is None:
         return None
     t = targets_of(batch, target)
     if t is not None:
         dim = class_dim(logits, t)
-        # padding targets (one negative value: -100 or the -1 many scripts use) are ignored, as the user's
-        # loss does; reading the minimum is a host read, fine on the replay/pre-flight paths that call this
-        low = int(t.min()) if t.numel() else 0
-        ignore = low if low < 0 else -100
+        if dim is None:
+            return None
+        # padding targets (one negative value: -100 or the -1 many scripts use; or segmentation's void label, 255,
+        # above the classes) are ignored, as the user's loss does; reading the extremes is a host read, fine on
+        # the replay/pre-flight paths that call this
+        low, high = (int(v) for v in t.aminmax()) if t.numel() else (0, 0)
+        ignore = low if low < 0 else high if high >= max(HIGH_IGNORE, logits.shape[dim]) else -100
         if dim == -1:
             return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), t.reshape(-1),
                                                      ignore_index=ignore)

@@ -49,11 +49,7 @@ from trackdiag.norms import stack_scalars
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.task import masked_ce
-from trackdiag.tensors import class_dim, float_tensors, inputs_of, logits_of, targets_of
-
-#: the smallest single target value above the classes taken as padding (segmentation's void 255; not the
-#: class count itself, which is what 1-based labels produce)
-HIGH_IGNORE = 250
+from trackdiag.tensors import HIGH_IGNORE, class_dim, float_tensors, inputs_of, logits_of, targets_of
 
 class DataFiniteProbe(Probe):
     """See module docstring (``data_finite``). Per step and float tensor of the batch: one
