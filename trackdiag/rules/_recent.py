@@ -64,6 +64,14 @@ class Recent:
         return statistics.median(abs(v - mid) for v in vals)
 
 
+def above(v: float, level: float, mad: float, factor: float, mads: float) -> bool:
+    """Whether ``v`` sits above ``level`` by ``mads`` median absolute deviations (``mad``) AND by ``factor`` x (for a
+    positive level; for a signed series, by the deviations alone)."""
+    rise = v - level
+    scale_ok = v > factor * level if level > 0 else True
+    return rise > mads * max(mad, 1e-12) and scale_ok and rise > 1e-6 * max(abs(level), 1e-12)
+
+
 def reacted(loss: Recent, step: int, settle: int, factor: float = 1.5, mads: float = 6.0) -> bool:
     """Whether the loss reacted to something that happened at ``step``: within ``step .. step +
     settle`` it went non-finite, or most of those steps (3, or all when fewer) sat above its level
@@ -77,9 +85,4 @@ def reacted(loss: Recent, step: int, settle: int, factor: float = 1.5, mads: flo
     if not after or not math.isfinite(level):
         return False
 
-    def up(v: float) -> bool:
-        rise = v - level
-        scale_ok = v > factor * level if level > 0 else True
-        return rise > mads * max(mad, 1e-12) and scale_ok and rise > 1e-6 * max(abs(level), 1e-12)
-
-    return sum(up(v) for v in after) >= min(3, len(after))
+    return sum(above(v, level, mad, factor, mads) for v in after) >= min(3, len(after))

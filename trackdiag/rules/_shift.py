@@ -29,7 +29,7 @@ import statistics
 from typing import Sequence
 
 from trackdiag.record import Record
-from trackdiag.rules._recent import Recent
+from trackdiag.rules._recent import Recent, above
 
 #: steps after a jump with the data-change signature at which it is judged
 HORIZON = 30
@@ -38,17 +38,16 @@ HORIZON = 30
 def _up(loss: Recent, step: int, factor: float, mads: float) -> bool:
     """Whether the loss at ``step`` sits above its level before it by ``factor`` x and ``mads`` MADs."""
     now = loss.between(step, step)
-    level, mad = loss.level(step), loss.spread(step)
+    level = loss.level(step)
     if not now or not math.isfinite(now[0]) or not math.isfinite(level):
         return False
-    rise = now[0] - level
-    return rise > mads * max(mad, 1e-12) and (now[0] > factor * level if level > 0 else True)
+    return above(now[0], level, loss.spread(step), factor, mads)
 
 
 def lr_raised(records: Sequence[Record], prefix: str, step: int, factor: float = 2.0) -> bool | None:
-    """Whether a learning rate under ``prefix`` (``diag/opt/lr``, ``diag/G/opt/lr``) logged from the last logging step before ``step`` on is over
-    ``factor`` x its lowest value in the (up to 3) logging steps before that one (or that one's own, when it
-    is the first); None when no learning rate was logged before ``step``."""
+    """Whether a learning rate under ``prefix`` (``diag/opt/lr``, ``diag/G/opt/lr``) logged from the last logging
+    step before ``step`` on is over ``factor`` x its lowest value in the (up to 3) logging steps before that one
+    (or that one's own, when it is the first); None when no learning rate was logged before ``step``."""
     logged = [(r.step, {k: v for k, v in r.scalars.items() if k.startswith(prefix) and isinstance(v, (int, float))})
               for r in records]
     before = [lrs for s, lrs in logged if lrs and s < step]
