@@ -74,6 +74,7 @@ class LossSpike(Rule):
             if ps >= 0:  # a new phase: its loss is judged against its own history
                 self._spikes.pop(key, None), self._series.pop(key, None), self._pending.pop(key, None)
                 self._episode.pop(key, None)
+                self._shifted = {k: v for k, v in self._shifted.items() if k[0] != key}
                 points = [p for p in points if p[0] >= ps]
             det = self._spikes.setdefault(key, SpikeDetector(**self.spike))
             ser = self._series.setdefault(key, _Series())
