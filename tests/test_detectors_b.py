@@ -3,6 +3,7 @@ tiny real training (tests/_zoo_b.py) and every statistic is checked against a re
 another way."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import random
@@ -270,6 +271,53 @@ def test_backward_only_nan_is_traced_to_the_module(tmp_path):
     x, y = next(batches(1))  # reference: anomaly mode names the op inside body.1 (SafeLog)
     with pytest.raises(RuntimeError, match="LogBackward0' returned nan"), torch.autograd.detect_anomaly():
         F.cross_entropy(where_net()(x), y).backward()
+
+
+class _DrawingNet(nn.Module):
+    """A forward that draws from Python's and NumPy's global generators (scheduled sampling's coin, NumPy noise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
+
+    def forward(self, x):
+        scale = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
+        return self.body(x * scale)
+
+
+def _drawing_run(tmp_path, level):
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    model = _DrawingNet()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(12)]
+    diag = session(model, opt, tmp_path, level=level, every=5,
+                   probes={"landscape": {"enabled": False}, "report": {"enabled": False}}) if level else None
+    losses = []
+    with diag if diag is not None else contextlib.nullcontext():
+        for x, y in data:
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if diag is not None:
+                diag.step(loss, outputs=out, batch=(x, y))
+            losses.append(loss.item())
+    return losses, diag
+
+
+@pytest.mark.parametrize("level", ["advanced", "extreme"])
+def test_trackdiags_own_forwards_leave_the_runs_random_draws_alone(tmp_path, level):
+    """The pre-flight's trial steps, the replays and the activation sampling call the user's forward again; one that
+    draws from ``random`` or ``np.random`` (not only torch's generators, which were kept) saw its later draws shifted
+    by trackdiag, so ``extreme`` changed the training trajectory. Same seeds: the same losses to the bit."""
+    bare, _ = _drawing_run(tmp_path / "bare", None)
+    watched, diag = _drawing_run(tmp_path / level, level)
+    assert watched == bare
+    assert diag.summary()["steps"] == 12
 
 
 def test_replay_leaves_no_trace():

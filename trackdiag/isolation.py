@@ -5,13 +5,17 @@ quantisation observers), every module's ``training`` flag and plain attributes (
 flags: a module's own step counter), and the RNG state (dropout draws); inside it compiled code
 runs eagerly (``torch.compile``'s ``force_eager`` stance: hooks are seen, nothing is traced or
 recompiled) and the gradient tap does not count the backward passes. Cost: one copy of the buffers
-and a host pass over the modules' attributes, per isolated forward.
+and a host pass over the modules' attributes, per isolated forward. :func:`rngs_kept` keeps every global random
+generator a user's forward may draw from (torch's, Python's ``random``, NumPy's), for the pre-flight and
+landscapes too.
 """
 from __future__ import annotations
 
 import contextlib
+import random
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -37,6 +41,20 @@ def restore_plain_state(saved: list[tuple[nn.Module, dict[str, Any]]]) -> None:
 
 
 @contextlib.contextmanager
+def rngs_kept(devices: list[int]) -> Iterator[None]:
+    """torch's CPU and CUDA (``devices``) generators, Python's ``random`` and NumPy's global generator, as they were
+    on entry, restored on exit: a forward that draws noise from any of them (``random.random()`` for scheduled
+    sampling, ``np.random`` augmentation) re-run by trackdiag leaves the run's own draws unchanged."""
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
+@contextlib.contextmanager
 def isolated(model: nn.Module) -> Iterator[None]:
     """See module docstring."""
     from trackdiag.gradtap import TAP_QUEUE
@@ -46,7 +64,7 @@ def isolated(model: nn.Module) -> Iterator[None]:
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
-        with TAP_QUEUE.pause(), eager(), torch.random.fork_rng(devices=devices):
+        with TAP_QUEUE.pause(), eager(), rngs_kept(devices):
             yield
     finally:
         with torch.no_grad():

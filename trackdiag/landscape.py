@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trackdiag.errors import TrackdiagError
+from trackdiag.isolation import rngs_kept
 
 log = logging.getLogger("trackdiag")
 LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"cross_entropy": F.cross_entropy,
@@ -150,7 +151,7 @@ def loss_landscape(model: nn.Module, batch: Any, loss: str | Callable[..., torch
     zero = norm_params(model)
     training = {m: m.training for m in model.modules()}
     t0 = time.perf_counter()
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+    with torch.no_grad(), rngs_kept(devices):
         saved = [p.detach().clone() for p in params]
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
         dirs = [filter_normalized_direction(params, gen, zero) for _ in range(dims)]

@@ -41,6 +41,7 @@ from torch import nn
 
 from trackdiag.alert import Alert
 from trackdiag.errors import brief
+from trackdiag.isolation import rngs_kept
 from trackdiag.preflight_trial import Forward, LossFn, Trial, clone_model, copy_optimizer  # noqa: F401 (re-exported)
 from trackdiag.replay import nonfinite_state
 from trackdiag.sparse import all_finite, any_nonzero, dense
@@ -148,7 +149,7 @@ def run_preflight(model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn 
     parts = [(n, m, _listed(o)) for n, m, o in (parts or [("", model, optimizer)])]
     report = PreflightReport([c for name, m, o in parts for c in _prefixed(name, len(parts) > 1, _static_checks(m, o, batch))])
     devices = sorted({p.device.index or 0 for _, m, _ in parts for p in m.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    with rngs_kept(devices), torch.enable_grad():
         trial = Trial(parts, batch, loss_fn=loss_fn, forward=forward, batch_loss=batch_loss)
         with trial.swapped():
             for clone in trial.clones:
