@@ -431,3 +431,110 @@ def test_trainer_building_its_optimizer_in_run_gets_the_pre_clip_norm_at_step_0(
     got = dict(series(diag, "diag/grad/global_norm"))
     assert returned[0] > 1.5
     assert all(got[s] == pytest.approx(v, rel=1e-5) for s, v in enumerate(returned))
+
+
+def _loss_records(loss: dict[int, float], every: int = 10, chance: float = 3.3, entropy: float = 2.82) -> list[Record]:
+    task = {"diag/task/kind": 1.0, "diag/task/chance_loss": chance, "diag/task/marginal_entropy": entropy,
+            "diag/opt/lr": 0.1}
+    out, steps = [], sorted(loss)
+    for end in range(every - 1, steps[-1] + 1, every):
+        window = [s for s in steps if end - every < s <= end]
+        out.append(Record(step=end, scalars=dict(task), series={"diag/loss": [(s, loss[s]) for s in window]}))
+    return out
+
+
+@pytest.mark.parametrize("case,fires", [("fell_from_bad_init", False), ("at_chance", True), ("stuck_above", True)])
+def test_a_loss_above_chance_after_a_long_fall_is_a_slow_learner_not_one_that_ignores_its_input(case: str, fires: bool) -> None:
+    """makemore part 2's raw randn init starts at 7.5x chance (initial_loss said so), falls 4x, and sits above the
+    label entropy after its learning rate drops: it learns, slowly; not_learning named it "no better than a model
+    that ignores its input". At chance and stalled, or stuck above chance from the start, it still fires."""
+    from trackdiag.rules.learning import NotLearning
+
+    gen = torch.Generator().manual_seed(0)
+    noise = lambda: 0.05 * float(torch.randn((), generator=gen))  # noqa: E731
+    if case == "fell_from_bad_init":
+        loss = {s: max(4.5, 18.0 * 0.97 ** s) + noise() for s in range(600)}
+    elif case == "at_chance":
+        loss = {s: max(2.84, 3.4 * 0.99 ** s) + noise() for s in range(600)}
+    else:
+        loss = {s: 4.5 + noise() for s in range(600)}
+    found = [a for a in _judge(NotLearning(), _loss_records(loss)) if a.severity != "info"]
+    assert bool(found) == fires, [a.describe() for a in found]
+
+
+def _contested(lr_jump: bool = False, nan: bool = False) -> list[Record]:
+    """pix2pix's discriminator (seed 1): saturated early (loss 0.05, gradient norm ~5), then contested as the
+    generator improves (loss ~0.5, norms 20-100 for the rest of the run)."""
+    gen = torch.Generator().manual_seed(0)
+    r = lambda: abs(float(torch.randn((), generator=gen)))  # noqa: E731
+    norms = {s: (3.0 + 2 * r()) if s < 61 else (40.0 + 40 * r()) for s in range(200)}
+    loss = {s: (0.05 + 0.01 * r()) if s < 61 else (0.4 + 0.3 * r()) for s in range(200)}
+    if nan:
+        for s in range(63, 200):
+            loss[s] = float("nan")
+    recs = _norms(norms, loss)
+    for rec in recs:
+        rec.scalars["diag/opt/lr"] = 2e-1 if lr_jump and rec.step >= 59 else 2e-4
+    return recs
+
+
+@pytest.mark.parametrize("objective,variant,loud", [
+    ("minimize", "", True), ("adversarial", "", False), ("rl", "", False),
+    ("adversarial", "lr_jump", True), ("adversarial", "nan", True)])
+def test_a_discriminator_becoming_contested_is_not_an_explosion(objective: str, variant: str, loud: bool) -> None:
+    """For a GAN's or an RL agent's component the game moves the gradient level and the loss (pix2pix's saturated
+    discriminator becoming contested: 18x, for the rest of the run; it raised a critical): only signals from outside
+    the game count there: a learning rate raised 1000x just before, a loss gone non-finite."""
+    from trackdiag.objectives import Objectives
+    from trackdiag.rules.gradients import GradExplosion
+
+    rule = GradExplosion()
+    rule.objectives = Objectives(objective)
+    found = _judge(rule, _contested(lr_jump=variant == "lr_jump", nan=variant == "nan"))
+    assert found and found[0].step == 61, found
+    assert (found[0].severity != "info") == loud, found[0].describe()
+
+
+def _delayed_actor(tmp_path: Any, stop_at: int | None) -> Any:
+    """TD3/SAC-style: the critic steps every step, the actor every other step (policy delay 2); with ``stop_at`` the
+    actor's optimizer is no longer called from that step on while its loss still backpropagates."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    q = nn.Sequential(nn.Linear(3, 32), nn.ReLU(), nn.Linear(32, 1))
+    actor = nn.Sequential(nn.Linear(2, 32), nn.ReLU(), nn.Linear(32, 1), nn.Tanh())
+    q_opt, a_opt = torch.optim.Adam(q.parameters(), 1e-3), torch.optim.Adam(actor.parameters(), 1e-3)
+    diag = session({"q": q, "actor": actor}, {"q": q_opt, "actor": a_opt}, tmp_path, level="extreme",
+                   probes={"landscape": {"enabled": False}})
+    with one_thread(), diag:
+        for step in range(200):
+            s = torch.randn(64, 2, generator=g)
+            a = torch.rand(64, 1, generator=g) * 2 - 1
+            target = -(s.sum(1, keepdim=True) - a) ** 2
+            q_loss = F.mse_loss(q(torch.cat([s, a], 1)), target)
+            q_opt.zero_grad()
+            q_loss.backward()
+            q_opt.step()
+            losses = {"q": q_loss}
+            if step % 2 == 1:
+                actor_loss = -q(torch.cat([s, actor(s)], 1)).mean()
+                a_opt.zero_grad()
+                actor_loss.backward()
+                if stop_at is None or step < stop_at:
+                    a_opt.step()
+                losses["actor"] = actor_loss
+            diag.step(losses)
+    return diag
+
+
+@pytest.mark.parametrize("stop_at", [None, 60])
+def test_an_actor_stepped_every_other_step_is_not_stale(tmp_path: Any, stop_at: int | None) -> None:
+    """SAC's actor steps every second gradient step; extreme measured updates on even steps only, found them all
+    zero, and said the actor "no longer changes at the optimizer step". An unchanged weight counts once the
+    component has been idle longer than it ever was between two of its steps: an optimizer the loop stops
+    calling is still found."""
+    diag = _delayed_actor(tmp_path, stop_at)
+    stale = [a for a in diag.alerts if a.kind == "stale_params" and a.where.startswith("actor")]
+    if stop_at is None:
+        assert stale == [], [a.describe() for a in stale]
+    else:
+        assert stale and min(a.step for a in stale) >= stop_at, [a.describe() for a in diag.alerts]

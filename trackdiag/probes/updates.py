@@ -60,6 +60,7 @@ class UpdateProbe(Probe):
         self._versions: dict[str, list[int]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._idle: dict[str, tuple[int, int]] = {}  # component -> (idle steps, first idle step)
+        self._gap: dict[str, int] = {}  # component -> the longest run of idle steps between two of its optimizer steps
         self._keep: dict[str, tuple[int, list[torch.Tensor]]] = {}  # component -> (generation, CPU copy buffers)
         self._live: dict[tuple[str, int], torch.Tensor] = {}  # (component, generation) -> requires_grad mask
 
@@ -115,7 +116,9 @@ class UpdateProbe(Probe):
         scaled = ctx.scaler is not None and bool(getattr(ctx.scaler, "_enabled", False))
         for comp in ctx.components:
             if not comp.optimizers or comp.name in ctx.stepped or scaled:
-                self._idle.pop(comp.name, None)
+                n, _ = self._idle.pop(comp.name, (0, 0))
+                if n and comp.name in ctx.stepped:  # its optimizer stepped again after n idle steps: its rhythm
+                    self._gap[comp.name] = max(self._gap.get(comp.name, 0), n)
             elif comp.name in ctx.backward_seen:
                 n, since = self._idle.get(comp.name, (0, ctx.step))
                 self._idle[comp.name] = (n + 1, since)
@@ -142,7 +145,11 @@ class UpdateProbe(Probe):
                     continue  # a GradScaler-skipped step
                 self._pending[comp.name] = self._diff(comp, snap[1], snap[2])
             elif comp.optimizers and comp.name not in ctx.stepped and comp.name in self._versions:
-                if [p._version for p in comp.index.params] == self._versions[comp.name]:
+                # unchanged because its optimizer stopped, not because this step fell between the steps of an
+                # optimizer that steps every other step (TD3's and SAC's delayed actor updates): a zero only once it
+                # has been idle longer than it ever was between two of its steps
+                idle = self._idle.get(comp.name, (0, 0))[0]
+                if idle > self._gap.get(comp.name, 0) and [p._version for p in comp.index.params] == self._versions[comp.name]:
                     n = len(comp.index.layers)
                     self._pending[comp.name] = {"ratio": torch.zeros(n), "global_ratio": torch.zeros(()),
                                                 **({"group_ratio": torch.zeros(len(comp.index.groups))} if comp.index.grouped else {})}

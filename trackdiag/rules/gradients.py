@@ -6,6 +6,10 @@ run's own recent norms (:class:`~trackdiag.rules._spike.SpikeDetector`), and how
 from what followed it (:mod:`trackdiag.policy`): a one-step spike after which the loss and the
 norms are back where they were is an ``info`` finding; one that persists, moves the loss or the
 weights is a warning or critical. ``threshold`` / ``layer_threshold`` add the user's own absolute lines.
+A component whose objective is not minimised (a GAN's generator and discriminator, an RL agent) moves its
+gradient level and its loss as the game goes (a saturated discriminator becoming contested: 10-20x, for good):
+there only signals from outside the game count (a non-finite loss, a learning rate raised 10x or more just
+before, an update larger than the weights, 1000x, your threshold).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from trackdiag.context import Component
 from trackdiag.modnames import layer_label
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent, reacted
-from trackdiag.rules._shift import HORIZON, recovered, signature
+from trackdiag.rules._shift import HORIZON, lr_raised, recovered, signature
 from trackdiag.rules._spike import SpikeDetector
 from trackdiag.rules._weights import weights_moved
 from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
@@ -142,25 +146,35 @@ class GradExplosion(Rule):
         after = st.grad.between(step + 1, step + self.settle)
         high = sum(v >= self.persist_factor * ref or not math.isfinite(v) for v in after)
         evidence = []
-        if high >= min(3, max(len(after), 1)) and after:
-            evidence.append("persistent")
-        if reacted(st.loss, step + 1, self.settle - 1):  # after it: an odd batch has a high loss of its own
-            evidence.append("loss")
-        if weights_moved([*history, record], comp.name, step, step + self.settle):
-            evidence.append("weights")
-        if self.threshold is not None and gn > self.threshold:
+        records = [*history, record]
+        minimised, lr_up = self.minimised(comp.name), False
+        if minimised:
+            if high >= min(3, max(len(after), 1)) and after:
+                evidence.append("persistent")
+            if reacted(st.loss, step + 1, self.settle - 1):  # after it: an odd batch has a high loss of its own
+                evidence.append("loss")
+        else:  # a GAN's or an RL agent's: the game moves the gradient level and the loss (a saturated discriminator
+            # becoming contested: 10-20x, for good); only signals from outside the game count
+            if not all(math.isfinite(v) for v in st.loss.between(step + 1, step + self.settle)):
+                evidence.append("loss")
+            lr_up = bool(lr_raised(records, comp.key("opt/lr"), step, factor=10.0))
+        user = self.threshold is not None and gn > self.threshold
+        if lr_up or user:
             evidence.append("corroborated")
+        if weights_moved(records, comp.name, step, step + self.settle):
+            evidence.append("weights")
         if ref > 0 and gn >= self.unambiguous * ref:  # no odd batch moves a gradient a thousandfold
             evidence.append("unambiguous")
         jump = f"{gn / ref:.1f}x its recent level {ref:.3g}" if ref > 0 else f"{gn:.3g}"
-        records = [*history, record]
         # a lasting explosion is located at the first step its layers were measured; a lone spike only at its own step
         where, at = largest_layer(records, comp, step, record.step if "persistent" in evidence else step)
         if evidence:
-            what = ", ".join(w for w, e in (("it stayed high", "persistent"), ("the loss reacted", "loss"),
-                                           ("the weights moved more than their size", "weights"),
-                                           (f"above your threshold {self.threshold}", "corroborated"),
-                                           (f"over {self.unambiguous:g}x", "unambiguous")) if e in evidence)
+            what = ", ".join(w for w, on in (("it stayed high", "persistent" in evidence),
+                                            ("the loss reacted" if minimised else "the loss went non-finite", "loss" in evidence),
+                                            ("the learning rate was raised 10x or more just before", lr_up),
+                                            ("the weights moved more than their size", "weights" in evidence),
+                                            (f"above your threshold {self.threshold}", user),
+                                            (f"over {self.unambiguous:g}x", "unambiguous" in evidence)) if on)
             msg = f"the pre-clip global gradient norm jumped to {gn:.3g} ({jump}); {what}."
             if where and at != step:
                 msg += f" At step {at} the largest gradient is in {where}."

@@ -7,7 +7,8 @@ long warm-up schedule is waited for), on the medians of the first ``start_steps`
 ``recent_steps`` (50) losses:
 
 - **at chance** (``loss``): the task is shown (:mod:`trackdiag.task`), the recent loss is within
-  ``margin`` (5%) of the chance level and stalled there (it fell less than ``min_fall``, 2%, over the
+  ``margin`` (5%) of the chance level (or above it and flat since the start: a loss that fell far from a bad
+  initialisation and is still above chance is learning, slowly) and stalled there (it fell less than ``min_fall``, 2%, over the
   last 100 steps, or the last 200 when it fell from its start first: a language model may rest at
   the entropy of its token frequencies for a hundred steps on its way down): for a classification, the entropy of the targets' class frequencies (what predicting
   the label frequencies scores; ln C for balanced classes, and when the frequencies are degenerate),
@@ -122,7 +123,10 @@ class NotLearning(Rule):
             sigma = 1.4826 * statistics.median(abs(v - mid) for v in tail)
             noise = 2 * 1.25 * sigma / math.sqrt(len(tail))
             stalled = statistics.median(head) - mid < max(self.min_fall * abs(now), noise)
-        at_chance = math.isfinite(chance) and now >= (1 - self.margin) * chance and stalled
+        # at the chance level, or stuck above it without having fallen (a loss that fell 4x from a bad init and
+        # still sits above chance is a slow learner: initial_loss told of the init, the hint here would mislead)
+        at_chance = (math.isfinite(chance) and now >= (1 - self.margin) * chance and stalled
+                     and (now <= (1 + self.margin) * chance or flat))
         acc = self._acc_at_chance()
         evidence = (["loss"] if at_chance else []) + (["corroborated"] if acc else [])
         if evidence and flat:
