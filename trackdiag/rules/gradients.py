@@ -59,7 +59,8 @@ class GradExplosion(Rule):
     than ``spike_z`` (6) standard deviations above the mean of the last ``window`` (128) norms AND
     more than ``spike_factor`` (10) x their recent level (the median of the last 20, floored at
     ``floor_fraction``, 0.1, of the first ``warmup``, 20, norms). Judged ``settle`` (5) steps later: ``persistent`` when at least 3 of them
-    stay above ``persist_factor`` (3) x the old level; ``loss`` when the loss of the following
+    stay above ``persist_factor`` (3) x the old level (and fewer than 2 of the ``settle`` steps before it did: a
+    jump amid others is the same heavy tail, not a change); ``loss`` when the loss of the following
     steps rose or went non-finite (:func:`~trackdiag.rules._recent.reacted`; the spike step's own loss
     does not count: an unusual batch has a high loss and a high gradient at once); ``weights`` when an update-to-weight ratio
     above 1 was measured. ``threshold`` / ``layer_threshold`` (default none): absolute lines of your
@@ -148,8 +149,12 @@ class GradExplosion(Rule):
         evidence = []
         records = [*history, record]
         minimised, lr_up = self.minimised(comp.name), False
+        # the norm already jumping before it (2 or more of the steps before above persist_factor x the level): heavy
+        # tails (free-running BPTT, scheduled sampling), not a change at this step; what follows then shows no persistence
+        before = st.grad.between(step - self.settle, step - 1)
+        jumpy = sum(math.isfinite(v) and v >= self.persist_factor * ref for v in before) >= 2
         if minimised:
-            if high >= min(3, max(len(after), 1)) and after:
+            if high >= min(3, max(len(after), 1)) and after and not jumpy:
                 evidence.append("persistent")
             if reacted(st.loss, step + 1, self.settle - 1):  # after it: an odd batch has a high loss of its own
                 evidence.append("loss")
@@ -180,6 +185,9 @@ class GradExplosion(Rule):
                 msg += f" At step {at} the largest gradient is in {where}."
         elif not after:
             msg = f"the pre-clip global gradient norm jumped to {gn:.3g} ({jump}) at the run's last steps."
+        elif jumpy:
+            msg = (f"the pre-clip global gradient norm jumped to {gn:.3g} ({jump}) in a stretch where it was already "
+                   f"jumping (heavy-tailed gradients; the loss did not react): clip_grad_norm_ keeps such steps in bounds.")
         else:
             msg = (f"a one-step spike of the pre-clip global gradient norm to {gn:.3g} ({jump}); the loss and the "
                    f"next {self.settle} steps were unaffected.")
