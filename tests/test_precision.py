@@ -560,3 +560,44 @@ def test_a_spike_in_a_stretch_of_heavy_tailed_gradients_is_no_lasting_explosion(
     assert (found[0].severity != "info") == loud, found[0].describe()
     if not loud:
         assert "already jumping" in found[0].message
+
+
+def _zero_init_run(tmp_path: Any, head_only: bool) -> tuple[Any, dict[int, float]]:
+    xtr, ytr, _, _ = digits()
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)) if head_only else nn.Sequential(nn.Linear(64, 10))
+    for p in (*model[-1].parameters(), *(() if not head_only else (model[0].bias,))):
+        nn.init.zeros_(p)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    diag = session(model, opt, tmp_path)
+    born = [bool(p.detach().abs().sum() > 0) for p in model.parameters()]
+    by_hand = {}
+    with one_thread(), diag:
+        order = torch.cat([torch.randperm(len(xtr), generator=g) for _ in range(2)])
+        for step in range(30):
+            idx = order[64 * step: 64 * (step + 1)]
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            kept = [(p.detach(), b) for p, b, k in zip(model.parameters(), before, born) if k]
+            if kept:
+                d = torch.sqrt(sum((p - b).square().sum() for p, b in kept))
+                by_hand[step] = float(d / torch.sqrt(sum(b.square().sum() for _, b in kept)))
+            diag.step(loss)
+    return diag, by_hand
+
+
+@pytest.mark.parametrize("head_only", [False, True])
+def test_weights_initialised_at_zero_do_not_make_a_step_larger_than_the_weights(tmp_path: Any, head_only: bool) -> None:
+    """The textbook ``w = 0`` logistic regression: its second step is about as large as the weights its first step
+    made (1.0-1.3x), which the whole-model ratio called an update larger than the weights, critical. The rule reads
+    ``update/step_size``, the ratio over the parameters that were not all zero when first measured; checked against
+    that ratio computed by hand on a network with a zero-initialised head and zero biases."""
+    diag, by_hand = _zero_init_run(tmp_path, head_only)
+    assert not [a for a in diag.alerts if a.kind == "update_ratio"], [a.describe() for a in diag.alerts]
+    if head_only:
+        got = {r.step: r.scalars["diag/update/step_size"] for r in read_records(tmp_path) if "diag/update/step_size" in r.scalars}
+        assert len(got) >= 10 and all(v == pytest.approx(by_hand[s], rel=1e-4) for s, v in got.items()), (got, by_hand)

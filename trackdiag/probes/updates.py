@@ -18,6 +18,10 @@ Emits per component:
   ``diag/[<c>/]update/ratio_median``: the median over layers with weights (~1e-3 is the usual healthy value);
   ``diag/[<c>/]update/global_ratio``: the same ratio over all trainable parameters at once (frozen
       ones an optimizer holds do not dilute it).
+  ``diag/[<c>/]update/step_size``: the same over the parameters that were not all zero when first measured
+      (a textbook ``w = 0`` logistic regression, zero-initialised biases: their first steps make the weights,
+      so "larger than the weights" says nothing; ``nan`` when every parameter started at zero). The rule for
+      steps larger than the weights reads it.
   ``diag/[<c>/]update/idle_steps`` (every logging step, while > 0): consecutive steps in which
       backward passes reached the component but none of its optimizers stepped (an ``optimizer.step()``
       the loop stopped calling), with the table ``update/idle`` = ``{"since": first such step}``;
@@ -63,6 +67,7 @@ class UpdateProbe(Probe):
         self._gap: dict[str, int] = {}  # component -> the longest run of idle steps between two of its optimizer steps
         self._keep: dict[str, tuple[int, list[torch.Tensor]]] = {}  # component -> (generation, CPU copy buffers)
         self._live: dict[tuple[str, int], torch.Tensor] = {}  # (component, generation) -> requires_grad mask
+        self._born: dict[tuple[str, int], torch.Tensor] = {}  # (component, generation) -> not all zero when first measured
 
     def bind(self, default_every: int) -> None:
         self.schedule = EarlyThenEvery(self.early, self.every or default_every, type(self).follows_anomaly)
@@ -151,7 +156,7 @@ class UpdateProbe(Probe):
                 idle = self._idle.get(comp.name, (0, 0))[0]
                 if idle > self._gap.get(comp.name, 0) and [p._version for p in comp.index.params] == self._versions[comp.name]:
                     n = len(comp.index.layers)
-                    self._pending[comp.name] = {"ratio": torch.zeros(n), "global_ratio": torch.zeros(()),
+                    self._pending[comp.name] = {"ratio": torch.zeros(n), "global_ratio": torch.zeros(()), "step_size": torch.zeros(()),
                                                 **({"group_ratio": torch.zeros(len(comp.index.groups))} if comp.index.grouped else {})}
         self._prepare(ctx, ctx.step + 1)
 
@@ -176,12 +181,25 @@ class UpdateProbe(Probe):
         lw, ld = idx.per_layer_norm(w_norms), idx.per_layer_norm(d_norms)
         nan = torch.full_like(lw, math.nan)
         live = self._trainable(comp, w_norms)  # frozen weights in the optimizer do not dilute the whole-model ratio
+        step = torch.linalg.vector_norm(d_norms * live)
+        born = live * self._not_born_zero(comp, w_norms)
         out = {"ratio": torch.where(lw > 0, ld / lw, nan),  # its median is taken on the host (CUDA's nanmedian syncs)
-               "global_ratio": torch.linalg.vector_norm(d_norms * live) / torch.linalg.vector_norm(w_norms * live)}
+               "global_ratio": step / torch.linalg.vector_norm(w_norms * live),
+               "step_size": torch.linalg.vector_norm(d_norms * born) / torch.linalg.vector_norm(w_norms * born)}
         if idx.grouped:
             gw, gd = idx.per_group_norm(lw), idx.per_group_norm(ld)
             out["group_ratio"] = torch.where(gw > 0, gd / gw, torch.full_like(gw, math.nan))
         return out
+
+    def _not_born_zero(self, comp: Component, w_norms: torch.Tensor) -> torch.Tensor:
+        """1.0 for parameters that were not all zero at the component's first measured step (of this index
+        generation), 0.0 for those that were: kept on the device, taken from the first step's norms."""
+        key = (comp.name, comp.generation)
+        mask = self._born.get(key)
+        if mask is None or mask.device != w_norms.device or mask.shape != w_norms.shape:
+            mask = (w_norms > 0).float()
+            self._born = {key: mask}  # the newest generation's only
+        return mask
 
     def _trainable(self, comp: Component, like: torch.Tensor) -> torch.Tensor:
         """1.0 for parameters that require a gradient, 0.0 for frozen ones (kept per index generation:
@@ -214,6 +232,8 @@ class UpdateProbe(Probe):
             finite = ratio[~np.isnan(ratio)]
             record.scalars[comp.key("update/ratio_median")] = float(np.median(finite)) if finite.size else math.nan
             record.scalars[comp.key("update/global_ratio")] = float(values[f"{comp.name}|global_ratio"][0])
+            if f"{comp.name}|step_size" in values:
+                record.scalars[comp.key("update/step_size")] = float(values[f"{comp.name}|step_size"][0])
             publish_layers(comp.key("update/ratio"), comp, ratio, record, values.get(f"{comp.name}|group_ratio"))
 
     def reindexed(self, ctx: ProbeContext, comp: Component) -> None:

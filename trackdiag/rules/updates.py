@@ -22,9 +22,11 @@ def qualified(comp: Component, layer: str) -> str:
 class UpdateRatio(Rule):
     """Update-to-weight ratios ||dw||/||w|| far from the ~1e-3 of healthy training:
 
-    - the whole model's ratio (``update/global_ratio``) above ``high`` (1.0) at one measurement:
-      the step moved the weights by more than their own size, which no healthy run does
-      (``unambiguous``, at once: a learning rate orders of magnitude too high from step 0);
+    - the whole model's step (``update/step_size``: the ratio over the parameters that were not all zero
+      when first measured; a zero-initialised logistic regression's second step is as large as the weights
+      its first step made) above ``high`` (1.0) at one measurement: the step moved the weights by more than
+      their own size, which no healthy run does (``unambiguous``, at once: a learning rate orders of magnitude
+      too high from step 0);
     - one layer above ``high`` for ``patience`` (3) consecutive measurements (``persistent``): a
       param group with a wrong learning rate, a weight decay that flips the weights. One
       measurement alone is not enough for a layer: parameters initialised at or near zero
@@ -63,7 +65,8 @@ class UpdateRatio(Rule):
         out = []
         for comp in components:
             layers = {k: v for k, v in layer_values(record, comp.key("update/ratio")).items() if math.isfinite(v)}
-            g = record.scalars.get(comp.key("update/global_ratio"), math.nan)
+            # the step against the weights that were not born zero (their first steps make them)
+            g = record.scalars.get(comp.key("update/step_size"), record.scalars.get(comp.key("update/global_ratio"), math.nan))
             if math.isfinite(g) and self._global.bump(comp.name, g > self.high, record.step):
                 top = max(layers, key=layers.__getitem__) if layers else ""
                 where = qualified(comp, top) if top else comp.name
