@@ -198,7 +198,8 @@ class UpdateProbe(Probe):
         mask = self._born.get(key)
         if mask is None or mask.device != w_norms.device or mask.shape != w_norms.shape:
             mask = (w_norms > 0).float()
-            self._born = {key: mask}  # the newest generation's only
+            self._born = {k: v for k, v in self._born.items() if k[0] != comp.name}  # its newest generation's only
+            self._born[key] = mask
         return mask
 
     def _trainable(self, comp: Component, like: torch.Tensor) -> torch.Tensor:
