@@ -560,6 +560,41 @@ def test_preflight_notes_experts_the_batch_never_called_but_fails_a_called_block
     assert report["grads"].detail.startswith(f"{len(cut_off)} trainable parameter(s) get no gradient"), report["grads"].detail
 
 
+class _ZeroGainBlock(nn.Module):
+    """A residual block whose last BatchNorm starts at gamma 0 (torchvision's ``zero_init_residual=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(32, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32)
+        self.c2, self.b2 = nn.Conv2d(32, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32)
+        nn.init.zeros_(self.b2.weight)
+
+    def forward(self, x):
+        return F.relu(x + self.b2(self.c2(F.relu(self.b1(self.c1(x))))))
+
+
+def test_preflight_leaves_a_block_behind_a_zero_initialised_gain_alone(tmp_path):
+    """Behind a gain of 0 a block's parameters get a rounding-level gradient (1e-10 and less), which an SGD step
+    cannot show in fp32: the pre-flight called them "did not change after an optimizer step" (warning) on a
+    healthy ResNet with zero_init_residual. A learning rate of 0 for a group is still caught (the test above)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(), _ZeroGainBlock(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), 0.1, momentum=0.9)
+    diag = session(model, opt, tmp_path, level="extreme", probes={"landscape": {"enabled": False}, "report": {"enabled": False}})
+    with diag:
+        for _ in range(2):
+            x, y = torch.randn(64, 1, 16, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=out, batch=(x, y))
+    assert not [a for a in diag.alerts if a.kind == "preflight" and "params_change" in a.where], [a.describe() for a in diag.alerts]
+
+
 def test_preflight_runs_automatically_at_extreme(tmp_path):
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), 1e-3)

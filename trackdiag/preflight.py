@@ -251,6 +251,13 @@ def _routed(trial: Trial, seen: set[int] | None) -> set[str]:
     return out
 
 
+def _visible(param: torch.Tensor, lr: float) -> bool:
+    """Whether an SGD step of ``lr`` on ``param``'s gradient is above fp32 resolution of its largest weight."""
+    g, w = dense(param.grad.detach()), dense(param.detach())
+    top = float(w.abs().max()) if w.numel() else 0.0
+    return lr * float(g.abs().max()) > 1e-6 * max(top, 1e-30)
+
+
 def _change_check(trial: Trial) -> Check:
     opts = [o for o in trial.opts if o is not None]
     if all(float(g.get("lr", 1.0)) == 0.0 for o in opts for g in o.param_groups):
@@ -258,7 +265,10 @@ def _change_check(trial: Trial) -> Check:
             o.step()
         return Check("params_change", None, "the learning rate is 0 (warm-up start?): nothing can change yet.")
     named = _named(trial)
-    moved = {n: bool(c.grad is not None and any_nonzero(c.grad)) for n, _, c in named}
+    lr = max((float(g.get("lr", 1.0)) for o in opts for g in o.param_groups), default=1.0)
+    # a gradient whose plain step (lr x g) is below fp32 resolution of the weight moves nothing under SGD: a block
+    # behind a zero-initialised gain (torchvision's zero_init_residual) gets a rounding-level gradient, not a stuck one
+    moved = {n: bool(c.grad is not None and any_nonzero(c.grad) and _visible(c, lr)) for n, _, c in named}
     for o in opts:
         o.step()
     stuck = [n for n, p, c in named if moved[n] and torch.equal(dense(c.detach()), dense(p.detach()))]
