@@ -91,3 +91,10 @@ def recovered(loss: Recent, grad: Recent, step: int, horizon: int = HORIZON, rec
             return None
         fracs.append(frac)
     return fracs[0], fracs[1]
+
+
+def told(fell: tuple[float, float]) -> str:
+    """The verdict's words for a recovered jump with the signature (``fell``: :func:`recovered`'s fractions)."""
+    return (f"after a step at its usual level and with the learning rate unchanged: new data (a task or curriculum "
+            f"switch, another source) rather than an instability; {HORIZON} steps later the loss was at {fell[0]:.0%} "
+            f"and the norm at {fell[1]:.0%} of that step's.")

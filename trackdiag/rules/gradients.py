@@ -22,7 +22,7 @@ from trackdiag.context import Component
 from trackdiag.modnames import layer_label
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent, reacted
-from trackdiag.rules._shift import HORIZON, lr_raised, recovered, signature
+from trackdiag.rules._shift import HORIZON, lr_raised, recovered, signature, told
 from trackdiag.rules._spike import SpikeDetector
 from trackdiag.rules._weights import weights_moved
 from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
@@ -139,10 +139,7 @@ class GradExplosion(Rule):
         if st.shifted.pop(step, False) and (fell := recovered(st.loss, st.grad, step)) is not None:
             loss_at = st.loss.between(step, step)[0]
             msg = (f"the pre-clip global gradient norm jumped to {gn:.3g} ({gn / ref:.1f}x its recent level "
-                   f"{ref:.3g}) together with the loss ({loss_at:.3g}), at one step, after a step at its usual "
-                   f"level and with the learning rate unchanged: new data (a task or curriculum switch, another "
-                   f"source) rather than an instability; {HORIZON} steps later the loss was at {fell[0]:.0%} and "
-                   f"the norm at {fell[1]:.0%} of that step's.")
+                   f"{ref:.3g}) together with the loss ({loss_at:.3g}), at one step, {told(fell)}")
             return self.make(step, msg, gn, self.spike["factor"] * ref, comp.name, [])
         after = st.grad.between(step + 1, step + self.settle)
         high = sum(v >= self.persist_factor * ref or not math.isfinite(v) for v in after)

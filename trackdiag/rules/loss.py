@@ -16,7 +16,7 @@ from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent
-from trackdiag.rules._shift import HORIZON, recovered, signature
+from trackdiag.rules._shift import HORIZON, recovered, signature, told
 from trackdiag.rules._spike import SpikeDetector
 from trackdiag.rules._weights import weights_moved
 from trackdiag.rules.base import Rule, loss_series, loss_where, phase_start, where_of
@@ -110,9 +110,7 @@ class LossSpike(Rule):
     def _verdict(self, key: str, ser: _Series, step: int, v: float, ref: float) -> Alert:
         if self._shifted.pop((key, step), False) and (fell := recovered(ser.loss, ser.grad, step)) is not None:
             msg = (f"loss {v:.4g} is {v / ref:.1f}x its recent average {ref:.4g}, the gradient norm jumped with it at "
-                   f"the same step, after a step at its usual level and with the learning rate unchanged: new data "
-                   f"(a task or curriculum switch, another source) rather than an instability; {HORIZON} steps later "
-                   f"the loss was at {fell[0]:.0%} and the norm at {fell[1]:.0%} of that step's.")
+                   f"the same step, {told(fell)}")
             return self.make(step, msg, v, self.factor * ref, loss_where(key), [])
         after = ser.loss.between(step + 1, step + self.settle)
         evidence = []
