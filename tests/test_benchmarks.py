@@ -13,6 +13,7 @@ import json
 import math
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -165,7 +166,8 @@ def test_probe_costs_times_each_part_as_often_as_the_loop_calls_it(tmp_path: Pat
     spent = {k: us for k, (us, _) in rows.items()}
     assert 0 < spent["logging step: rules"] < spent["logging step (all of it)"] < spent["Diagnostics.step"]
     assert spent["probe grads.on_grads"] < spent["optimizer dispatch"]
-    assert "x1." in proc.stdout.splitlines()[0]  # the header's ratio to the bare arm
+    ratio = re.search(r"\(x(\d+\.\d+)\)", proc.stdout.splitlines()[0])  # the header's ratio to the bare arm
+    assert ratio is not None and float(ratio.group(1)) > 1.0  # (its size depends on the machine's load)
 
 
 def test_op_trace_profiles_each_arm_beside_the_bare_loop(tmp_path: Path) -> None:

@@ -103,6 +103,9 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             del policy.rewards[:], policy.saved_log_probs[:]
             diag.step(loss)
     env.close()
-    progress = Progress("episode reward", mean(ep_rewards[:20]), mean(ep_rewards[-20:]), higher_is_better=True,
-                        min_gain=8.0)
+    # learned: the last 100 episodes close half the gap between the first 20 and the cap (REINFORCE at the cap
+    # still dips for a few episodes now and then: a last-20 mean fell to 28.6 after 100 episodes at 38-40)
+    start = mean(ep_rewards[:20])
+    progress = Progress("episode reward", start, mean(ep_rewards[-100:]), higher_is_better=True,
+                        min_gain=(MAX_EPISODE_STEPS - start) / 2)
     return StyleRun(diag, fault_onset(fault, onset), steps, "affine2", fault, progress, crash["error"], timer.seconds)
