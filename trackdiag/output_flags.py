@@ -15,11 +15,12 @@ the flag is non-finite exactly when the tensor held a NaN/Inf; a finite sum over
 one multi-tensor kernel on CUDA, a sum per tensor on the CPU (the CPU's multi-tensor norm is a
 per-tensor loop, 3-15x slower than a sum on large tensors). Known healthy: the NaN replay's
 ``mode=step`` has read every gradient of the step finite (its one host sync per step, :meth:`judged`)
-and the step is not a logging step; then the held calls are let go unread. Past ``max_mb`` MB or
+and the step is not one that learns habitual modules (``due``: some logging steps, see
+:mod:`trackdiag.probes.flight`); then the held calls are let go unread. Past ``max_mb`` MB or
 ``chunk`` calls held, the waiting ones are placed and summed at once.
 The flags of the last ``ring`` steps stay on the device as one tensor per step; they are read back only
 when a non-finite alert or a crash asks which module was first (completion order: the innermost module
-that completed first, and whether its input was finite), and at logging steps with the session's one
+that completed first, and whether its input was finite), and at the logging steps that learn with the session's one
 host copy, to learn the modules whose output is non-finite on healthy steps too (``-inf`` attention
 masks): those are never blamed. An output changed in place after its module returned (``relu_``,
 ``x += y``) is read as it is at the step's end (NaN stays NaN under such ops; ``-inf`` clamped to 0 does not).
@@ -107,7 +108,8 @@ class OutputFlags:
         if self._stops is None:
             modules = {id(m): m for comp in self.ctx.components if comp.model is not None
                        for m in comp.model.modules() if id(m) in self._names}
-            self._stops = [FORWARD.watch(m, post=self._seen, root=True) for m in modules.values()]
+            self._stops = [FORWARD.watch(m, post=self._watcher(self._names[i], i in self._roots), root=True)
+                           for i, m in modules.items()]
 
     def stop(self) -> None:
         for stop in self._stops or ():
@@ -121,41 +123,46 @@ class OutputFlags:
         self._now, self._calls, self._waiting, self._placed, self._last = _Step(), [], [], {}, None
         self._prev_at, self._bytes = -1, 0
 
-    def _seen(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
-        """Every eager forward of the session's modules. Hot path: one append (the output and the input as
-        they are); positions, detaching and sums wait for :meth:`flush`, which a step judged healthy never needs."""
-        mid = id(module)
-        key = self._names.get(mid)
-        if key is None or not module.training or not _grad_enabled():
-            return
-        t = output
-        if type(t) is not torch.Tensor:
-            t = output[0] if isinstance(output, (tuple, list)) and output else None
-            if not isinstance(t, torch.Tensor):
-                t = None
-        if t is None or t is self._last or not t.is_floating_point():
-            if mid in self._roots:  # a container handing on its last child's output, or no tensor
-                self._last = None
-            return
-        t0 = time.perf_counter()
-        x = args[0] if args else None
-        if type(x) is not torch.Tensor or not x.is_floating_point():
-            x = None
-        elif x is self._last:
-            x = _PREV
-        elif x.numel() > HELD_NUMEL and x.layout is torch.strided and not self.batched(x):
-            x = (self._sum_now(x),)  # a large CPU input: summed now, while it is in cache
-        n = t.numel()
-        big = n > HELD_NUMEL and t.layout is torch.strided and not self.batched(t)
-        if big:
-            self._calls.append((key, self._sum_now(t), x, True))
-        else:
-            self._calls.append((key, t, x, False))
-            self._bytes += n * t.element_size()
-        self._last = None if mid in self._roots else t  # the model's outputs: not kept past its forward
-        if len(self._calls) >= self.chunk or self._bytes >= self.max_bytes:
-            self.flush()
-        self.ctx.hook_seconds += time.perf_counter() - t0  # inside the user's forward: the session's clock misses it
+    def _watcher(self, key: Key, root: bool) -> Any:
+        """The forward watcher of one module (its key and whether it is a model's root bound in: the hot path
+        looks nothing up): one append of the output and the input as they are; positions, detaching and sums
+        wait for :meth:`flush`, which a step judged healthy never needs."""
+        clock, ctx = time.perf_counter, self.ctx
+
+        def seen(module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
+            if not module.training or not _grad_enabled():
+                return
+            t = output
+            if type(t) is not torch.Tensor:
+                t = output[0] if isinstance(output, (tuple, list)) and output else None
+                if not isinstance(t, torch.Tensor):
+                    t = None
+            last = self._last
+            if t is None or t is last or not t.is_floating_point():
+                if root:  # a container handing on its last child's output, or no tensor
+                    self._last = None
+                return
+            t0 = clock()
+            x = args[0] if args else None
+            if type(x) is not torch.Tensor:
+                x = None
+            elif x is last:
+                x = _PREV
+            elif not x.is_floating_point():
+                x = None
+            elif x.numel() > HELD_NUMEL and x.layout is torch.strided and not self.batched(x):
+                x = (self._sum_now(x),)  # a large CPU input: summed now, while it is in cache
+            n = t.numel()
+            if n > HELD_NUMEL and t.layout is torch.strided and not self.batched(t):
+                self._calls.append((key, self._sum_now(t), x, True))
+            else:
+                self._calls.append((key, t, x, False))
+                self._bytes += n * t.element_size()
+            self._last = None if root else t  # the model's outputs: not kept past its forward
+            if len(self._calls) >= self.chunk or self._bytes >= self.max_bytes:
+                self.flush()
+            ctx.hook_seconds += clock() - t0  # inside the user's forward: the session's clock misses it
+        return seen
 
     @staticmethod
     def batched(t: torch.Tensor) -> bool:
@@ -239,14 +246,14 @@ class OutputFlags:
 
     def judged(self, finite: bool) -> None:
         """The NaN replay (``mode=step``) read this pass's gradients: finite or not. A step whose every
-        judgement was finite, covering every output recorded, needs no flags (unless it is a logging step)."""
+        judgement was finite, covering every output recorded, needs no flags (unless it is ``due``: a learning step)."""
         now = self._now
         now.finite = finite and now.finite is not False
         now.judged = now.calls + len(self._calls)
 
     def end_step(self, step: int, due: bool = True) -> None:
         """``Diagnostics.step``: the running step's flags join the ring (one ``stack``), unless the step was
-        judged healthy and is not ``due`` (a logging step): then its held outputs are let go unread."""
+        judged healthy and is not ``due`` (a logging step that learns habitual modules): then its held outputs are let go unread."""
         now = self._now
         if not due and now.finite and now.judged == now.calls + len(self._calls):
             now.calls += len(self._calls)  # let go unread
