@@ -147,6 +147,7 @@ class _Dispatch(Pausable):
     def __init__(self) -> None:
         super().__init__()
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._live: tuple[weakref.ref[Any], ...] = ()  # the listeners as plain references (a WeakSet iterates in Python)
         self._handles: list[Any] = []
         # reentrant: a listener's finalizer (``_collected``) may run inside a garbage collection that an
         # allocation under this lock set off
@@ -155,6 +156,7 @@ class _Dispatch(Pausable):
     def add(self, listener: StepListener) -> None:
         with self._lock:
             self._listeners.add(listener)
+            self._live = tuple(weakref.ref(x) for x in self._listeners)
             # a session dropped without close() (never opened) must not leave torch's global hooks behind
             weakref.finalize(listener, self._collected)
             if not self._handles:
@@ -164,10 +166,12 @@ class _Dispatch(Pausable):
     def discard(self, listener: StepListener) -> None:
         with self._lock:
             self._listeners.discard(listener)
+            self._live = tuple(weakref.ref(x) for x in self._listeners)
             self._release()
 
     def _collected(self) -> None:
         with self._lock:
+            self._live = tuple(weakref.ref(x) for x in self._listeners)
             self._release()
 
     def _release(self) -> None:
@@ -178,10 +182,13 @@ class _Dispatch(Pausable):
             self._handles = []
 
     def _fan(self, method: str, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._paused or not len(self._listeners):
+        if self._paused or not self._live:
             return
         closure = args[1] if len(args) > 1 and callable(args[1]) else (closure_of(args, kwargs) if kwargs else None)
-        for listener in list(self._listeners):
+        for ref in self._live:
+            listener = ref()
+            if listener is None:
+                continue
             fn: Callable[..., None] = getattr(listener, method)
             try:
                 fn(opt, closure)

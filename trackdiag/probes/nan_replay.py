@@ -90,7 +90,7 @@ class NanReplayProbe(Probe):
         self.loss_fn = resolve(loss_fn) if isinstance(loss_fn, str) else loss_fn
         self._size = ring or 2
         self._ring: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
-        self._pending: dict[str, list[tuple[Any, ...]]] = {}  # the running step's calls, as passed (see _capturer)
+        self._pending: dict[str, list[list[Any]]] = {}  # the running step's calls, as passed (see _capturer)
         self.findings: dict[int, tuple[str, Finding]] = {}
         self.replays = 0
         self.told: dict[tuple[str, int], tuple[str, int, bool]] = {}  # finding -> (kind, step) told, data at fault
@@ -174,7 +174,7 @@ class NanReplayProbe(Probe):
                 return
             dev = device_type if device_type != "meta" else _device_of(module)
             amp = (dev, torch.get_autocast_dtype(dev)) if autocast(dev) else None
-            calls.append((args, kwargs, amp, module) if submodule else (args, kwargs, amp))
+            calls.append([args, kwargs, amp, module] if submodule else [args, kwargs, amp])  # tuples once detached
         return capture
 
     def _flush(self, step: int) -> dict[str, Any] | None:
@@ -189,7 +189,11 @@ class NanReplayProbe(Probe):
                 self._ring.popitem(last=False)
         for comp, calls in self._pending.items():
             kept = entry["calls"].setdefault(comp, [])
-            kept.extend((held(c[0]), detached(c[1]) if c[1] else {}, *c[2:]) for c in calls)
+            for c in calls:
+                c[0] = held(c[0])
+                if c[1]:
+                    c[1] = detached(c[1])
+                kept.append(tuple(c))
         self._pending.clear()
         return entry
 
