@@ -76,9 +76,7 @@ def totals(items: list[Any]) -> torch.Tensor:
             done.append(i)
     chunks: list[torch.Tensor] = []
     order: list[int] = []
-    grad_mode = torch.is_grad_enabled()
-    try:  # set inside the try: a KeyboardInterrupt right after it must not leave grad mode off
-        torch._C._set_grad_enabled(False)
+    with torch.no_grad():  # a context manager: a KeyboardInterrupt anywhere in here cannot leave grad mode off
         for n, idx in lazy.items():
             flat = torch.stack([p for i in idx for p in items[i][0]]).float().view(len(idx), n)
             tot = torch.linalg.vector_norm(flat, dim=1)
@@ -91,8 +89,6 @@ def totals(items: list[Any]) -> torch.Tensor:
             chunks.append(torch.stack([items[i].reshape(()).float() for i in done]))
             order += done
         out = chunks[0] if len(chunks) == 1 else torch.cat([c.to(chunks[0].device) for c in chunks])
-    finally:
-        torch._C._set_grad_enabled(grad_mode)
     if order != list(range(len(items))):
         where = [0] * len(order)
         for pos, i in enumerate(order):
@@ -121,7 +117,7 @@ def merge_taps(first: Tap, later: Tap, mask: torch.Tensor) -> Tap | None:
 class Pass:
     """One backward pass as the sentinel saw it: was its gradient reset before the pass
     (``True`` on the host for ``None``, else a device bool for "all zero"), the sentinel
-    parameter's version counter (it changes when the parameters are updated in place), and whether
+    parameter's version counter (it changes when the parameters are updated in place, unless through ``.data``), and whether
     the pass before it had left a non-zero gradient (an all-zero gradient after a pass that
     contributed exactly zero, a dead unit's, is no sign of a reset)."""
 
@@ -129,6 +125,10 @@ class Pass:
     param_version: int
     #: True, or a device tensor that is non-zero exactly when that gradient was (the sentinel's L2 norm)
     prev_nonzero: bool | torch.Tensor = True
+    #: the sentinel parameter's sum when the pass reached it (0-d fp32, device), for a component no optimizer
+    #: steps: a hand-written update through ``p.data`` (``p.data -= lr * p.grad``) leaves the version counter
+    #: as it was, so only the values tell that the parameters changed between two passes; else None
+    value: torch.Tensor | None = None
 
 
 def sentinel_norm(g: torch.Tensor) -> torch.Tensor:

@@ -173,11 +173,8 @@ class OutputFlags:
     def _sum_now(t: torch.Tensor) -> torch.Tensor:
         """A large CPU tensor's flag, taken at once (held, it would outlive the backward pass: a CNN at
         ``extreme`` went 1.10 -> 1.20 of the bare step); no part of the user's graph."""
-        try:  # set inside the try: a KeyboardInterrupt right after it must not leave grad mode off
-            torch._C._set_grad_enabled(False)
+        with torch.no_grad():  # a context manager: a KeyboardInterrupt cannot leave grad mode off
             return t.sum(dtype=torch.float32)
-        finally:
-            torch._C._set_grad_enabled(True)
 
     def _hold(self, t: torch.Tensor) -> int:
         """The position of ``t``'s flag in the running step (set by the next :meth:`flush`)."""

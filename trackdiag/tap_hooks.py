@@ -6,7 +6,8 @@ removed, after DDP's and FSDP's own end-of-backward work). One parameter per com
 into it and whether the pass really accumulated (a ``Pass``, what the zero-grad verdicts are made of).
 
 Cost per backward pass: one Python call per hooked parameter that receives a gradient (~0.3-1 us); on the
-sentinel, one all-zero test (2 small ops) when its gradient was not ``None``. No host read.
+sentinel, one all-zero test (2 small ops) when its gradient was not ``None``, and for a component that no
+optimizer steps one ``sum`` of its values (a hand-written ``p.data`` update leaves no other trace). No host read.
 """
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ class CompTap:
                 reset = sentinel_norm(g) == 0  # all zero (two small ops; none in a set_to_none loop)
             else:
                 reset = torch.tensor(g._nnz() == 0)
-            self.pending = Pass(reset, p._version, self.last_nonzero)
+            # no optimizer: updates are hand-written, often through ``p.data`` (no version bump): keep the values' sum
+            value = None if self.comp.optimizers or p.layout is not torch.strided else p.detach().sum(dtype=torch.float32)
+            self.pending = Pass(reset, p._version, self.last_nonzero, value)
             self.saw = True
         return self.fire(_grad)
 

@@ -77,19 +77,46 @@ def _count(flags: list[Flag]) -> int | torch.Tensor:
 
 
 def wiped(passes: list[Pass]) -> Flag:
-    """Two or more resets among passes with no parameter update between them."""
-    runs: list[list[Pass]] = []
-    for p in passes:
-        if runs and runs[-1][-1].param_version == p.param_version:
-            runs[-1].append(p)
-        else:
-            runs.append([p])
-    out: list[Flag] = []
-    for run in runs:
-        if len(run) >= 2:
-            n = _count([_definite(p) for p in run])
-            out.append(n >= 2)
-    return _any(out)
+    """Two or more resets among passes with no parameter update between them (the same version counter
+    and, where both passes kept it, the same sum of the sentinel's values: a ``p.data`` update changes no
+    version counter)."""
+    same = [_unchanged(a, b) for a, b in zip(passes, passes[1:])]
+    if all(type(s) is bool for s in same):
+        runs: list[list[Pass]] = []
+        for i, p in enumerate(passes):
+            if i and same[i - 1]:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        out: list[Flag] = []
+        for run in runs:
+            if len(run) >= 2:
+                n = _count([_definite(p) for p in run])
+                out.append(n >= 2)
+        return _any(out)
+    # the values decide on the device: the running count of resets of the current run (device ops, no read)
+    ref = next(s for s in same if isinstance(s, torch.Tensor))
+    count: torch.Tensor | None = None
+    hits: list[torch.Tensor] = []
+    for i, p in enumerate(passes):
+        d = _definite(p)
+        d = d.float() if isinstance(d, torch.Tensor) else ref.new_full((), 1.0 if d else 0.0, dtype=torch.float32)
+        if count is None:
+            count = d
+            continue
+        s = same[i - 1]
+        count = (count + d) if s is True else d if s is False else torch.where(s, count + d, d)
+        hits.append(count >= 2)
+    return torch.stack(hits).any()
+
+
+def _unchanged(a: Pass, b: Pass) -> Flag:
+    """Whether the parameters were the same for passes ``a`` and ``b`` (a device bool when both kept their values)."""
+    if a.param_version != b.param_version:
+        return False
+    if a.value is None or b.value is None:
+        return True
+    return a.value == b.value
 
 
 def _definite(p: Pass) -> Flag:
