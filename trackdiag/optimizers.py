@@ -124,6 +124,14 @@ def accelerate_accumulating(model: Any) -> bool:
         return False
 
 
+def top_lr(opt: Any) -> float | None:
+    """The largest learning rate among ``opt``'s parameter groups (None: no numeric ``lr``). Host work."""
+    try:
+        return max(float(g["lr"]) for g in opt.param_groups)
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError):  # a wrapper without groups, a tensor LR on a device...
+        return None
+
+
 def closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The closure passed to ``step`` (the hooks see ``args = (optimizer, closure?)``), or None."""
     if len(args) > 1 and callable(args[1]):

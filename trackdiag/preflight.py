@@ -137,7 +137,8 @@ def _static_checks(model: nn.Module, opts: list[torch.optim.Optimizer], batch: A
 def run_preflight(model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn | None = None,
                   forward: Forward | None = None, *, overfit_steps: int = 30, overfit_drop: float = 0.1,
                   lenient: bool = False, batch_loss: Callable[[Any], Any] | None = None,
-                  parts: list[tuple[str, nn.Module, Any]] | None = None, reference: float | None = None) -> PreflightReport:
+                  parts: list[tuple[str, nn.Module, Any]] | None = None, reference: float | None = None,
+                  ramp: bool = False) -> PreflightReport:
     """Run every check (see module docstring) and return the report. Never modifies its arguments.
     ``lenient`` (the automatic pre-flight): a forward or loss that cannot be run is inconclusive, not a
     failed check (the calling convention was guessed). ``batch_loss(batch)``: the user's loss
@@ -145,7 +146,9 @@ def run_preflight(model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn 
     ``optimizer`` (and each part's): one optimizer, a list of them (``SparseAdam`` + ``Adam``), or None.
     ``reference``: the loss the training step itself computed on this batch; a guessed loss (no
     ``loss_fn``) that differs from it is not the task being trained (a VAE's reconstruction beside
-    digit labels is no 64-class classifier), so the checks built on it are inconclusive."""
+    digit labels is no 64-class classifier), so the checks built on it are inconclusive. ``ramp``: the
+    optimizers' learning rate is the first value of a schedule (a warm-up from ~0, an LR range test): a one-batch
+    fit that barely moved the weights at it is inconclusive, not a failure."""
     parts = [(n, m, _listed(o)) for n, m, o in (parts or [("", model, optimizer)])]
     report = PreflightReport([c for name, m, o in parts for c in _prefixed(name, len(parts) > 1, _static_checks(m, o, batch))])
     devices = sorted({p.device.index or 0 for _, m, _ in parts for p in m.parameters() if p.device.type == "cuda"})
@@ -183,7 +186,7 @@ def run_preflight(model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn 
             if not trial.opts or any(o is None for o in trial.opts):
                 return report
             report.checks.append(_change_check(trial))
-            report.checks.append(_overfit(trial, real, loss0, overfit_steps, overfit_drop))
+            report.checks.append(_overfit(trial, real, loss0, overfit_steps, overfit_drop, ramp))
     return report
 
 
@@ -278,11 +281,13 @@ def _change_check(trial: Trial) -> Check:
     return Check("params_change", True, "one optimizer step changes every parameter with a gradient.")
 
 
-def _overfit(trial: Trial, real: bool, loss0: float, steps: int, drop: float) -> Check:
+def _overfit(trial: Trial, real: bool, loss0: float, steps: int, drop: float, ramp: bool = False) -> Check:
     if steps <= 0 or not real:
         return Check("overfit", None, "skipped" + ("" if real else ": no loss_fn and no targets to guess a loss."))
     last = loss0
     opts = [o for o in trial.opts if o is not None]
+    params = [p for o in opts for g in o.param_groups for p in g["params"] if p.requires_grad]
+    start = [p.detach().clone() for p in params] if ramp else []  # how far the trial moved the copies' weights
     for _ in range(steps):
         for o in opts:
             o.zero_grad(set_to_none=True)
@@ -301,4 +306,26 @@ def _overfit(trial: Trial, real: bool, loss0: float, steps: int, drop: float) ->
     if progress >= 0.1:  # falling, just slowly: the user's learning rate, not a wiring fault
         return Check("overfit", None, f"{what}: falling, but slower than a one-batch fit usually does "
                                       f"({progress:.0%} of the drop); fine for a small learning rate.")
+    moved = _moved(params, start) if ramp else math.inf
+    if moved < STILL:  # the first value of a schedule (a warm-up from ~0, an LR range test): nothing to judge yet
+        lr = max((float(g.get("lr", 0.0)) for o in opts for g in o.param_groups), default=0.0)
+        return Check("overfit", None, f"{what}, but the weights moved only {moved:.1e} of their size at the learning "
+                                      f"rate the schedule starts from ({lr:.3g}): too little to tell.")
     return Check("overfit", False, f"{what}: the model cannot fit one batch — check the labels, the loss, the learning rate.")
+
+
+#: the overfit trial's weights moved less than this share of their size: its learning rate is too small to judge
+#: (30 Adam steps at 1e-3 move a default-initialised MLP's weights by ~30-60 % of their size; a LinearLR warm-up's
+#: first rate, 1e-3 of that, by ~0.5 %)
+STILL = 0.02
+
+
+def _moved(params: list[torch.Tensor], start: list[torch.Tensor]) -> float:
+    """||w - w0|| / ||w0|| over the trial's parameters (host read; pre-flight only)."""
+    if not params:
+        return math.inf
+    with torch.no_grad():
+        delta = sum(float(torch.linalg.vector_norm(dense(p.detach()).float() - dense(s).float())) ** 2
+                    for p, s in zip(params, start))
+        size = sum(float(torch.linalg.vector_norm(dense(s).float())) ** 2 for s in start)
+    return math.sqrt(delta) / math.sqrt(size) if size > 0 else (math.inf if delta > 0 else 0.0)

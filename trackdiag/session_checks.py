@@ -57,7 +57,7 @@ class SetupChecks:
         parts = [(c.name, c.model, c.optimizers or c.optimizer) for c in comps] if batch_loss is not None else None
         report = run_preflight(comps[0].model, comps[0].optimizers or comps[0].optimizer, batch, loss_fn or rule.loss_fn, forward,
                                overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop, lenient=auto,
-                               batch_loss=batch_loss, parts=parts, reference=reference)
+                               batch_loss=batch_loss, parts=parts, reference=reference, ramp=self.lr_ramping(comps))
         record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(len(report.failed))})
         raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.pinned, rule.hint)])
         if raised is not None:

@@ -27,7 +27,7 @@ from trackdiag.components import attachable, groups_signature, reindex
 from trackdiag.context import Component
 from trackdiag.grad_records import GradView, merge_taps
 from trackdiag.gradtap import GradTap
-from trackdiag.optimizers import DISPATCH, accelerate_accumulating, gradient_states, scaler_of
+from trackdiag.optimizers import DISPATCH, accelerate_accumulating, gradient_states, scaler_of, top_lr
 from trackdiag.probes.base import Probe
 
 log = logging.getLogger("trackdiag")
@@ -73,6 +73,7 @@ class OptimizerEvents:
         # first time after step 0, or parameters joining/leaving training, start one; loss and gradient
         # rules judge each phase against its own history
         self._ever_stepped: set[int] = set()
+        self._first_lr: dict[int, float | None] = {}  # id(optimizer) -> its largest learning rate at its first step
         self._phase_pending = False
         self._phase_ready = False  # set after the first step: what happens during it is the set-up
         self._grad_probes = [p for p in self.probes if type(p).on_grads is not Probe.on_grads]
@@ -94,6 +95,22 @@ class OptimizerEvents:
                 f"these parameters runs (it is adopted then) or is given with diag.attach(optimizer).")
         self._notes[comp.name] = note
         log.warning("trackdiag: %s", note)
+
+    def lr_ramping(self, comps: list[Component]) -> bool:
+        """Whether the learning rate the pre-flight's copies start from is a ramp's first value, not the training's:
+        0, under a torch scheduler's ``initial_lr`` by half or more (a warm-up), or changed since the optimizer's
+        first step (a manual schedule: nanoGPT's ``get_lr``, an LR range test)."""
+        for comp in comps:
+            for opt in comp.optimizers:
+                now = top_lr(opt)
+                if now is None:
+                    continue
+                first = self._first_lr.get(id(opt))
+                initial = max((float(g["initial_lr"]) for g in getattr(opt, "param_groups", ()) if "initial_lr" in g), default=None)
+                if now == 0.0 or (initial is not None and now < 0.5 * initial) or \
+                        (first is not None and abs(now - first) > 0.01 * max(abs(first), 1e-30)):
+                    return True
+        return False
 
     def _detail_due(self) -> bool:
         """Does the step in progress need the gradients' max |g| and version counters? (cached per step)"""
@@ -170,6 +187,7 @@ class OptimizerEvents:
             self._refresh_groups(comp)
         if id(opt) not in self._ever_stepped:  # an optimizer's first step after step 0: a new phase begins
             self._ever_stepped.add(id(opt))
+            self._first_lr[id(opt)] = top_lr(opt)  # the pre-flight tells a warm-up start from a constant LR by it
             self._phase_pending = self._phase_pending or (self._ctx.step > 0 and self._phase_ready)
         st.stepped = True
         if st.consumed and id(opt) not in st.by and len(comp.optimizers) > 1:
