@@ -16,6 +16,8 @@ emits, on the first ``max_samples`` (256) rows of the batch:
   generators/autoencoders/regressors with flat outputs, whose "argmax" means nothing):
   ``diag/[<c>/]out/pred_entropy``: mean entropy of the softmax, in nats;
   ``diag/[<c>/]out/top_class_fraction``: fraction of the batch predicting the most frequent class;
+  ``diag/[<c>/]out/label_top_fraction``: with the labels in the batch, the share of its most frequent label over
+  the same rows (a classifier of rare positives predicts the majority class for as many rows as there are);
   ``diag/[<c>/]out/classes``: the number of logit columns.
 
 Cost on a due step, bounded whatever the output size: a float copy of at most 256 x 1024 values, a
@@ -78,13 +80,34 @@ def pick_output(obj: Any, key: str | int | None) -> torch.Tensor | None:
 
 def has_labels(batch: Any, n: int, depth: int = 0) -> bool:
     """Whether ``batch`` holds an integer tensor of shape (n,) (class labels). Host-only."""
+    return labels_in(batch, n) is not None
+
+
+def labels_in(batch: Any, n: int, depth: int = 0) -> torch.Tensor | None:
+    """The first integer tensor of shape (n,) in ``batch`` (class labels), or None. Host-only."""
     if isinstance(batch, torch.Tensor):
-        return batch.ndim == 1 and batch.shape[0] == n and not batch.is_floating_point() and batch.dtype != torch.bool
+        ok = batch.ndim == 1 and batch.shape[0] == n and not batch.is_floating_point() and batch.dtype != torch.bool
+        return batch if ok else None
     if depth >= 2:
-        return False
+        return None
     if isinstance(batch, Mapping):
         batch = list(batch.values())
-    return isinstance(batch, (list, tuple)) and any(has_labels(b, n, depth + 1) for b in batch)
+    if isinstance(batch, (list, tuple)):
+        for b in batch:
+            got = labels_in(b, n, depth + 1)
+            if got is not None:
+                return got
+    return None
+
+
+@torch.no_grad()
+def label_top_fraction(labels: torch.Tensor, classes: int, max_samples: int) -> torch.Tensor:
+    """The share of the most frequent class among the first ``max_samples`` labels (device; labels outside
+    ``[0, classes)``, padding, count for none)."""
+    y = labels.detach()[:max_samples].long()
+    valid = (y >= 0) & (y < classes)
+    counts = torch.zeros(classes, dtype=torch.long, device=y.device).scatter_add_(0, y.clamp(0, classes - 1), valid.long())
+    return counts.max().float() / valid.sum().clamp(min=1).float()
 
 
 def split_by_component(outputs: Any, names: list[str]) -> dict[str, Any]:
@@ -145,9 +168,12 @@ class OutputProbe(Probe):
             t = pick_output(obj, self.key)
             if t is not None:
                 cls = self.classifier
+                labels = labels_in(inputs.batch, t.shape[0]) if t.ndim == 2 and t.shape[1] >= 2 else None
                 if cls is None:
-                    cls = t.ndim == 2 and t.shape[1] >= 2 and has_labels(inputs.batch, t.shape[0])
+                    cls = labels is not None
                 stats = output_stats(t, cls, self.max_samples, self.max_features)
+                if stats and cls and labels is not None and "top_class_fraction" in stats:
+                    stats["label_top_fraction"] = label_top_fraction(labels, t.shape[1], self.max_samples)
                 if stats:
                     self._pending[comp] = stats
 

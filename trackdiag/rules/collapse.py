@@ -13,6 +13,11 @@ from trackdiag.rules.base import Rule
 _SUFFIX = "/out/batch_std"
 
 
+#: a sample with fewer rows of the other classes than this tells nothing about predicting them (0.6 % positives:
+#: ~1.5 of 256 rows; a model learns the prior first, for 100+ steps: ``not_learning`` judges one stuck there)
+MIN_OTHERS = 8
+
+
 class ModeCollapse(Rule):
     """Fires when a model's outputs stop depending on its inputs, for ``patience`` (3) consecutive
     logged steps:
@@ -22,7 +27,10 @@ class ModeCollapse(Rule):
       value, so outputs of any magnitude are judged alike);
     - classifiers: at least ``class_fraction`` (0.99) of a batch of at least ``min_samples`` (16)
       predicts the same class, once the task is shown to be a classification of the loss
-      (``diag/task/kind``: a VAE's reconstruction beside digit labels is not a classifier).
+      (``diag/task/kind``: a VAE's reconstruction beside digit labels is not a classifier), and, with the
+      labels in the batch (``out/label_top_fraction``), the other classes are predicted for under half the
+      rows they hold: a classifier of rare positives (0.6 % fraud) predicts the majority class for as many
+      rows as there are; a sample with fewer than ``MIN_OTHERS`` (8) rows of other classes tells nothing.
 
     The streak must also span ``min_steps`` (100) optimizer steps: early in training a model often
     predicts one class, and a zero-initialised head outputs a constant, for a few dozen steps.
@@ -53,8 +61,8 @@ class ModeCollapse(Rule):
             limit = self.std_threshold * (scale if math.isfinite(scale) and scale > 0 else 1.0)
             where = base.partition("/")[2]  # the streaks' key: the component
             place = f"{where} outputs" if where else "model outputs"
-            dist, top, n, ent = (record.scalars.get(f"{base}/out/{s}", math.nan)
-                                 for s in ("pairwise_dist", "top_class_fraction", "samples", "pred_entropy"))
+            dist, top, n, ent, labels = (record.scalars.get(f"{base}/out/{s}", math.nan) for s in
+                                         ("pairwise_dist", "top_class_fraction", "samples", "pred_entropy", "label_top_fraction"))
             if self._streaks.bump(f"{where}|std", std < limit, record.step, self.min_steps):
                 out.append(self.make(
                     self._streaks.start(f"{where}|std"),
@@ -62,6 +70,10 @@ class ModeCollapse(Rule):
                     f"{scale:.3g} (mean pairwise distance {dist:.3g}) since step {self._streaks.start(where + '|std')}.",
                     std, limit, place, ["persistent"]))
             single = self._classification and math.isfinite(top) and n >= self.min_samples and top >= self.class_fraction
+            if single and math.isfinite(labels):  # the labels themselves: as concentrated (rare positives) is no collapse
+                if (1.0 - labels) * n < MIN_OTHERS:
+                    continue  # (almost) one class in the sample: it tells nothing either way
+                single = 1.0 - top < 0.5 * (1.0 - labels)  # the other classes predicted for under half the rows they hold
             if self._streaks.bump(f"{where}|class", single, record.step, self.min_steps):
                 out.append(self.make(
                     self._streaks.start(f"{where}|class"),
