@@ -20,7 +20,10 @@
   LMs take ``labels=input_ids``), so while they are, on due steps of the first ``leak_steps`` (300)
   the probe also measures which the loss follows: the table ``diag/data/leak_ce`` holds
   ``copy`` (cross-entropy of the outputs against the targets as they are), ``next`` (against the
-  targets shifted one position, along either of the first two dimensions), ``loss`` and ``step``.
+  targets shifted one position, along either of the first two dimensions), ``loss``, ``step`` and ``teacher``
+  (the share of positions where an integer input of the model's first call holds the previous target token:
+  a decoder fed the targets shifted right, whose "copy" of a source equal to its targets is a copy task; seen
+  through the models' call slots for the first ``leak_steps`` steps).
   A model learning to copy its input shows ``copy`` far below ``next`` and the loss with it.
   The ignore value: ``ignore_index="auto"`` (default) takes the one negative value the targets use
   for padding (cross-entropy's -100, or -1 as many scripts pass ``ignore_index=-1``) when every
@@ -129,8 +132,38 @@ class DataLabelsProbe(Probe):
         self._seen: list[tuple[int, int, list[torch.Tensor]]] = []  # (step, classes, [lo, hi, top negative, same, lowest over, highest in])
         self._window: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # the collected steps and classes
         self._classes = -1
+        self._called: tuple[int, list[torch.Tensor]] | None = None  # (step, integer tensors the model's first call got)
+        self._stops: list[Any] = []
+        self._ctx: ProbeContext | None = None
+
+    def attach(self, ctx: ProbeContext) -> None:
+        """For the first ``leak_steps`` steps, each model's first call of a step: a decoder fed the targets shifted
+        by one (teacher forcing) makes targets equal to the inputs a copy task, not a leak (one Python call per
+        call of a model, then nothing)."""
+        from trackdiag.forward_watch import FORWARD, may_watch
+
+        self._ctx = ctx
+        if self.leak_steps > 0 and may_watch(ctx.compiled):
+            for comp in ctx.components:
+                if comp.model is not None:
+                    root = comp.outer if comp.outer is not None else comp.model
+                    self._stops.append(FORWARD.watch(root, post=self._first_call, root=True))
+
+    def detach(self) -> None:
+        for stop in self._stops:
+            stop()
+        self._stops.clear()
+
+    def _first_call(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        step = self._ctx.step if self._ctx is not None else -1
+        if (self._called is None or self._called[0] != step) and torch.is_grad_enabled():
+            ints = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.ndim == 2
+                    and not a.is_floating_point() and a.dtype != torch.bool]
+            self._called = (step, ints)
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        if self._stops and ctx.step >= self.leak_steps:
+            self.detach()
         if inputs.batch is None or inputs.outputs is None:
             return
         with torch.no_grad():
@@ -169,7 +202,18 @@ class DataLabelsProbe(Probe):
         if t.dim() >= 2 and t.shape[0] > 1:
             nexts.append(masked_ce(scores[:-1], t[1:])[0])
         if nexts:
-            self._leak = (step, [copy, torch.stack(nexts).min(), loss.detach().float().reshape(())])
+            self._leak = (step, [copy, torch.stack(nexts).min(), loss.detach().float().reshape(()), self._teacher(step, t)])
+
+    def _teacher(self, step: int, t: torch.Tensor) -> torch.Tensor:
+        """The largest share of positions where an integer input of the model's first call this step holds the
+        previous target token (``a[:, 1:] == t[:, :-1]``: a decoder fed the targets shifted right); 0 when none."""
+        best = t.new_zeros((), dtype=torch.float32)
+        if self._called is None or self._called[0] != step or t.dim() != 2 or t.shape[1] < 2:
+            return best
+        for a in self._called[1]:
+            if a.shape == t.shape and a.device == t.device:
+                best = torch.maximum(best, (a[:, 1:] == t[:, :-1]).float().mean())
+        return best
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         """The window's per-step label statistics, stacked (one kernel) and copied with everything
@@ -226,5 +270,6 @@ class DataLabelsProbe(Probe):
             record.tables["diag/data/target_is_input"] = {"step": float(steps[i])}
         leak = values.get("leak")
         if leak is not None:
-            copy, nxt, loss = (float(v) for v in leak.reshape(-1))
-            record.tables["diag/data/leak_ce"] = {"copy": copy, "next": nxt, "loss": loss, "step": float(self._leak_step)}
+            copy, nxt, loss, teacher = (float(v) for v in leak.reshape(-1))
+            record.tables["diag/data/leak_ce"] = {"copy": copy, "next": nxt, "loss": loss, "step": float(self._leak_step),
+                                                  "teacher": teacher}

@@ -60,7 +60,9 @@ class LabelLeak(Rule):
     as they are (``copy``: within a quarter of the gap) rather than against the targets one position
     on (``next``), with ``copy`` below ``next`` by at least ``margin`` (0.05) x ln(C). Targets equal
     to the inputs alone are no leak: models that shift labels inside ``forward`` take them so
-    (Hugging Face's ``model(input_ids, labels=input_ids)``), and their loss is ``next``.
+    (Hugging Face's ``model(input_ids, labels=input_ids)``), and their loss is ``next``; nor in a model whose
+    call is also fed the targets shifted right (``teacher``: an encoder-decoder's teacher-forced decoder input),
+    where a source equal to its targets is a copy task (the Annotated Transformer's first example).
     ``unambiguous`` once shown; ``step`` is the first step the targets equalled the inputs."""
 
     kind = "label_leak"
@@ -83,6 +85,8 @@ class LabelLeak(Rule):
         if self._done or self._first < 0 or not ce or classes < 2:
             return []
         copy, nxt, loss = ce["copy"], ce["next"], ce["loss"]
+        if ce.get("teacher", 0.0) >= self.threshold:  # the model is fed the targets shifted right: copying is its task
+            return []
         gap = nxt - copy
         if not (gap >= self.margin * math.log(classes) and abs(loss - copy) < 0.25 * gap):
             return []
