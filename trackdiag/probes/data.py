@@ -23,7 +23,8 @@
   targets shifted one position, along either of the first two dimensions), ``loss``, ``step`` and ``teacher``
   (the share of positions where an integer input of the model's first call holds the previous target token:
   a decoder fed the targets shifted right, whose "copy" of a source equal to its targets is a copy task; seen
-  through the models' call slots for the first ``leak_steps`` steps).
+  through the models' call slots from the first step whose targets equal its inputs to ``leak_steps``; -1 at
+  that first step, whose call was not seen).
   A model learning to copy its input shows ``copy`` far below ``next`` and the loss with it.
   The ignore value: ``ignore_index="auto"`` (default) takes the one negative value the targets use
   for padding (cross-entropy's -100, or -1 as many scripts pass ``ignore_index=-1``) when every
@@ -134,16 +135,21 @@ class DataLabelsProbe(Probe):
         self._classes = -1
         self._called: tuple[int, list[torch.Tensor]] | None = None  # (step, integer tensors the model's first call got)
         self._stops: list[Any] = []
+        self._watching = False  # the models' first calls were watched from some step on (see _watch_calls)
         self._ctx: ProbeContext | None = None
 
     def attach(self, ctx: ProbeContext) -> None:
-        """For the first ``leak_steps`` steps, each model's first call of a step: a decoder fed the targets shifted
-        by one (teacher forcing) makes targets equal to the inputs a copy task, not a leak (one Python call per
-        call of a model, then nothing)."""
+        self._ctx = ctx
+
+    def _watch_calls(self) -> None:
+        """Once targets equal to the inputs are first measured, up to step ``leak_steps``: each model's first call
+        of a step (a decoder fed the targets shifted by one, teacher forcing, makes it a copy task, not a leak).
+        One Python call per call of a model while it lasts; loops whose targets are not the inputs' shape never pay it."""
         from trackdiag.forward_watch import FORWARD, may_watch
 
-        self._ctx = ctx
-        if self.leak_steps > 0 and may_watch(ctx.compiled):
+        ctx = self._ctx
+        self._watching = True
+        if ctx is not None and may_watch(ctx.compiled):
             for comp in ctx.components:
                 if comp.model is not None:
                     root = comp.outer if comp.outer is not None else comp.model
@@ -201,12 +207,18 @@ class DataLabelsProbe(Probe):
         nexts = [masked_ce(scores[:, :-1], t[:, 1:])[0]] if t.dim() >= 2 and t.shape[1] > 1 else []
         if t.dim() >= 2 and t.shape[0] > 1:
             nexts.append(masked_ce(scores[:-1], t[1:])[0])
+        if not self._watching:  # this step's call was not seen: the rule waits for the next measurement
+            self._watch_calls()
+            teacher = copy.new_full((), -1.0)
+        else:
+            teacher = self._teacher(step, t)
         if nexts:
-            self._leak = (step, [copy, torch.stack(nexts).min(), loss.detach().float().reshape(()), self._teacher(step, t)])
+            self._leak = (step, [copy, torch.stack(nexts).min(), loss.detach().float().reshape(()), teacher])
 
     def _teacher(self, step: int, t: torch.Tensor) -> torch.Tensor:
         """The largest share of positions where an integer input of the model's first call this step holds the
-        previous target token (``a[:, 1:] == t[:, :-1]``: a decoder fed the targets shifted right); 0 when none."""
+        previous target token (``a[:, 1:] == t[:, :-1]``: a decoder fed the targets shifted right); 0 when none
+        (a compiled model's calls are not watched: 0)."""
         best = t.new_zeros((), dtype=torch.float32)
         if self._called is None or self._called[0] != step or t.dim() != 2 or t.shape[1] < 2:
             return best

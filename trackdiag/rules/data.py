@@ -85,7 +85,8 @@ class LabelLeak(Rule):
         if self._done or self._first < 0 or not ce or classes < 2:
             return []
         copy, nxt, loss = ce["copy"], ce["next"], ce["loss"]
-        if ce.get("teacher", 0.0) >= self.threshold:  # the model is fed the targets shifted right: copying is its task
+        teacher = ce.get("teacher", 0.0)
+        if teacher < 0 or teacher >= self.threshold:  # not seen yet, or fed the targets shifted right: copying is its task
             return []
         gap = nxt - copy
         if not (gap >= self.margin * math.log(classes) and abs(loss - copy) < 0.25 * gap):
