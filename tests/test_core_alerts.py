@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -193,3 +194,21 @@ def test_failing_rule_is_disabled_not_fatal(digits, tmp_path, caplog) -> None:
     assert diag.summary()["steps"] == 30
     assert "rule:broken_rule" in diag.summary()["disabled_probes"]
     assert sum("rule 'broken_rule' disabled" in r.message for r in caplog.records) == 1
+
+
+def test_a_loss_falling_steeply_from_the_start_is_no_early_rise() -> None:
+    """A loss falling 5.04, 0.178, 0.0135, 0.0079, ... (LBFGS on style transfer): the early check's median of
+    the last 5 took in the first three losses themselves (median 0.0957 = 7x 0.0135: "rises from the very
+    start"). It reads the losses after the first three only; a loss rising from the start is still found."""
+    from trackdiag.rules.loss import LossDivergence
+
+    def scan(values: list[float]):
+        rule = LossDivergence()
+        st = {"recent": [], "start": math.nan, "best": math.inf, "best_step": -1, "first": [], "since": -1}
+        return rule._scan(st, list(enumerate(values)))
+
+    falling = [5.04, 0.178, 0.0135, 0.0079, 0.0061, 0.0052, 0.0047, 0.0044]
+    assert scan(falling) is None
+    rising = [1.0, 1.1, 1.2, 2.5, 3.6, 4.8, 5.5, 6.0]
+    why, step, now, base = scan(rising)
+    assert (why, base) == ("early", 1.0) and now > 3.0 and step == 5

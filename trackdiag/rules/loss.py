@@ -144,7 +144,7 @@ class LossSpike(Rule):
 class LossDivergence(Rule):
     """The run going backwards: the rolling median of the loss (last ``window`` steps, 20) climbs above
     ``factor`` (2) x its best value AND has given back more than ``giveback`` (0.5) of the progress
-    made since the first full window; or, in the first ``early_steps`` (50), the median of the last 5
+    made since the first full window; or, in the first ``early_steps`` (50), the median of the last 5 (of those after the first three)
     losses exceeds ``early_factor`` (3) x the lowest of the first three (a loss rising from the very
     start has no progress to give back). The rise alone is an ``info`` finding (curricula, annealed
     loss weights and growing episodes raise a loss too); it is ``corroborated`` when the gradient norm
@@ -197,8 +197,13 @@ class LossDivergence(Rule):
             first: list[float] = st["first"]
             if len(first) < 3:
                 first.append(v)
-            elif found is None and step < self.early_steps and not st.get("early_fired"):
-                now, base = statistics.median(recent[-5:]), min(first)
+                st["after"] = 0
+                judged = False
+            else:
+                st["after"] = st.get("after", 0) + 1  # losses since the first three (the median is of those alone:
+                judged = st["after"] >= 3     # with the first ones in it, a loss falling 5.0, 0.18, 0.01 "rose")
+            if judged and found is None and step < self.early_steps and not st.get("early_fired"):
+                now, base = statistics.median(recent[-min(5, st["after"]):]), min(first)
                 if now > self.early_factor * abs(base) and now - base > 1e-6:
                     found, st["early_fired"] = ("early", step, now, base), True
             if len(recent) < self.window:
