@@ -57,10 +57,14 @@ class GradTap:
     """
 
     def __init__(self, ctx: ProbeContext, detail: Callable[[], bool],
-                 refresh: Callable[[Component], None] | None = None) -> None:
+                 refresh: Callable[[Component], None] | None = None,
+                 closure_began: Callable[[Component], None] | None = None) -> None:
         self.ctx = ctx
         self.detail = detail
         self.refresh = refresh  # called before measuring: follows param groups added since the last step
+        #: called at the first backward pass inside ``optimizer.step(closure)``: the weights the closure evaluated
+        #: (after what it did to them first: LBFGS style transfer clamps the image there) are the step's start
+        self.closure_began = closure_began
         self.states: dict[str, CompTap] = {}
         self.failed: str | None = None
         TAP_QUEUE.taps.append(self)
@@ -138,6 +142,8 @@ class GradTap:
             st.latest = tap
             if st.in_closure and st.first_in_step is None:
                 st.first_in_step = tap
+                if self.closure_began is not None:
+                    self.closure_began(st.comp)
             if not st.saw or st.misses:
                 self._follow_sentinel(st)
             st.saw = False

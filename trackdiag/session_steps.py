@@ -58,7 +58,7 @@ class OptimizerEvents:
             ctx.scaler = next((s for c in self.components for g in c.given if (s := scaler_of(g)) is not None), None)
         self._detail_step = -1
         self._detail = False
-        self._tap = GradTap(ctx, self._detail_due, self._refresh_groups)
+        self._tap = GradTap(ctx, self._detail_due, self._refresh_groups, self._closure_began)
         for comp in self.components:
             self._tap.attach(comp)
         self._steps: dict[str, _StepState] = {c.name: _StepState() for c in self.components}
@@ -192,16 +192,27 @@ class OptimizerEvents:
         st.stepped = True
         if st.consumed and id(opt) not in st.by and len(comp.optimizers) > 1:
             self._merge(comp, opt)
-        if not st.pre_done:
+        if not st.pre_done and (closure is None or st.consumed or not self._tap.hooked(comp.name)):
             st.pre_done = True
             self._run(self._pre_probes, "before_optimizer_step", comp)
-        if closure is not None and not st.consumed:
+        if closure is not None and not st.consumed:  # the probes before the step: at the closure's first backward
             st.closure = True
             self._tap.begin_closure(comp.name)
         elif not st.consumed:
             self._consume(comp)
             st.by = (id(opt),)
         self._window_overhead += time.perf_counter() - t0
+
+    def _closure_began(self, comp: Component) -> None:
+        """The first backward pass inside ``optimizer.step(closure)``: the probes that act before the step run now,
+        on the weights the closure evaluated (what the closure did to them before its forward is not the
+        optimizer's update: LBFGS style transfer clamps the image to [0, 1] there)."""
+        st = self._steps.get(comp.name)
+        if st is None or st.pre_done or not st.depth:
+            return
+        st.pre_done = True
+        with torch.no_grad():
+            self._run(self._pre_probes, "before_optimizer_step", comp)
 
     def _merge(self, comp: Component, opt: Any) -> None:
         """Another optimizer of ``comp`` steps after a backward pass of its own since the step's gradients

@@ -2,7 +2,8 @@
 
 Measured on due steps (every step of the first ``early`` steps, then every ``every``), whatever
 updates the weights:
-  * a component whose optimizer steps: the parameters are copied at its first step pre-hook (one
+  * a component whose optimizer steps: the parameters are copied at its first step pre-hook (``step(closure)``:
+    at the closure's first backward pass, after what the closure did to the weights before its forward) (one
     foreach copy, after the backward pass, so the copy never coexists with the activations) and
     compared right after that optimizer's step (its post-hook: a renormalisation or clamp the loop
     applies afterwards is not the optimizer's update), or, with several optimizers on the component,
