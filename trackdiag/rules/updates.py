@@ -136,6 +136,7 @@ class StaleParams(Rule):
         self._streaks = Streaks(patience)
         self._idle_reported: dict[str, set[int]] = {}
         self._trained: set[str] = set()  # layers that have had a non-zero gradient
+        self._first: dict[str, int] = {}  # layer -> the step of its first measurement
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = self._idle(record, components) + self._frozen(record, components)
@@ -144,6 +145,7 @@ class StaleParams(Rule):
             ups = layer_values(record, comp.key("update/ratio"))
             for layer in dict.fromkeys([*grads, *ups]):
                 key = f"{comp.name}|{layer}"
+                self._first.setdefault(key, record.step)
                 g = grads.get(layer)
                 if g is not None and g > 0:
                     self._trained.add(key)
@@ -152,8 +154,11 @@ class StaleParams(Rule):
                     continue
                 where, since = qualified(comp, layer), self._streaks.start(key)
                 if key not in self._trained:
-                    msg = (f"{where} has not received a gradient since step {since} ({record.step - since} steps): waiting "
-                           f"for a later phase, unused in forward, or cut off by a .detach().")
+                    first = self._first.get(key, since)
+                    when = (f"in any of the {record.step - since} steps since its first measurement (step {since})"
+                            if since <= first else f"since step {since} ({record.step - since} steps)")
+                    msg = (f"{where} has not received a gradient {when}: waiting for a later phase, unused in forward, "
+                           f"or cut off by a .detach().")
                 else:
                     why = "receives no gradient (None or exactly zero)" if no_grad else "no longer changes at the optimizer step"
                     msg = f"{where} trained earlier but {why} since step {since}: a phase that ended, or frozen mid-run."
@@ -190,8 +195,9 @@ class StaleParams(Rule):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self._streaks.state_dict(), "trained": sorted(self._trained)}
+        return {**self._streaks.state_dict(), "trained": sorted(self._trained), "first": dict(self._first)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._streaks.load_state_dict(state)
         self._trained = set(state.get("trained", []))
+        self._first = {k: int(v) for k, v in state.get("first", {}).items()}
