@@ -5,9 +5,9 @@ test (torch-lr-finder, its exponential schedule stepped after each update) start
 The pre-flight copies the optimizer as it is after step 0, ran 30 steps at that rate, saw the loss not move
 and said "the model cannot fit one batch" (warning) on healthy runs. Now a fit that barely moved the weights
 (< 2 % of their size) at a rate the schedule is still raising is inconclusive, said so; a constant rate far
-too small is still a failed check (nothing says it will grow: also a range test that sets each step's rate
-before the step, as fastai's does, whose rate has not moved yet at step 0), and so is a fit that moved the
-weights without lowering the loss.
+too small is still a failed check, and so is a fit that moved the weights without lowering the loss. A range
+test that sets each step's rate before the step, as fastai's does, has not moved its rate yet at step 0: the
+fit's verdict waits for step 1's rate (a constant one: the failure, named at step 0).
 """
 from __future__ import annotations
 
@@ -63,5 +63,24 @@ def test_a_schedule_starting_near_zero_leaves_the_fit_inconclusive(tmp_path, sch
 
 def test_a_constant_learning_rate_far_too_small_still_fails_the_fit(tmp_path) -> None:
     found, _ = run(tmp_path, lambda s: 1e-7)
-    assert [(a.severity, a.where) for a in found] == [("warning", "overfit")], found
-    assert "cannot fit one batch" in found[0].message
+    assert [(a.severity, a.where, a.step) for a in found] == [("warning", "overfit", 0)], found
+    assert "cannot fit one batch" in found[0].message and "learning rate of 1e-07" in found[0].message
+
+
+def test_a_range_test_that_sets_each_rate_before_its_step_is_inconclusive(tmp_path) -> None:
+    """fastai's ``lr_find`` sets each step's rate before the step: at step 0 the rate has not moved yet, so only
+    step 1 tells it from a constant rate far too small. The fit's verdict waits for it (held, then dropped)."""
+    found, diag = run(tmp_path, lambda s: 1e-7 * (1e8 ** (s / 99)))
+    assert found == [], found
+    assert diag._held_fit is None
+
+
+def test_a_constant_rate_far_too_small_is_named_at_step_0_after_one_run_of_one_step(tmp_path) -> None:
+    """The held verdict of a run that ends after its first step is given at close."""
+    global STEPS
+    kept, STEPS = STEPS, 1
+    try:
+        found, _ = run(tmp_path, lambda s: 1e-7)
+    finally:
+        STEPS = kept
+    assert [(a.severity, a.where, a.step) for a in found] == [("warning", "overfit", 0)], found

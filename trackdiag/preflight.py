@@ -56,6 +56,9 @@ class Check:
     ok: bool | None
     detail: str
     where: str = ""
+    #: a failed one-batch fit at a learning rate so small the weights barely moved: a schedule's first value would
+    #: make it inconclusive, so the automatic pre-flight waits for the next step to see whether the rate moves
+    slow: bool = False
 
 
 @dataclass
@@ -79,15 +82,15 @@ class PreflightReport:
         mark = {True: "ok  ", False: "FAIL", None: "note"}
         return "\n".join(f"{mark[c.ok]} {c.name:<14} {c.detail}" for c in self.checks)
 
-    def alerts(self, step: int, pinned: str | None, hint: str) -> list[Alert]:
-        """One ``preflight`` alert per failed check. A check that failed on the model itself (the forward
-        raised or gave NaN, NaN in the weights, tensors on several devices, trainable parameters in no
-        optimizer) is ``unambiguous``; one that failed in the pre-flight's experiment on a copy (no
-        gradient, no change, no fit on one batch) is one piece of evidence (``corroborated``)."""
+    def alerts(self, step: int, pinned: str | None, hint: str, checks: list[Check] | None = None) -> list[Alert]:
+        """One ``preflight`` alert per failed check (of ``checks``, default all). A check that failed on the
+        model itself (the forward raised or gave NaN, NaN in the weights, tensors on several devices, trainable
+        parameters in no optimizer) is ``unambiguous``; one that failed in the pre-flight's experiment on a copy
+        (no gradient, no change, no fit on one batch) is one piece of evidence (``corroborated``)."""
         from trackdiag.policy import severity
 
         out = []
-        for c in self.failed:
+        for c in self.failed if checks is None else [c for c in checks if c.ok is False]:
             ev = ("unambiguous",) if c.name in ("forward", "finite_state", "one_device", "optimizer") else ("corroborated",)
             out.append(Alert("preflight", step, pinned or severity(ev), c.detail, math.nan, math.nan,
                              f"{c.name}:{c.where}" if c.where else c.name, hint, ev, 1, step))
@@ -148,7 +151,8 @@ def run_preflight(model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn 
     ``loss_fn``) that differs from it is not the task being trained (a VAE's reconstruction beside
     digit labels is no 64-class classifier), so the checks built on it are inconclusive. ``ramp``: the
     optimizers' learning rate is the first value of a schedule (a warm-up from ~0, an LR range test): a one-batch
-    fit that barely moved the weights at it is inconclusive, not a failure."""
+    fit that barely moved the weights at it is inconclusive, not a failure (without ``ramp``, such a failure is
+    marked ``slow``: the caller may wait for the next step's rate before calling it one)."""
     parts = [(n, m, _listed(o)) for n, m, o in (parts or [("", model, optimizer)])]
     report = PreflightReport([c for name, m, o in parts for c in _prefixed(name, len(parts) > 1, _static_checks(m, o, batch))])
     devices = sorted({p.device.index or 0 for _, m, _ in parts for p in m.parameters() if p.device.type == "cuda"})
@@ -287,7 +291,7 @@ def _overfit(trial: Trial, real: bool, loss0: float, steps: int, drop: float, ra
     last = loss0
     opts = [o for o in trial.opts if o is not None]
     params = [p for o in opts for g in o.param_groups for p in g["params"] if p.requires_grad]
-    start = [p.detach().clone() for p in params] if ramp else []  # how far the trial moved the copies' weights
+    start = [p.detach().clone() for p in params]  # how far the trial moved the copies' weights
     for _ in range(steps):
         for o in opts:
             o.zero_grad(set_to_none=True)
@@ -306,11 +310,15 @@ def _overfit(trial: Trial, real: bool, loss0: float, steps: int, drop: float, ra
     if progress >= 0.1:  # falling, just slowly: the user's learning rate, not a wiring fault
         return Check("overfit", None, f"{what}: falling, but slower than a one-batch fit usually does "
                                       f"({progress:.0%} of the drop); fine for a small learning rate.")
-    moved = _moved(params, start) if ramp else math.inf
-    if moved < STILL:  # the first value of a schedule (a warm-up from ~0, an LR range test): nothing to judge yet
-        lr = max((float(g.get("lr", 0.0)) for o in opts for g in o.param_groups), default=0.0)
+    moved = _moved(params, start)
+    lr = max((float(g.get("lr", 0.0)) for o in opts for g in o.param_groups), default=0.0)
+    if moved < STILL and ramp:  # the first value of a schedule (a warm-up from ~0, an LR range test): nothing to judge yet
         return Check("overfit", None, f"{what}, but the weights moved only {moved:.1e} of their size at the learning "
                                       f"rate the schedule starts from ({lr:.3g}): too little to tell.")
+    if moved < STILL:
+        return Check("overfit", False, f"{what}, and the weights moved only {moved:.1e} of their size at a learning rate "
+                                       f"of {lr:.3g}: the model cannot fit one batch — check the learning rate (too "
+                                       f"small?), the labels, the loss.", slow=True)
     return Check("overfit", False, f"{what}: the model cannot fit one batch — check the labels, the loss, the learning rate.")
 
 

@@ -135,6 +135,7 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards):
         self._opened = self._closed = False
         self.should_stop = False
         self._preflighted = False
+        self._held_fit: Any = None  # a pre-flight fit judged at the next step (SetupChecks._settle_fit)
         self._warned_shape: set[str] = set()
         self._struck: dict[str, tuple[str, Exception]] = {}  # probes whose last collect/publish failed (see _guard)
         self._init_events()
@@ -197,6 +198,8 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards):
         inputs = StepInputs(losses, outputs, batch, batch_size if batch_size is not None else batch_size_of(batch))
         if not self._preflighted:
             self._auto_preflight(inputs)
+        elif self._held_fit is not None:
+            self._settle_fit()
         self._finish_components()
         for p in self._on_step:  # only probes that implement on_step
             if p.enabled:

@@ -58,11 +58,33 @@ class SetupChecks:
         report = run_preflight(comps[0].model, comps[0].optimizers or comps[0].optimizer, batch, loss_fn or rule.loss_fn, forward,
                                overfit_steps=rule.overfit_steps, overfit_drop=rule.overfit_drop, lenient=auto,
                                batch_loss=batch_loss, parts=parts, reference=reference, ramp=self.lr_ramping(comps))
-        record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(len(report.failed))})
-        raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.pinned, rule.hint)])
+        held = [c for c in report.failed if c.slow] if auto and self._step == 0 else []
+        now = [c for c in report.failed if c not in held]
+        if held:  # the learning rate of the next step tells a schedule's first value from a constant one
+            self._held_fit = (held, self._step, comps, len(now))
+        record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(len(now))})
+        raised = self._emit(record, [(rule, a) for a in report.alerts(self._step, rule.pinned, rule.hint, now)])
         if raised is not None:
             raise AlertRaised(raised)
         return report
+
+    def _settle_fit(self) -> None:
+        """The automatic pre-flight's one-batch fit that failed at so small a learning rate that the weights
+        barely moved (``Check.slow``), judged at the next step: a rate that moved since the optimizer's first
+        step (an LR range test that sets each rate before its step, as fastai's does; a warm-up stepped by
+        hand) was a schedule's first value: inconclusive, said once; a rate that did not move is the failure,
+        named at the pre-flight's step. Also at close (a run of one step)."""
+        held, step, comps, failed = self._held_fit
+        self._held_fit = None
+        if self.lr_ramping(comps):
+            log.info("trackdiag: pre-flight: the one-batch fit ran at the first value of a learning-rate schedule (the "
+                     "rate moved at the next step): inconclusive")
+            return
+        rule = next((r for r in self.rules if isinstance(r, Preflight)), None) or Preflight()
+        record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(failed + len(held))})
+        raised = self._emit(record, [(rule, a) for a in PreflightReport(held).alerts(step, rule.pinned, rule.hint)])
+        if raised is not None and not self._closed:
+            raise AlertRaised(raised)
 
     def _auto_preflight(self, inputs: StepInputs) -> None:
         """``rules.preflight.auto``: the pre-flight on the first step's batch, calling the model the way

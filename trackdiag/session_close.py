@@ -101,6 +101,8 @@ class RunEnd:
     def _last_records(self, status: str) -> None:
         """The last partial window (or what an interrupted logging step had collected), findings
         still waiting for steps that will not come, and the crash finding."""
+        if self._held_fit is not None and self._opened:  # a run of one step: the pre-flight's fit, judged now
+            self._settle_fit()
         if self._unsent is not None and self._logging is not None:  # a Ctrl-C inside a logging step
             unsent, self._unsent = self._unsent, None  # its record as far as it got, unjudged
             self._hub.write(unsent if isinstance(unsent, Record) else self._measured(self._logging, unsent))
