@@ -14,7 +14,10 @@ is minimised. Host work only, once per new set of loss names.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable, Mapping
+
+log = logging.getLogger("trackdiag")
 
 
 class Objectives:
@@ -34,6 +37,10 @@ class Objectives:
         if len(names) >= 2:
             for n in names:
                 self.auto[n] = "adversarial"
+            if any(self.of(n) == "adversarial" for n in names):
+                log.info("trackdiag: objective auto: %s each pass their own loss, judged as an adversarial set (a GAN: the "
+                         "rules about a loss going the wrong way are off for them); pass objective='minimize' if each "
+                         "loss should fall (co-teaching, mutual learning, an ensemble)", ", ".join(sorted(names)))
 
     def of(self, component: str) -> str:
         """``minimize`` | ``adversarial`` | ``rl`` for ``component`` (``""``: the single model)."""

@@ -194,8 +194,8 @@ class Plateau(Rule):
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for key, v in record.scalars.items():
-            if not key.endswith("loss/ema") or not math.isfinite(v):
-                continue
+            if not key.endswith("loss/ema") or not math.isfinite(v) or not self.minimised(where_of(key[: -len("/ema")])):
+                continue  # an RL or GAN loss is not expected to fall (docs/alert-policy.md)
             st = self._train.setdefault(key, {"best": math.inf, "step": record.step, "fired": 0.0})
             if v < st["best"] - max(self.min_delta, self.rel_delta * abs(st["best"])) or not math.isfinite(st["best"]):
                 st.update(best=v, step=record.step, fired=0.0)
