@@ -10,8 +10,10 @@ needs nothing before it, and the run then learns it: loss and gradient fall back
 
 The *signature* (:func:`signature`, host facts of the every-step series and the logged learning rates):
 
-- **together**: the loss of the jump step itself is up, above ``factor`` (3) x its level before the
-  jump and ``mads`` (6) median absolute deviations, with the gradient norm;
+- **together**: the loss of the jump step itself is up, above ``loss_factor`` (2) x its level before the
+  jump and ``mads`` (6) median absolute deviations, with the gradient norm (over ``factor``, 3, x its level).
+  Weights the loop re-initialised between steps (a sparse autoencoder resampling its dead latents) do the
+  same: the loss 2-3x for a step or two, the norm 10-30x while the optimizer fits the new units, then both back;
 - **nothing before**: the gradient norm of the step before the jump was at its level (under
   ``factor`` x), and no learning rate logged from the last logging step before the jump on is over
   ``lr_factor`` (2) x what was logged before it (an LR raised by a schedule's restart, a warm-up, a
@@ -64,11 +66,11 @@ def lr_raised(records: Sequence[Record], prefix: str, step: int, factor: float =
 
 
 def signature(loss: Recent, grad: Recent, step: int, records: Sequence[Record], lr_prefix: str,
-              factor: float = 3.0, mads: float = 6.0) -> bool:
+              factor: float = 3.0, mads: float = 6.0, loss_factor: float = 2.0) -> bool:
     """Whether the jump at ``step`` looks made by the data (see module docstring): the loss and the
     gradient norm up at the jump step itself, the gradient norm of the step before at its level, no
     learning rate (logged under ``lr_prefix``) raised."""
-    if not _up(loss, step, factor, mads):
+    if not _up(loss, step, loss_factor, mads):
         return False
     level = grad.level(step)
     before, now = grad.between(step - 1, step - 1), grad.between(step, step)
@@ -96,5 +98,5 @@ def recovered(loss: Recent, grad: Recent, step: int, horizon: int = HORIZON, rec
 def told(fell: tuple[float, float]) -> str:
     """The verdict's words for a recovered jump with the signature (``fell``: :func:`recovered`'s fractions)."""
     return (f"after a step at its usual level and with the learning rate unchanged: new data (a task or curriculum "
-            f"switch, another source) rather than an instability; {HORIZON} steps later the loss was at {fell[0]:.0%} "
-            f"and the norm at {fell[1]:.0%} of that step's.")
+            f"switch, another source) or weights the loop re-initialised (resampled dead units) rather than an "
+            f"instability; {HORIZON} steps later the loss was at {fell[0]:.0%} and the norm at {fell[1]:.0%} of that step's.")

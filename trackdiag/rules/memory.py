@@ -43,7 +43,10 @@ class MemoryLeak(Rule):
     (anomaly windows read every step); a leak is a ramp. ``persistent`` (a warning) for CUDA allocated
     memory (exact), and for the host RSS only when the ramp is steady: R² >= ``rss_r2`` (0.95) and
     >= ``rss_rising`` (0.9) of the readings higher than the one before (a kept graph grows RSS at every
-    step); a looser host ramp is an ``info`` finding (allocator arenas growing in full-batch training)."""
+    step) and the ramp keeps its pace: the later half of the window grows at least ``rss_keep`` (0.6) x as
+    fast as the earlier half (CPU bf16 autocast with a new batch shape every step fills oneDNN's caches: RSS
+    climbs ~1 GB over the first 80 steps at a falling pace, then stays; a kept graph grows it at one pace).
+    A looser host ramp is an ``info`` finding (allocator arenas growing in full-batch training)."""
 
     kind = "memory_leak"
     hint = ("Something keeps tensors alive across steps. The classic: storing the loss with its graph "
@@ -52,9 +55,9 @@ class MemoryLeak(Rule):
 
     def __init__(self, *, window_steps: int = 100, min_points: int = 5, min_span: int = 30, min_growth_mb: float = 32.0,
                  min_r2: float = 0.8, min_rising: float = 0.6, warmup: int = 20, rss_r2: float = 0.95,
-                 rss_rising: float = 0.9, **kw: Any) -> None:
+                 rss_rising: float = 0.9, rss_keep: float = 0.6, **kw: Any) -> None:
         super().__init__(**kw)
-        self.rss_r2, self.rss_rising = rss_r2, rss_rising
+        self.rss_r2, self.rss_rising, self.rss_keep = rss_r2, rss_rising, rss_keep
         self.window_steps, self.min_points, self.min_growth_mb = window_steps, max(min_points, 3), min_growth_mb
         self.min_span = min(min_span, window_steps)
         self.min_r2, self.min_rising, self.warmup = min_r2, min_rising, warmup
@@ -72,11 +75,17 @@ class MemoryLeak(Rule):
             if growth < self.min_growth_mb or r2 < self.min_r2 or rising < self.min_rising:
                 continue
             what = "CUDA allocated memory" if "cuda" in key else "process RSS"
-            # the allocator's count is exact; the host RSS also moves with the allocator's arenas and page
-            # cache, so there only a ramp with (nearly) every reading higher is a leak, a looser one a finding
-            steady = "cuda" in key or (r2 >= self.rss_r2 and rising >= self.rss_rising)
+            # the allocator's count is exact; the host RSS also moves with the allocator's arenas, page cache and
+            # kernel caches, so there only a ramp with (nearly) every reading higher that is not levelling off is a
+            # leak, a looser one a finding
+            kept = _kept_pace(xs, ys)
+            slowing = "cuda" not in key and kept < self.rss_keep
+            steady = "cuda" in key or (r2 >= self.rss_r2 and rising >= self.rss_rising and not slowing)
             msg = (f"{what} grew {growth:.0f} MB over the last {int(xs[-1] - xs[0])} steps ({slope:.2f} MB/step, "
-                   f"R²={r2:.2f}, {100 * rising:.0f}% of readings rising).{self._eta(record, key, slope)}")
+                   f"R²={r2:.2f}, {100 * rising:.0f}% of readings rising)"
+                   + (f", levelling off (the later half of the window grew at {max(kept, 0.0):.0%} of the earlier "
+                      f"half's pace: caches filling, not a leak, if it goes on flattening)" if slowing else "")
+                   + f".{self._eta(record, key, slope)}")
             out.append(self.make(record.step, msg, growth, self.min_growth_mb, self._where(key),
                                  ["persistent"] if steady else []))
         return out
@@ -121,6 +130,19 @@ class MemoryPressure(Rule):
             where = "host" if key == "diag/mem/rss_frac" else "cuda" + ("" if key.count("/") == 2 else ":" + key.rsplit("/", 1)[1])
             out.append(self.make(record.step, f"{what} is {100 * v:.1f}% of capacity.", v, self.threshold, where, ["persistent"]))
         return out
+
+
+def _kept_pace(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """The least-squares slope over the later half of the readings (from the middle step on) as a share of
+    the one over the earlier half (up to it); 1.0 when a half has fewer than 2 readings or did not grow."""
+    mid = (xs[0] + xs[-1]) / 2
+    early = [(x, y) for x, y in zip(xs, ys) if x <= mid]
+    late = [(x, y) for x, y in zip(xs, ys) if x >= mid]
+    if len(early) < 2 or len(late) < 2:
+        return 1.0
+    first, _ = linear_fit([x for x, _ in early], [y for _, y in early])
+    second, _ = linear_fit([x for x, _ in late], [y for _, y in late])
+    return second / first if first > 0 else 1.0
 
 
 def _window_points(key: str, record: Record, history: Sequence[Record], steps: int, warmup: int) -> list[tuple[int, float]]:
