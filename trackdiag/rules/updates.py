@@ -173,8 +173,9 @@ class StaleParams(Rule):
             if not table:
                 continue
             where = layers_named(comp, table)
-            msg = (f"{len(table)} layer(s) in the optimizer have requires_grad=False ({where}): frozen, they never get a "
-                   f"gradient. Fine when frozen on purpose (a fine-tuned backbone); otherwise unfreeze them.")
+            msg = (f"{len(table)} layer(s) in the optimizer have requires_grad=False ({where}) at this step: while frozen "
+                   f"they get no gradient. Fine when frozen on purpose (a fine-tuned backbone; a GAN's discriminator "
+                   f"frozen for the generator's step); otherwise unfreeze them.")
             for lay in table:  # the streak below must not report them again
                 self._streaks.mark(f"{comp.name}|{lay}", record.step)
             out.append(self.make(record.step, msg, sum(table.values()), 0.0, where))
