@@ -124,11 +124,21 @@ def _static_checks(model: nn.Module, opts: list[torch.optim.Optimizer], batch: A
         return out
     in_opt = {id(p) for opt in opts for g in opt.param_groups for p in g["params"]}
     named = list(model.named_parameters())
-    missing = [n for n, p in named if p.requires_grad and id(p) not in in_opt]
+    outside = [(n, p) for n, p in named if p.requires_grad and id(p) not in in_opt]
+    # the automatic pre-flight runs at the first step, after its backward pass: a parameter the optimizer does not
+    # hold that got a gradient is a mistake; one without a gradient while others have theirs may be updated by hand
+    # (an EMA codebook that a VQ-VAE's forward re-creates as a new nn.Parameter at every call)
+    backward_seen = any(p.grad is not None for _, p in named)  # else (called before training) no evidence either way
+    missing = [n for n, p in outside if p.grad is not None or not backward_seen]
     frozen = [n for n, p in named if not p.requires_grad and id(p) in in_opt]
     if missing:
         out.append(Check("optimizer", False, f"{len(missing)} trainable parameter(s) are not in the optimizer, "
                                              f"e.g. {missing[0]}: they get gradients but never change.", missing[0]))
+    elif outside:
+        out.append(Check("optimizer", None, f"{len(outside)} parameter(s) that require grad are not in the optimizer "
+                                            f"and have no gradient at this step, e.g. {outside[0][0]}: not trained by it "
+                                            f"(fine if updated by hand, as an EMA codebook is; param_not_optimized "
+                                            f"watches whether they get gradients)."))
     elif frozen:  # how fine-tuning freezes a backbone: a note, not a fault
         out.append(Check("optimizer", None, f"{len(frozen)} parameter(s) in the optimizer are frozen (requires_grad="
                                             f"False), e.g. {frozen[0]}: fine if on purpose (a frozen backbone)."))
