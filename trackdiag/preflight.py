@@ -300,8 +300,6 @@ def _overfit(trial: Trial, real: bool, loss0: float, steps: int, drop: float, ra
         return Check("overfit", None, "skipped" + ("" if real else ": no loss_fn and no targets to guess a loss."))
     last = loss0
     opts = [o for o in trial.opts if o is not None]
-    params = [p for o in opts for g in o.param_groups for p in g["params"] if p.requires_grad]
-    start = [p.detach().clone() for p in params]  # how far the trial moved the copies' weights
     for _ in range(steps):
         for o in opts:
             o.zero_grad(set_to_none=True)
@@ -320,7 +318,8 @@ def _overfit(trial: Trial, real: bool, loss0: float, steps: int, drop: float, ra
     if progress >= 0.1:  # falling, just slowly: the user's learning rate, not a wiring fault
         return Check("overfit", None, f"{what}: falling, but slower than a one-batch fit usually does "
                                       f"({progress:.0%} of the drop); fine for a small learning rate.")
-    moved = _moved(params, start)
+    named = _named(trial)  # how far the copies moved from the model's own weights (untouched: no copy kept for it)
+    moved = _moved([c for _, _, c in named], [p for _, p, _ in named])
     lr = max((float(g.get("lr", 0.0)) for o in opts for g in o.param_groups), default=0.0)
     if moved < STILL and ramp:  # the first value of a schedule (a warm-up from ~0, an LR range test): nothing to judge yet
         return Check("overfit", None, f"{what}, but the weights moved only {moved:.1e} of their size at the learning "
@@ -339,7 +338,8 @@ STILL = 0.02
 
 
 def _moved(params: list[torch.Tensor], start: list[torch.Tensor]) -> float:
-    """||w - w0|| / ||w0|| over the trial's parameters (host read; pre-flight only)."""
+    """||w - w0|| / ||w0|| of the trial's copies ``params`` against the model's weights ``start`` (host read;
+    pre-flight only)."""
     if not params:
         return math.inf
     with torch.no_grad():

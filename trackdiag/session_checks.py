@@ -49,7 +49,7 @@ class SetupChecks:
         self._preflighted = True
         if not self._opened:
             self._open()
-        rule = next((r for r in self.rules if isinstance(r, Preflight)), None) or Preflight()
+        rule = self._preflight_rule()
         comps = [c for c in self.components if component in (None, c.name) and c.model is not None]
         if not comps:
             return PreflightReport()
@@ -68,6 +68,10 @@ class SetupChecks:
             raise AlertRaised(raised)
         return report
 
+    def _preflight_rule(self) -> Preflight:
+        """The session's ``preflight`` rule (its severity, hint, options), or one with the defaults."""
+        return next((r for r in self.rules if isinstance(r, Preflight)), None) or Preflight()
+
     def _settle_fit(self) -> None:
         """The automatic pre-flight's one-batch fit that failed at so small a learning rate that the weights
         barely moved (``Check.slow``), judged at the next step: a rate that moved since the optimizer's first
@@ -80,7 +84,7 @@ class SetupChecks:
             log.info("trackdiag: pre-flight: the one-batch fit ran at the first value of a learning-rate schedule (the "
                      "rate moved at the next step): inconclusive")
             return
-        rule = next((r for r in self.rules if isinstance(r, Preflight)), None) or Preflight()
+        rule = self._preflight_rule()
         record = Record(step=self._step, time=time.time(), scalars={"diag/preflight/failed": float(failed + len(held))})
         raised = self._emit(record, [(rule, a) for a in PreflightReport(held).alerts(step, rule.pinned, rule.hint)])
         if raised is not None and not self._closed:

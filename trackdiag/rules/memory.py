@@ -78,8 +78,8 @@ class MemoryLeak(Rule):
             # the allocator's count is exact; the host RSS also moves with the allocator's arenas, page cache and
             # kernel caches, so there only a ramp with (nearly) every reading higher that is not levelling off is a
             # leak, a looser one a finding
-            kept = _kept_pace(xs, ys)
-            slowing = "cuda" not in key and kept < self.rss_keep
+            kept = 1.0 if "cuda" in key else _kept_pace(xs, ys)
+            slowing = kept < self.rss_keep
             steady = "cuda" in key or (r2 >= self.rss_r2 and rising >= self.rss_rising and not slowing)
             msg = (f"{what} grew {growth:.0f} MB over the last {int(xs[-1] - xs[0])} steps ({slope:.2f} MB/step, "
                    f"R²={r2:.2f}, {100 * rising:.0f}% of readings rising)"
