@@ -34,6 +34,7 @@ from trackdiag.session_guards import Guards
 from trackdiag.session_steps import OptimizerEvents
 from trackdiag.sinks.base import Sink, SinkHub
 from trackdiag.transfer import to_host
+from trackdiag.uninterrupted import uninterrupted
 
 if TYPE_CHECKING:
     from trackdiag.disabled import DisabledDiagnostics
@@ -306,10 +307,11 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards):
         for k, v in host.items():
             i, _, key = k.partition("\t")
             by_probe[int(i)][key] = v
-        for i, mine in sorted(by_probe.items()):
-            self._guard(self.probes[i], "publish", ctx, mine, record)
-        if self._dist is not None:
-            reduced.apply(record)
+        with uninterrupted():  # a Ctrl-C mid-publish would leave the record without a probe's values
+            for i, mine in sorted(by_probe.items()):
+                self._guard(self.probes[i], "publish", ctx, mine, record)
+            if self._dist is not None:
+                reduced.apply(record)
         return record
 
     def _emit(self, record: Record, alerts: list[tuple[Rule, Alert]]) -> Alert | None:

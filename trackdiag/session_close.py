@@ -14,6 +14,7 @@ from trackdiag.distributed import is_main_process
 from trackdiag.probes.base import Probe
 from trackdiag.record import Record
 from trackdiag.sinks.console import say
+from trackdiag.uninterrupted import uninterrupted
 
 
 class RunEnd:
@@ -50,8 +51,8 @@ class RunEnd:
         their own limits allow (MLflow: ``close_timeout``). Raises ValueError for another status.
 
         A KeyboardInterrupt while closing (a second Ctrl-C) skips the end-of-run pictures and report
-        and the wait for the trackers, but the status and summary still reach every sink (the local
-        record's ``run.json`` says KILLED, not RUNNING); what the trackers have not received stays
+        and the wait for the trackers, but the last window's record, the status and the summary still
+        reach every sink (the local record's ``run.json`` says KILLED, not RUNNING); what the trackers have not received stays
         spooled for ``trackdiag sync``. Then the KeyboardInterrupt propagates.
         """
         if self._closed:
@@ -73,7 +74,8 @@ class RunEnd:
                 "trackers: nothing is lost)")
         again = None  # a second Ctrl-C while the run is being wound down
         try:
-            self._last_records(status)
+            with uninterrupted():  # a second Ctrl-C skips the report, never the last window's record
+                self._last_records(status)
         except KeyboardInterrupt as exc:
             again = exc
         self._settle()

@@ -21,6 +21,7 @@ not made its first call when training ended.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -174,7 +175,20 @@ def _watch_parent(ppid: int, holder: list[Any]) -> None:
 def main() -> None:
     """The worker loop: one request per framed message on stdin, one reply on stdout. SIGINT is
     ignored (a Ctrl-C meant for training, e.g. ``kill -INT -<pgid>``): the parent ends the worker by
-    closing its stdin once delivery is done."""
+    closing its stdin once delivery is done.
+
+    On the way out the heap is frozen: Python's final garbage collections over MLflow's and
+    SQLAlchemy's objects took ~1 s here (~3 s on a busy 2-core machine), and the worker writes to
+    the training process's stderr, so anything reading that to its end (``python train.py | tee
+    log``, a CI job capturing output) waited that long after training had exited. Objects are
+    still freed by reference count; every call was answered before this point."""
+    try:
+        _serve()
+    finally:
+        gc.freeze()
+
+
+def _serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     proto = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # MLflow prints ("View run at ...") must not corrupt the protocol
