@@ -7,7 +7,7 @@ runs eagerly (``torch.compile``'s ``force_eager`` stance: hooks are seen, nothin
 recompiled) and the gradient tap does not count the backward passes. Cost: one copy of the buffers
 and a host pass over the modules' attributes, per isolated forward. :func:`rngs_kept` keeps every global random
 generator a user's forward may draw from (torch's, Python's ``random``, NumPy's), for the pre-flight and
-landscapes too.
+landscapes too; :func:`generators_kept` the ``torch.Generator`` objects passed to a forward trackdiag re-runs.
 """
 from __future__ import annotations
 
@@ -52,6 +52,33 @@ def rngs_kept(devices: list[int]) -> Iterator[None]:
     finally:
         random.setstate(py)
         np.random.set_state(npy)
+
+
+def generators_in(*holders: Any, depth: int = 3) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects among ``holders`` and inside their tuples, lists and dicts (``depth``
+    levels): a forward's own generator (scheduled sampling's coin flips drawn with ``generator=gen``)."""
+    found: list[torch.Generator] = []
+    for obj in holders:
+        if isinstance(obj, torch.Generator):
+            found.append(obj)
+        elif depth and isinstance(obj, (tuple, list)):
+            found += generators_in(*obj, depth=depth - 1)
+        elif depth and isinstance(obj, dict):
+            found += generators_in(*obj.values(), depth=depth - 1)
+    return list({id(g): g for g in found}.values())
+
+
+@contextlib.contextmanager
+def generators_kept(generators: list[torch.Generator]) -> Iterator[None]:
+    """``generators`` as they were on entry, restored on exit: a forward trackdiag re-runs with the step's own
+    arguments (the pre-flight, the NaN replay) does not advance the generator the user passed to it, so the run
+    draws what it would have drawn without trackdiag."""
+    states = [(g, g.get_state()) for g in generators]
+    try:
+        yield
+    finally:
+        for g, state in states:
+            g.set_state(state)
 
 
 @contextlib.contextmanager

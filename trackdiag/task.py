@@ -7,7 +7,8 @@ single-class collapse, label leak, pre-flight fitting) run only once the task is
 the first steps, the loss the user passed equals the cross-entropy of the outputs against the
 targets (mean or summed over the targets, padding ignored; the targets shifted by one position as
 a language model does, or not), or the mean squared error against float targets of the output's
-shape (a regression, whose chance level is the targets' variance).
+shape (a regression, whose chance level is the targets' variance) and not, closer, their binary
+cross-entropy (per-pixel BCE on 0/1 targets: left unknown).
 
 Cost: on the first ``STEPS`` steps only, one cross-entropy (or MSE) of the step's outputs, on the
 device, kept by reference and read with the logging step's one host copy; nothing afterwards.
@@ -58,7 +59,7 @@ def masked_ce(scores: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torc
 @torch.no_grad()
 def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
     """Device scalars that tell the task of one step: ``ce`` / ``ce_shift`` (class targets, mean over
-    the non-padding targets) with ``n`` (their count); or ``mse`` and ``var`` (float
+    the non-padding targets) with ``n`` (their count); or ``mse``, ``var`` and ``bce`` (float
     targets of the output's shape) with ``n``. None when the batch and outputs pair up as neither.
     Shapes are read on the host; no value is."""
     logits = logits_of(outputs)
@@ -80,7 +81,10 @@ def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
             y.shape == logits.shape or [d for d in y.shape if d != 1] == [d for d in logits.shape if d != 1]):
         # (B,) targets beside (B, 1) predictions: the loop's MSE squeezes or unsqueezes one of them
         yf, out_f = y.detach().float().reshape(logits.shape), logits.detach().float()
-        return {"mse": F.mse_loss(out_f, yf), "var": yf.var(unbiased=False), "n": (yf == yf).sum().float()}
+        # and the binary cross-entropy of the same pair: per-pixel BCE on 0/1 targets (a PixelCNN, a binarised VAE)
+        # can equal the logits' MSE at one step by chance (0.5648 vs 0.5622 at a PixelCNN's step 1)
+        return {"mse": F.mse_loss(out_f, yf), "var": yf.var(unbiased=False), "n": (yf == yf).sum().float(),
+                "bce": F.binary_cross_entropy_with_logits(out_f, yf)}
     return None
 
 
@@ -108,7 +112,8 @@ def decide(loss: float, got: dict[str, float], classes: int, accumulated: bool =
         return Task()
     if "mse" in got:
         for red, scale in (("mean", 1.0), ("sum", n)):
-            if _close(loss, got["mse"] * scale, tol):
+            mse, bce = got["mse"] * scale, got.get("bce", math.nan) * scale
+            if _close(loss, mse, tol) and not (_close(loss, bce, tol) and abs(loss - bce) <= abs(loss - mse)):
                 return Task("regression", got["var"] * scale, -1, red)
     return Task()
 
