@@ -52,8 +52,8 @@ class RunEnd:
 
         A KeyboardInterrupt while closing (a second Ctrl-C) skips the end-of-run pictures and report
         and the wait for the trackers, but the last window's record, the status and the summary still
-        reach every sink (the local record's ``run.json`` says KILLED, not RUNNING); what the trackers have not received stays
-        spooled for ``trackdiag sync``. Then the KeyboardInterrupt propagates.
+        reach every sink (the local record's ``run.json`` says KILLED, not RUNNING); what the trackers
+        have not received stays spooled for ``trackdiag sync``. Then the KeyboardInterrupt propagates.
         """
         if self._closed:
             return
