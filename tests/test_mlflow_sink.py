@@ -168,6 +168,25 @@ def test_sweep_jobs_share_one_parent(tmp_path: Path, store: str) -> None:
     assert sorted(r.data.params["lr"] for r in children) == ["0", "1", "2"]
 
 
+def test_a_sweep_job_run_is_created_with_its_job_number(tmp_path: Path, store: str) -> None:
+    """The run is made with trackdiag's tags (job number, sweep, level) in its creation call: a job killed
+    right after it (a sweep's ``test_killed_job_is_killed_others_unaffected`` flaked this way under load) no
+    longer leaves a child run without ``trackdiag.job_num`` until its spool is delivered. Only the sink's
+    ``open`` op is run here, as the worker runs the first group."""
+    from trackdiag.sinks._mlflow_run import Runner
+
+    sink = MlflowSink(tracking_uri=store, experiment="sweep-open", delivery="thread", tags={"team": 7})
+    group = str(tmp_path / "multirun" / "x")
+    sink.open(RunInfo(name="job#3", output_dir=tmp_path / "3", level="basic", config={}, group=group, job_num=3))
+    spec = dict(sink._state["spec"])
+    sink.close("KILLED", {"health": "killed"})
+    runner = Runner({"tracking_uri": store, "run_id": None, "spec": {**spec, "run_name": "opened only"}})
+    runner.run_many([{"op": "open", "spec": {**spec, "run_name": "opened only"}}])
+    tags = MlflowClient(store).get_run(runner.state["run_id"]).data.tags
+    assert tags["trackdiag.job_num"] == "3" and tags["trackdiag.sweep"] == group and tags["team"] == "7"
+    assert tags["trackdiag.level"] == "basic" and "mlflow.parentRunId" in tags
+
+
 def test_outage_spools_and_sync_delivers(tmp_path: Path, store: str, caplog: pytest.LogCaptureFixture) -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     diag, model, opt = _session(tmp_path, dead, "outage", close_timeout=1.0, retry_backoff=0.2)

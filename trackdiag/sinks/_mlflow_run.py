@@ -98,7 +98,7 @@ class Runner:
         if spec.get("group"):
             parent, calls = get_or_create_parent(self.client, eid, spec["group"], run_tags(spec.get("source")))
             self.calls += calls
-        tags = run_tags(spec.get("source"))
+        tags = {**run_tags(spec.get("source")), **(spec.get("tags") or {})}  # the run is never seen without them
         if parent:
             tags[PARENT_TAG] = parent
         self.calls += 1

@@ -154,7 +154,11 @@ class MlflowSink(Sink):
                 "trackdiag.run_name": run.name, "trackdiag.components": ",".join(run.components)}
         if run.group:
             tags.update({SWEEP_TAG: run.group, "trackdiag.job_num": str(run.job_num)})
-        ops: list[dict[str, Any]] = [{"op": "open", "spec": spec}, *pair_ops("tags", {**tags, **self.tags}.items())]
+        # set when the run is created as well: a job killed between the run's creation and the next call to the
+        # store left a sweep's child run without its job number (until its spool was delivered)
+        tag_ops = list(pair_ops("tags", {**tags, **self.tags}.items()))
+        spec["tags"] = dict(pair for op in tag_ops for pair in op["items"])  # keys sanitised, values cut as for the ops
+        ops: list[dict[str, Any]] = [{"op": "open", "spec": spec}, *tag_ops]
         if self.log_params and run.hparams:
             ops += pair_ops("params", user_params(flatten(run.hparams), run.level).items())
         if self.log_config:
