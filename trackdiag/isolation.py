@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -79,6 +79,17 @@ def generators_kept(generators: list[torch.Generator]) -> Iterator[None]:
     finally:
         for g, state in states:
             g.set_state(state)
+
+
+def replaying(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Callable[..., Any]], Any]:
+    """``call(fn)``: ``fn(*args, **kwargs)`` with the generators among the arguments put back afterwards (a
+    forward of the step re-run by trackdiag with its captured arguments); they are looked for once, here."""
+    kept = generators_in(args, kwargs)
+
+    def call(fn: Callable[..., Any]) -> Any:
+        with generators_kept(kept):
+            return fn(*args, **kwargs)
+    return call
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from torch import nn
 
 from trackdiag.forward_watch import FORWARD
 from trackdiag.gradtap import TAP_QUEUE
-from trackdiag.isolation import eager, generators_in, generators_kept, isolated
+from trackdiag.isolation import eager, isolated, replaying
 from trackdiag.layers import ROOT
 from trackdiag.replay_recorder import Recorder, finite
 from trackdiag.snapshot import ParamSnapshot
@@ -152,12 +152,8 @@ Run = tuple[Callable[[], Any], tuple[str, torch.dtype] | None, bool]  # forward,
 def _call_run(model: nn.Module, call: Call) -> Run:
     args, kwargs, autocast = call[:3]
     target = call[3] if len(call) > 3 else model  # a submodule's outermost call (the model's forward was not used)
-    kept = generators_in(args, kwargs)  # a generator passed to the forward: the replay leaves it as it was
-
-    def run() -> Any:
-        with generators_kept(kept):
-            return target(*args, **kwargs)
-    return run, autocast, False
+    call = replaying(args, kwargs)  # a generator passed to the forward: the replay leaves it as it was
+    return (lambda: call(target)), autocast, False
 
 
 def _batch_run(batch_loss: Callable[[Any], Any], batch: Any) -> Run:

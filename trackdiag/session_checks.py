@@ -11,7 +11,7 @@ import torch
 
 from trackdiag.context import StepInputs
 from trackdiag.errors import AlertRaised, brief
-from trackdiag.isolation import generators_in, generators_kept
+from trackdiag.isolation import replaying
 from trackdiag.preflight import PreflightReport, run_preflight
 from trackdiag.probes.data_wait import DataWaitProbe
 from trackdiag.record import Record
@@ -38,13 +38,8 @@ class SetupChecks:
         calls = probe.calls_of(self._ctx.step) if probe is not None else []
         if not calls:
             return None
-        args, kwargs, _ = calls[0]
-        kept = generators_in(args, kwargs)  # a generator passed to the forward: the trial's draws leave it as it was
-
-        def forward(model: Any, batch: Any) -> Any:
-            with generators_kept(kept):
-                return model(*args, **kwargs)
-        return forward
+        call = replaying(*calls[0][:2])  # a generator passed to the forward: the trial's draws leave it as it was
+        return lambda model, batch: call(model)
 
     def preflight(self, batch: Any, loss_fn: Any = None, *, forward: Any = None, component: str | None = None,
                   auto: bool = False, reference: float | None = None) -> PreflightReport:

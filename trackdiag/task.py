@@ -10,7 +10,7 @@ a language model does, or not), or the mean squared error against float targets 
 shape (a regression, whose chance level is the targets' variance) and not, closer, their binary
 cross-entropy (per-pixel BCE on 0/1 targets: left unknown).
 
-Cost: on the first ``STEPS`` steps only, one cross-entropy (or MSE) of the step's outputs, on the
+Cost: on the first ``STEPS`` steps only, one cross-entropy (or MSE and BCE) of the step's outputs, on the
 device, kept by reference and read with the logging step's one host copy; nothing afterwards.
 """
 from __future__ import annotations
@@ -113,7 +113,7 @@ def decide(loss: float, got: dict[str, float], classes: int, accumulated: bool =
     if "mse" in got:
         for red, scale in (("mean", 1.0), ("sum", n)):
             mse, bce = got["mse"] * scale, got.get("bce", math.nan) * scale
-            if _close(loss, mse, tol) and not (_close(loss, bce, tol) and abs(loss - bce) <= abs(loss - mse)):
+            if _close(loss, mse, tol) and not abs(loss - bce) <= abs(loss - mse):  # a nearer BCE: not a regression
                 return Task("regression", got["var"] * scale, -1, red)
     return Task()
 
