@@ -99,6 +99,9 @@ class ProbeContext:
     phase_start: int = 0
     #: the user's loss computation, ``loss_fn(batch) -> loss`` (:mod:`trackdiag.user_loss`), or None
     loss_fn: Callable[[Any], Any] | None = None
+    #: ``() -> [(Component, Tap)]``: the measurements of backward passes not handed to the probes yet (the other
+    #: components a pass reached, whose optimizers step later): a check made at one component's step can read them too
+    waiting: Callable[[], list[tuple[Component, Any]]] | None = None
 
     def is_due(self, schedule: Callable[[int], bool]) -> bool:
         return schedule(self.step) or (self.step <= self.anomaly_until and getattr(schedule, "anomaly", True))

@@ -279,6 +279,11 @@ class GradTap:
         tap.generation = st.comp.generation
         return tap
 
+    def waiting(self) -> list[tuple[Component, Tap]]:
+        """The measurements not taken yet: each component's latest pass since its last :meth:`take`."""
+        return [(st.comp, st.latest) for st in self.states.values()
+                if st.latest is not None and st.latest.generation == st.comp.generation and not st.in_closure]
+
     def hooked(self, name: str) -> bool:
         st = self.states.get(name)
         return st is not None and bool(st.handles)

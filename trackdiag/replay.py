@@ -139,6 +139,11 @@ def replay(model: nn.Module, calls: list[Call], *, step: int, batch: Any = None,
                         f"step: by the time it was noticed, the optimizer had already written NaN/Inf into the weights.)"))
             why = f"the weights kept at step {snapshot.step} are not finite either"
         data = "finite" if inputs_ok else "NON-finite" if inputs_ok is False else "not captured"
+        if weights == f"the weights of step {step}":  # the exact-step replay: the step began with these weights
+            return Finding(step, "params", layer_of(bad_state[0]), inputs_ok, (
+                f"{len(bad_state)} parameter/buffer tensor(s) held NaN/Inf when step {step} began (first: {bad_state[0]}): "
+                f"written before its forward (by the loop itself, a checkpoint loaded, or an update whose gradients were "
+                f"finite), not made by this step. The input batch was {data}."))
         return Finding(step, "params", layer_of(bad_state[0]), inputs_ok, (
             f"{len(bad_state)} parameter/buffer tensor(s) already hold NaN/Inf (first: {bad_state[0]}): the optimizer "
             f"applied the bad step's update before the fault was noticed, and {why}. The input batch was "

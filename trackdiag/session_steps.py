@@ -59,6 +59,7 @@ class OptimizerEvents:
         self._detail_step = -1
         self._detail = False
         self._tap = GradTap(ctx, self._detail_due, self._refresh_groups, self._closure_began)
+        ctx.waiting = self._tap.waiting
         for comp in self.components:
             self._tap.attach(comp)
         self._steps: dict[str, _StepState] = {c.name: _StepState() for c in self.components}

@@ -30,8 +30,9 @@ plainly that the culprit could not be found.
 Modes:
   ``log`` (default, no sync): replay at the logging step that notices the fault, on the current
   weights if they are finite, else on the snapshot (at most ``every`` steps older than the fault).
-  ``step``: at every optimizer step, check the gradients (ONE host sync per step) and replay right
-  there, before the optimizer applies the bad update: exact in every case.
+  ``step``: at every optimizer step, check the gradients (ONE host sync per step: per backward pass, the
+  components it reached read together) and replay right there, before the optimizer applies the bad update:
+  exact in every case.
 Replays run eagerly (``torch.compile`` stance ``force_eager``), restore buffers, RNG and the
 modules' plain attributes, and are not seen by the gradient tap.
 Emits no metric keys. Options: ``loss_fn`` (callable or dotted path, ``fn(outputs, batch) -> loss``:
@@ -93,6 +94,8 @@ class NanReplayProbe(Probe):
         self._pending: dict[str, list[list[Any]]] = {}  # the running step's calls, as passed (see _capturer)
         self.findings: dict[int, tuple[str, Finding]] = {}
         self.replays = 0
+        self.reads = 0  # host reads made by ``mode=step``
+        self._cleared: list[Any] = []  # taps of other components judged finite with an earlier one this step
         self.told: dict[tuple[str, int], tuple[str, int, bool]] = {}  # finding -> (kind, step) told, data at fault
         self._busy = False
         self._ctx: ProbeContext | None = None
@@ -235,14 +238,43 @@ class NanReplayProbe(Probe):
         """``mode=step``: one host sync on the gradients' finiteness; replay before the update."""
         if self.mode != "step" or self.replays >= self.max_replays or comp.model is None or not comp.index.params:
             return
-        finite = math.isfinite(float(view.total))  # the one host sync of mode=step
+        finite = self._finite(ctx, view)
         flags = ctx.extra.get(FLAGS_KEY)
         if flags is not None:  # the flight recorder needs no flags of a step judged healthy
             flags.judged(finite)
         if finite:
             return
         self.replays += 1
-        self.findings[ctx.step] = self.run(ctx, comp, ctx.step, None, exact=True)
+        found = self.run(ctx, comp, ctx.step, None, exact=True)
+        if found[1].phase == "none":  # not made here: a model the same backward pass reached, not stepped yet
+            for other in (c for c, _ in (ctx.waiting() if ctx.waiting is not None else ()) if c is not comp):
+                if other.model is not None and other.index.params:
+                    got = self.run(ctx, other, ctx.step, None, exact=True)
+                    if got[1].phase != "none":
+                        found = got
+                        break
+        self.findings[ctx.step] = found
+
+    def _finite(self, ctx: ProbeContext, view: GradView) -> bool:
+        """Whether ``view``'s gradients are all finite: the host read of ``mode=step``, one per backward pass. The
+        passes of other components that wait for their own optimizer (one backward through an encoder and a decoder
+        with an optimizer each) are read with it, and their check reads nothing when all were finite."""
+        tap = view.tap
+        if any(t is tap for t in self._cleared):
+            return True
+        total = view.total
+        others = [t for _, t in (ctx.waiting() if ctx.waiting is not None else ()) if t is not tap]
+        others = [t for t in others if t.total.device == total.device]  # model parallel: one read per device
+        self.reads += 1
+        if not others:
+            self._cleared = []
+            return math.isfinite(float(total))
+        if bool(torch.isfinite(torch.stack([total, *(t.total for t in others)])).all()):
+            self._cleared = others
+            return True
+        self._cleared = []  # one of them is not finite: this pass on its own (a second read, at a fault only)
+        self.reads += 1
+        return math.isfinite(float(total))
 
     def on_more_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         """``mode=step``: a later optimizer's own pass is judged before its update too."""
