@@ -7,21 +7,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import trackdiag
 from test_host_reads import HostReads
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class Encoder(nn.Module):
