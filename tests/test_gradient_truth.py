@@ -516,3 +516,50 @@ def test_odd_module_names_keep_every_probe_on(tmp_path) -> None:
     keys = {k for r in read_records(tmp_path) for k in r.scalars}
     assert "diag/act/dead_fraction/blocks.act\x1fone" in keys
     assert "diag/grad/norm/blocks.conv[3]" in keys and "diag/grad/norm/blocks.out[x]" in keys
+
+
+@pytest.mark.parametrize("level", ["advanced", "extreme"])
+def test_a_float64_model_with_clipping_and_with_lbfgs(tmp_path, level: str) -> None:
+    """pytorch/examples' time_sequence_prediction trains ``seq.double()`` with LBFGS; other scripts clip a
+    float64 model's gradients before ``step()``. The wiped-gradient check reads the sentinel's gradient at the
+    step when something touched it since the backward pass: an fp32-accumulated norm of an fp64 tensor, which
+    torch refuses, switched the ``grads`` probe off for the rest of the run. The pre-clip norm is
+    ``clip_grad_norm_``'s return value at every step, and no probe is disabled."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    refs = {}
+    with one_thread():
+        diag = session(model, opt, tmp_path / "sgd", level=level, every=5)
+        with diag:
+            for step in range(20):
+                x = torch.randn(32, 4, dtype=torch.double)
+                out = model(x)
+                loss = ((out - x.sum(1, keepdim=True)) ** 2).mean()
+                opt.zero_grad()
+                loss.backward()
+                refs[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
+                opt.step()
+                diag.step(loss, outputs=out, batch=(x, None))
+    assert diag.summary()["disabled_probes"] == {}
+    got = points(tmp_path / "sgd", "diag/grad/global_norm")
+    assert sorted(got) == list(range(20)) and all(got[s] == pytest.approx(r, rel=1e-5) for s, r in refs.items())
+    assert not [a for a in diag.alerts if a.severity != "info"]
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    lbfgs = torch.optim.LBFGS(seq.parameters(), lr=0.8)
+    x = torch.randn(64, 4, dtype=torch.double)
+    y = x.sum(1, keepdim=True)
+    with one_thread():
+        diag = session(seq, lbfgs, tmp_path / "lbfgs", level=level, every=5)
+        with diag:
+            for _ in range(8):
+                def closure():
+                    lbfgs.zero_grad()
+                    loss = ((seq(x) - y) ** 2).mean()
+                    loss.backward()
+                    return loss
+                diag.step(lbfgs.step(closure))
+    assert diag.summary()["disabled_probes"] == {}
+    assert len(points(tmp_path / "lbfgs", "diag/grad/global_norm")) == 8

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from trackdiag.context import Component
-from trackdiag.norms import grad_norms, plain
+from trackdiag.norms import fp32_norm, grad_norms, plain
 
 
 @dataclass(slots=True)
@@ -134,7 +134,7 @@ class Pass:
 def sentinel_norm(g: torch.Tensor) -> torch.Tensor:
     """The L2 norm of the sentinel's gradient (0-d fp32, no autograd graph): one kernel. 0 exactly when
     every value is (short of values below ~4e-23, whose squares underflow: no gradient a step uses)."""
-    return torch.linalg.vector_norm(plain(g.detach() if g.requires_grad else g), dtype=torch.float32)
+    return fp32_norm(plain(g.detach() if g.requires_grad else g))
 
 
 

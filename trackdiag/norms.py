@@ -60,6 +60,14 @@ def tensor_norms(tensors: list[torch.Tensor], ord: float = 2.0, dtype: torch.dty
     return torch.stack([torch.linalg.vector_norm(t, ord, dtype=dtype).to(dev) for t in tensors])
 
 
+def fp32_norm(t: torch.Tensor, ord: float = 2.0) -> torch.Tensor:
+    """``t``'s norm as a 0-d fp32 tensor: accumulated in fp32 for fp16/bf16 (their squares overflow above ~256)
+    and fp32, in fp64 for fp64 (a ``.double()`` model: torch refuses to narrow it inside the norm)."""
+    if t.dtype is torch.float64:
+        return torch.linalg.vector_norm(t, ord).float()
+    return torch.linalg.vector_norm(t, ord, dtype=torch.float32)
+
+
 def plain(t: torch.Tensor) -> torch.Tensor:
     """A dense real tensor with the same L2 norm and NaN/Inf as ``t``: a sparse tensor's coalesced
     values, a complex tensor's magnitudes."""

@@ -46,6 +46,7 @@ from torch import nn
 from trackdiag.context import ProbeContext
 from trackdiag.forward_watch import FORWARD
 from trackdiag.layers import ROOT
+from trackdiag.norms import fp32_norm
 
 Key = tuple[str, str]  # (component, module name)
 #: CPU outputs of more values are summed at once, in cache, not held: keeping a large activation alive past the
@@ -234,8 +235,8 @@ class OutputFlags:
         if self.batched(tensors[0]):
             try:  # one device (the usual case): one call; the kernel takes mixed dtypes
                 sums = torch._foreach_norm(tensors, 1, dtype=torch.float32)  # L1: one fused pass
-            except (RuntimeError, NotImplementedError):  # several devices
-                sums = [torch.linalg.vector_norm(t, 1, dtype=torch.float32) for t in tensors]
+            except (RuntimeError, NotImplementedError):  # several devices, or fp64 outputs (no fp32 accumulation of fp64)
+                sums = [fp32_norm(t, 1) for t in tensors]
         else:  # vectorised, multi-threaded; the CPU's multi-tensor norm is a slow per-tensor loop
             sums = [t.sum(dtype=torch.float32) for t in tensors]
         for (i, _), v in zip(waiting, sums):
