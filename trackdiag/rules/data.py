@@ -10,12 +10,15 @@ from typing import Any, Sequence
 from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
-from trackdiag.rules.base import Rule
+from trackdiag.rules.base import Rule, loss_series
 
 
 class NonfiniteInput(Rule):
     """Fires at the exact first step whose batch held a NaN/Inf; ``where`` names the batch entry
-    (``input batch[0]``, ``input batch['image']``)."""
+    (``input batch[0]``, ``input batch['image']``). ``unambiguous`` unless the loop shows it handles them:
+    the loss and the pre-clip gradient norm stayed finite at every step since (missing labels marked NaN and
+    masked out of the loss, as torchxrayvision's and MoleculeNet's multi-task loaders do; features imputed
+    inside the model): then an ``info`` finding."""
 
     kind = "nonfinite_input"
     hint = ("The data itself holds NaN/Inf: check the preprocessing (division by a zero std, log of 0, "
@@ -30,7 +33,19 @@ class NonfiniteInput(Rule):
         n = record.scalars.get("diag/data/nonfinite_tensors", 1.0)
         what = "the batch" if entry == "batch" else entry
         msg = f"{what} passed to step() holds NaN/Inf at step {int(first)} ({int(n)} tensor-step(s) with NaN/Inf in this window)."
+        if _handled(record, components, int(first)):
+            msg += (" The loss and the gradients stayed finite: the loop masks or imputes them (missing labels marked "
+                    "NaN and left out of the loss). Nothing to do if that is intended.")
+            return [self.make(int(first), msg, n, 0, f"input {entry}", [])]
         return [self.make(int(first), msg, n, 0, f"input {entry}", ["unambiguous"])]
+
+
+def _handled(record: Record, components: Sequence[Component], since: int) -> bool:
+    """Whether the loss and the pre-clip global gradient norm were measured and finite at every step from
+    ``since`` on in this record's window (a NaN that reached the model or the loss shows in one of them)."""
+    series = [*loss_series(record).values(), *(record.series.get(c.key("grad/global_norm"), []) for c in components)]
+    seen = [v for pts in series for s, v in pts if s >= since]
+    return bool(seen) and all(math.isfinite(v) for v in seen) and any(s == since for pts in series for s, _ in pts)
 
 
 class LabelRange(Rule):
