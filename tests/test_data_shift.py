@@ -113,3 +113,60 @@ def test_a_validation_loss_that_rose_with_the_train_loss_is_not_overfitting() ->
     # the same validation losses with a train loss that kept falling: overfitting, raised
     found = _evals(dict(zip(steps, (0.0065, 0.20, 0.30, 0.41))), dict(zip(steps, (0.011, 0.009, 0.008, 0.007))))
     assert [(a.kind, a.step) for a in found] == [("overfitting", 599)]
+
+
+def _poly_regression(tmp_path, lr_times: float = 1.0, at: int = 10**9) -> tuple[Any, list[float]]:
+    """pytorch/examples' regression/main.py: a degree-4 polynomial fitted by ``nn.Linear(4, 1)`` with
+    smooth-L1, updates written by hand (``p.data.add_(-0.1 * p.grad)``: no optimizer, so no learning rate is
+    logged), until the loss is under 1e-3. Seed 1 meets one batch holding x = 4.18 (x^4 = 305) at step 141:
+    the norm 11x at that step, its update kicks the weights and the loss is 20x at the next, back 4 steps later.
+    ``lr_times``: the hand-written learning rate multiplied from step ``at`` on (a fault)."""
+    import torch
+    import torch.nn.functional as F
+
+    import trackdiag
+
+    torch.manual_seed(1)
+    w_target, b_target = torch.randn(4, 1) * 5, torch.randn(1) * 5
+    fc = nn.Linear(4, 1)
+    diag = trackdiag.Diagnostics(fc, None, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                 probes={"report": {"enabled": False}, "histograms": {"enabled": False}})
+    losses = []
+    with diag:
+        for step in range(400):
+            r = torch.randn(32)
+            x = torch.stack([r ** i for i in range(1, 5)], 1)
+            y = x.mm(w_target) + b_target.item()
+            fc.zero_grad()
+            out = fc(x)
+            loss = F.smooth_l1_loss(out, y)
+            loss.backward()
+            for p in fc.parameters():
+                p.data.add_(-0.1 * (lr_times if step >= at else 1.0) * p.grad)
+            diag.step(loss, outputs=out, batch=(x, y))
+            losses.append(loss.item())
+            if loss.item() < 1e-3:
+                break
+    return diag, losses
+
+
+def test_one_outlier_batch_without_an_optimizer_is_one_info_incident(tmp_path) -> None:
+    diag, losses = _poly_regression(tmp_path)
+    assert losses[-1] < 1e-3 and max(losses[142:146]) > 10 * losses[140]  # the reference: the kick, and the end
+    jumps = {a.kind: a for a in diag.alerts if a.kind in ("grad_explosion", "loss_spike")}
+    assert (jumps["grad_explosion"].step, jumps["grad_explosion"].severity) == (141, "info")
+    assert (jumps["loss_spike"].step, jumps["loss_spike"].severity) == (142, "info")
+    assert "1 step(s) after the loss and the gradient norm jumped together at step 141" in jumps["loss_spike"].message
+    assert not [a for a in diag.alerts if a.severity != "info"]
+
+
+def test_a_learning_rate_raised_by_hand_is_still_raised(tmp_path) -> None:
+    """The same loop with its hand-written learning rate 30x from step 60 (no learning rate is logged to show it):
+    the loss jumps 300x at step 61 and stays an order of magnitude up: still raised at once."""
+    import statistics
+
+    diag, losses = _poly_regression(tmp_path, lr_times=30.0, at=60)
+    assert statistics.median(losses[61:120]) > 10 * statistics.median(losses[40:60])  # the reference: it stays up
+    loud = [a for a in diag.alerts if a.severity != "info" and a.kind in ("grad_explosion", "loss_spike", "loss_divergence",
+                                                                             "nonfinite_loss", "nonfinite_grad")]
+    assert loud and 60 <= min(a.step for a in loud) <= 62, [(a.kind, a.step, a.severity) for a in diag.alerts]

@@ -184,10 +184,15 @@ def run_preflight(model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn 
                                               "check it)" if lenient else "")))
                 return report
             what = "loss" if real else "surrogate loss (no loss_fn and no targets to guess one)"
+            guessed = loss_fn is None and batch_loss is None
+            if guessed and not math.isfinite(loss0) and reference is not None and math.isfinite(reference):
+                report.checks.append(Check("forward", None, f"the guessed {what} is {loss0:.4g} where the training step's is "
+                                                            f"{reference:.4g} (targets the loop masks: NaN for a missing label?): "
+                                                            f"give the session loss_fn=lambda batch: ... to check the training itself."))
+                return report
             report.checks.append(Check("forward", math.isfinite(loss0), f"{what} = {loss0:.4g}."))
             if not math.isfinite(loss0):
                 return report
-            guessed = loss_fn is None and batch_loss is None
             if guessed and reference is not None and not (real and _same(loss0, reference)):
                 report.checks.append(Check("loss", None, f"the guessed {what} ({loss0:.4g}) is not the training step's "
                                                          f"({reference:.4g}): give the session loss_fn=lambda batch: ... "

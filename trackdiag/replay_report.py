@@ -111,9 +111,11 @@ def enrich(probe: "NanReplayProbe", ctx: ProbeContext, alerts: list[tuple[Any, A
     and the replay's account in the message: in full in the first alert of an incident (the input,
     then the loss, grad, param alert: the order they are emitted in), as a reference in the others."""
     out = []
-    data = any(a.kind == "nonfinite_input" for _, a in alerts)
+    data = any(a.kind == "nonfinite_input" and a.evidence for _, a in alerts)
     for rule, alert in sorted(alerts, key=lambda ra: order(ra[1])):
-        got = probe.finding(ctx, alert.step) if alert.kind in TRIGGERS else None
+        # NaN/Inf in the batch that the loop handles (masked labels: no evidence it reached anything) replays nothing
+        handled = alert.kind == "nonfinite_input" and not alert.evidence
+        got = probe.finding(ctx, alert.step) if alert.kind in TRIGGERS and not handled else None
         if got is not None:
             comp, found = got
             if not found.located or (found.phase == "params" and found.input_finite is not False):

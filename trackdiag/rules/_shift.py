@@ -17,7 +17,13 @@ The *signature* (:func:`signature`, host facts of the every-step series and the 
 - **nothing before**: the gradient norm of the step before the jump was at its level (under
   ``factor`` x), and no learning rate logged from the last logging step before the jump on is over
   ``lr_factor`` (2) x what was logged before it (an LR raised by a schedule's restart, a warm-up, a
-  bug: then the weights may have made the jump, and the rules judge it as they always do).
+  bug: then the weights may have made the jump, and the rules judge it as they always do). A loop
+  without an optimizer (hand-written updates) logs no learning rate: an LR it raised by hand is not
+  seen, and such a jump is judged at the horizon like new data: raised 30 steps after it, not 5, when
+  it did not recover.
+
+A jump within 2 steps after one with the signature is the same incident (:func:`after_shift`): the
+hard batch's update kicked the weights and the loss of the next steps is up with it.
 
 A jump with the signature is judged ``horizon`` (30) steps after it instead of ``settle``: when by then
 both the loss and the gradient norm (medians of the last 5 steps) are under ``recover`` (0.7) x their
@@ -77,7 +83,15 @@ def signature(loss: Recent, grad: Recent, step: int, records: Sequence[Record], 
     if not before or not now or not math.isfinite(level) or not math.isfinite(before[0]) or before[0] > factor * level \
             or not now[0] > factor * level:
         return False
-    return lr_raised(records, lr_prefix, step) is False
+    return lr_raised(records, lr_prefix, step) is not True  # None: none logged (no optimizer), none shown raised
+
+
+def after_shift(loss: Recent, grad: Recent, step: int, records: Sequence[Record], lr_prefix: str, back: int = 2) -> int | None:
+    """The step whose data-change signature the jump at ``step`` belongs to: ``step`` itself, or one of the ``back``
+    steps before it (the update a hard batch's gradient made kicks the weights, and the loss of the next steps is up
+    with it: one outlier batch of pytorch/examples' polynomial regression made the norm 11x at one step and the
+    loss 20x at the next, back 4 steps later); None without one. One incident, judged by that step's recovery."""
+    return next((s for s in range(step, step - back - 1, -1) if signature(loss, grad, s, records, lr_prefix)), None)
 
 
 def recovered(loss: Recent, grad: Recent, step: int, horizon: int = HORIZON, recover: float = 0.7) -> tuple[float, float] | None:
@@ -98,5 +112,5 @@ def recovered(loss: Recent, grad: Recent, step: int, horizon: int = HORIZON, rec
 def told(fell: tuple[float, float]) -> str:
     """The verdict's words for a recovered jump with the signature (``fell``: :func:`recovered`'s fractions)."""
     return (f"after a step at its usual level and with the learning rate unchanged: new data (a task or curriculum "
-            f"switch, another source) or weights the loop re-initialised (resampled dead units) rather than an "
-            f"instability; {HORIZON} steps later the loss was at {fell[0]:.0%} and the norm at {fell[1]:.0%} of that step's.")
+            f"switch, another source, one outlier batch) or weights the loop re-initialised (resampled dead units) rather "
+            f"than an instability; {HORIZON} steps later the loss was at {fell[0]:.0%} and the norm at {fell[1]:.0%} of that step's.")

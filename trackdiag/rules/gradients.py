@@ -22,7 +22,7 @@ from trackdiag.context import Component
 from trackdiag.modnames import layer_label
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent, reacted
-from trackdiag.rules._shift import HORIZON, lr_raised, recovered, signature, told
+from trackdiag.rules._shift import HORIZON, after_shift, lr_raised, recovered, told
 from trackdiag.rules._spike import SpikeDetector
 from trackdiag.rules._weights import weights_moved
 from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
@@ -50,7 +50,7 @@ class _Comp:
     grad: Recent = field(default_factory=Recent)
     loss: Recent = field(default_factory=Recent)
     pending: list[tuple[int, float, float]] = field(default_factory=list)  # (step, value, the level before)
-    shifted: dict[int, bool] = field(default_factory=dict)  # pending step -> has the data-change signature
+    shifted: dict[int, int | None] = field(default_factory=dict)  # pending step -> the step of its data-change signature
     episode: float = 0.0  # the level before the jump being followed (0: none): later values above it are the same jump
 
 
@@ -130,16 +130,18 @@ class GradExplosion(Rule):
         if step + self.settle > last:
             return False
         if step not in st.shifted:
-            st.shifted[step] = signature(st.loss, st.grad, step, [*history, record], comp.key("opt/lr"))
-        return not st.shifted[step] or step + HORIZON <= last
+            st.shifted[step] = after_shift(st.loss, st.grad, step, [*history, record], comp.key("opt/lr"))
+        return st.shifted[step] is None or step + HORIZON <= last
 
     def _verdict(self, st: _Comp, spike: tuple[int, float, float], history: Sequence[Record], record: Record,
                  comp: Component) -> Alert:
         step, gn, ref = spike
-        if st.shifted.pop(step, False) and (fell := recovered(st.loss, st.grad, step)) is not None:
-            loss_at = st.loss.between(step, step)[0]
+        at = st.shifted.pop(step, None)
+        if at is not None and (fell := recovered(st.loss, st.grad, at)) is not None:
+            loss_at = st.loss.between(at, at)[0]
+            when = "at one step" if at == step else f"at step {at}, {step - at} step(s) before this jump"
             msg = (f"the pre-clip global gradient norm jumped to {gn:.3g} ({gn / ref:.1f}x its recent level "
-                   f"{ref:.3g}) together with the loss ({loss_at:.3g}), at one step, {told(fell)}")
+                   f"{ref:.3g}); the loss ({loss_at:.3g}) and the norm jumped together {when}, {told(fell)}")
             return self.make(step, msg, gn, self.spike["factor"] * ref, comp.name, [])
         after = st.grad.between(step + 1, step + self.settle)
         high = sum(v >= self.persist_factor * ref or not math.isfinite(v) for v in after)
