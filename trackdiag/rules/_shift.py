@@ -19,8 +19,8 @@ The *signature* (:func:`signature`, host facts of the every-step series and the 
   ``lr_factor`` (2) x what was logged before it (an LR raised by a schedule's restart, a warm-up, a
   bug: then the weights may have made the jump, and the rules judge it as they always do). A loop
   without an optimizer (hand-written updates) logs no learning rate: an LR it raised by hand is not
-  seen, and such a jump is judged at the horizon like new data: raised 30 steps after it, not 5, when
-  it did not recover.
+  seen, so there the horizon is ``HORIZON_NO_LR`` (8): an outlier batch the run is over 8 steps later
+  is let through, a raised LR is raised 8 steps after its jump instead of 5.
 
 A jump within 2 steps after one with the signature is the same incident (:func:`after_shift`): the
 hard batch's update kicked the weights and the loss of the next steps is up with it.
@@ -34,13 +34,22 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent, above
 
-#: steps after a jump with the data-change signature at which it is judged
-HORIZON = 30
+#: steps after a jump with the data-change signature at which it is judged; without a logged learning rate (a loop
+#: with no optimizer object) only a quick recovery is let through (one outlier batch, not a task switch): an LR the
+#: loop raised by hand is then judged ``HORIZON_NO_LR`` steps after the jump, not ``HORIZON``
+HORIZON, HORIZON_NO_LR = 30, 8
+
+
+class Shift(NamedTuple):
+    """A jump with the data-change signature: its step, and the steps after it at which it is judged."""
+
+    step: int
+    horizon: int
 
 
 def _up(loss: Recent, step: int, factor: float, mads: float) -> bool:
@@ -72,26 +81,27 @@ def lr_raised(records: Sequence[Record], prefix: str, step: int, factor: float =
 
 
 def signature(loss: Recent, grad: Recent, step: int, records: Sequence[Record], lr_prefix: str,
-              factor: float = 3.0, mads: float = 6.0, loss_factor: float = 2.0) -> bool:
-    """Whether the jump at ``step`` looks made by the data (see module docstring): the loss and the
-    gradient norm up at the jump step itself, the gradient norm of the step before at its level, no
-    learning rate (logged under ``lr_prefix``) raised."""
+              factor: float = 3.0, mads: float = 6.0, loss_factor: float = 2.0) -> Shift | None:
+    """The jump at ``step`` if it looks made by the data (see module docstring): the loss and the gradient norm up
+    at the jump step itself, the gradient norm of the step before at its level, no learning rate (logged under
+    ``lr_prefix``) raised; judged ``HORIZON`` steps later, ``HORIZON_NO_LR`` when no learning rate is logged."""
     if not _up(loss, step, loss_factor, mads):
-        return False
+        return None
     level = grad.level(step)
     before, now = grad.between(step - 1, step - 1), grad.between(step, step)
     if not before or not now or not math.isfinite(level) or not math.isfinite(before[0]) or before[0] > factor * level \
             or not now[0] > factor * level:
-        return False
-    return lr_raised(records, lr_prefix, step) is not True  # None: none logged (no optimizer), none shown raised
+        return None
+    raised = lr_raised(records, lr_prefix, step)
+    return None if raised else Shift(step, HORIZON if raised is False else HORIZON_NO_LR)
 
 
-def after_shift(loss: Recent, grad: Recent, step: int, records: Sequence[Record], lr_prefix: str, back: int = 2) -> int | None:
-    """The step whose data-change signature the jump at ``step`` belongs to: ``step`` itself, or one of the ``back``
-    steps before it (the update a hard batch's gradient made kicks the weights, and the loss of the next steps is up
-    with it: one outlier batch of pytorch/examples' polynomial regression made the norm 11x at one step and the
-    loss 20x at the next, back 4 steps later); None without one. One incident, judged by that step's recovery."""
-    return next((s for s in range(step, step - back - 1, -1) if signature(loss, grad, s, records, lr_prefix)), None)
+def after_shift(loss: Recent, grad: Recent, step: int, records: Sequence[Record], lr_prefix: str, back: int = 2) -> Shift | None:
+    """The data-change signature the jump at ``step`` belongs to: its own, or that of one of the ``back`` steps before
+    it (the update a hard batch's gradient made kicks the weights, and the loss of the next steps is up with it: one
+    outlier batch of pytorch/examples' polynomial regression made the norm 11x at one step and the loss 20x at the
+    next, back 4 steps later); None without one. One incident, judged by that step's recovery."""
+    return next((sh for s in range(step, step - back - 1, -1) if (sh := signature(loss, grad, s, records, lr_prefix))), None)
 
 
 def recovered(loss: Recent, grad: Recent, step: int, horizon: int = HORIZON, recover: float = 0.7) -> tuple[float, float] | None:
@@ -109,8 +119,9 @@ def recovered(loss: Recent, grad: Recent, step: int, horizon: int = HORIZON, rec
     return fracs[0], fracs[1]
 
 
-def told(fell: tuple[float, float]) -> str:
+def told(fell: tuple[float, float], horizon: int = HORIZON) -> str:
     """The verdict's words for a recovered jump with the signature (``fell``: :func:`recovered`'s fractions)."""
-    return (f"after a step at its usual level and with the learning rate unchanged: new data (a task or curriculum "
-            f"switch, another source, one outlier batch) or weights the loop re-initialised (resampled dead units) rather "
-            f"than an instability; {HORIZON} steps later the loss was at {fell[0]:.0%} and the norm at {fell[1]:.0%} of that step's.")
+    lr = "with the learning rate unchanged" if horizon == HORIZON else "no learning rate logged"
+    return (f"after a step at its usual level and {lr}: new data (a task or curriculum switch, another source, one "
+            f"outlier batch) or weights the loop re-initialised (resampled dead units) rather than an instability; "
+            f"{horizon} steps later the loss was at {fell[0]:.0%} and the norm at {fell[1]:.0%} of that step's.")

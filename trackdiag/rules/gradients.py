@@ -22,7 +22,7 @@ from trackdiag.context import Component
 from trackdiag.modnames import layer_label
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent, reacted
-from trackdiag.rules._shift import HORIZON, after_shift, lr_raised, recovered, told
+from trackdiag.rules._shift import Shift, after_shift, lr_raised, recovered, told
 from trackdiag.rules._spike import SpikeDetector
 from trackdiag.rules._weights import weights_moved
 from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
@@ -50,7 +50,7 @@ class _Comp:
     grad: Recent = field(default_factory=Recent)
     loss: Recent = field(default_factory=Recent)
     pending: list[tuple[int, float, float]] = field(default_factory=list)  # (step, value, the level before)
-    shifted: dict[int, int | None] = field(default_factory=dict)  # pending step -> the step of its data-change signature
+    shifted: dict[int, Shift | None] = field(default_factory=dict)  # pending step -> its data-change signature
     episode: float = 0.0  # the level before the jump being followed (0: none): later values above it are the same jump
 
 
@@ -124,24 +124,26 @@ class GradExplosion(Rule):
         return out
 
     def _ready(self, st: _Comp, step: int, history: Sequence[Record], record: Record, comp: Component) -> bool:
-        """Whether the jump at ``step`` can be judged: ``settle`` steps after it, or ``HORIZON`` steps
-        when it has the data-change signature (:mod:`~trackdiag.rules._shift`: decided at ``settle``)."""
+        """Whether the jump at ``step`` can be judged: ``settle`` steps after it, or its data-change signature's
+        horizon after that jump (:mod:`~trackdiag.rules._shift`: decided at ``settle``)."""
         last = st.grad.last_step
         if step + self.settle > last:
             return False
         if step not in st.shifted:
             st.shifted[step] = after_shift(st.loss, st.grad, step, [*history, record], comp.key("opt/lr"))
-        return st.shifted[step] is None or step + HORIZON <= last
+        sh = st.shifted[step]
+        return sh is None or sh.step + sh.horizon <= last
 
     def _verdict(self, st: _Comp, spike: tuple[int, float, float], history: Sequence[Record], record: Record,
                  comp: Component) -> Alert:
         step, gn, ref = spike
-        at = st.shifted.pop(step, None)
-        if at is not None and (fell := recovered(st.loss, st.grad, at)) is not None:
+        sh = st.shifted.pop(step, None)
+        if sh is not None and (fell := recovered(st.loss, st.grad, sh.step, sh.horizon)) is not None:
+            at = sh.step
             loss_at = st.loss.between(at, at)[0]
             when = "at one step" if at == step else f"at step {at}, {step - at} step(s) before this jump"
             msg = (f"the pre-clip global gradient norm jumped to {gn:.3g} ({gn / ref:.1f}x its recent level "
-                   f"{ref:.3g}); the loss ({loss_at:.3g}) and the norm jumped together {when}, {told(fell)}")
+                   f"{ref:.3g}); the loss ({loss_at:.3g}) and the norm jumped together {when}, {told(fell, sh.horizon)}")
             return self.make(step, msg, gn, self.spike["factor"] * ref, comp.name, [])
         after = st.grad.between(step + 1, step + self.settle)
         high = sum(v >= self.persist_factor * ref or not math.isfinite(v) for v in after)

@@ -16,7 +16,7 @@ from trackdiag.alert import Alert
 from trackdiag.context import Component
 from trackdiag.record import Record
 from trackdiag.rules._recent import Recent
-from trackdiag.rules._shift import HORIZON, after_shift, recovered, told
+from trackdiag.rules._shift import Shift, after_shift, recovered, told
 from trackdiag.rules._spike import SpikeDetector
 from trackdiag.rules._weights import weights_moved
 from trackdiag.rules.base import Rule, loss_series, loss_where, phase_start, where_of
@@ -57,7 +57,7 @@ class LossSpike(Rule):
         self._series: dict[str, _Series] = {}
         self._pending: dict[str, list[tuple[int, float, float]]] = {}
         self._episode: dict[str, float] = {}  # the level before the jump being followed (0: none)
-        self._shifted: dict[tuple[str, int], int | None] = {}  # (series, pending step) -> the step of its data-change signature
+        self._shifted: dict[tuple[str, int], Shift | None] = {}  # (series, pending step) -> its data-change signature
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         return self._judge(record, history, final=False)
@@ -96,24 +96,26 @@ class LossSpike(Rule):
         return out
 
     def _ready(self, key: str, ser: _Series, step: int, records: Sequence[Record]) -> bool:
-        """Whether the spike at ``step`` can be judged: ``settle`` steps after it, or ``HORIZON`` steps
-        when it has the data-change signature (:mod:`~trackdiag.rules._shift`: decided at ``settle``)."""
+        """Whether the spike at ``step`` can be judged: ``settle`` steps after it, or its data-change signature's
+        horizon after that jump (:mod:`~trackdiag.rules._shift`: decided at ``settle``)."""
         last = ser.loss.last_step
         if step + self.settle > last:
             return False
         if (key, step) not in self._shifted:
             self._shifted[(key, step)] = after_shift(ser.loss, ser.grad, step, records, key[: -len("loss")] + "opt/lr")
-        return self._shifted[(key, step)] is None or step + HORIZON <= last
+        sh = self._shifted[(key, step)]
+        return sh is None or sh.step + sh.horizon <= last
 
     def _verdict(self, key: str, ser: _Series, step: int, v: float, ref: float) -> Alert:
-        at = self._shifted.pop((key, step), None)
-        if at is not None and (fell := recovered(ser.loss, ser.grad, at)) is not None:
+        sh = self._shifted.pop((key, step), None)
+        if sh is not None and (fell := recovered(ser.loss, ser.grad, sh.step, sh.horizon)) is not None:
+            at = sh.step
             if at != step:  # the consequence of a jump the data made: the update of that batch kicked the weights
                 return self.make(step, f"loss {v:.4g} is {v / ref:.1f}x its recent average {ref:.4g}, {step - at} step(s) "
-                                       f"after the loss and the gradient norm jumped together at step {at}, {told(fell)}",
+                                       f"after the loss and the gradient norm jumped together at step {at}, {told(fell, sh.horizon)}",
                                  v, self.factor * ref, loss_where(key), [])
             msg = (f"loss {v:.4g} is {v / ref:.1f}x its recent average {ref:.4g}, the gradient norm jumped with it at "
-                   f"the same step, {told(fell)}")
+                   f"the same step, {told(fell, sh.horizon)}")
             return self.make(step, msg, v, self.factor * ref, loss_where(key), [])
         after = ser.loss.between(step + 1, step + self.settle)
         evidence = []
