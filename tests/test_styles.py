@@ -101,8 +101,10 @@ DETECTION: dict[str, tuple[str, int, list[str]]] = {
     # gradients wiped between backward and step from step 40: 3 steps in a row, raised at the next log
     "wiped_grads": ("grads_wiped", 10, ["vae_sum", "actor_critic", "greedy_layerwise", "hf_causal_lm",
                                         "recommender_sparse", "seq2seq_per_example", "lightning_ae"]),
-    # learning rate x1000 from step 0: an update larger than the weights, at once
-    "lr_start": ("update_ratio", 2, ["vae_sum", "gan", "greedy_layerwise", "hf_causal_lm", "mixup_ema",
+    # learning rate x1000 from step 0: an update larger than the weights, raised once what followed confirms it
+    # (the loss 3x up or non-finite, the gradient norm dead or, for a GAN, 10x up: 3 steps; the ratio above 1 for 5).
+    # vae_sum's script dies at step 1 (BCE on NaN outputs): the `crash` alert, before any step could confirm it
+    "lr_start": ("update_ratio", 5, ["gan", "greedy_layerwise", "hf_causal_lm", "mixup_ema",
                                      "normalizing_flow", "word2vec_sgns"]),
     # labels shuffled within each batch: after the 100-step warm-up, at chance and stalled
     "shuffled_labels": ("not_learning", 130, ["finetune_frozen", "full_batch", "amp_bf16"]),
