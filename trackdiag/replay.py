@@ -115,11 +115,12 @@ def layer_of(name: str) -> str:
 def replay(model: nn.Module, calls: list[Call], *, step: int, batch: Any = None,
            loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backward: bool = True,
            snapshot: ParamSnapshot | None = None, batch_loss: Callable[[Any], Any] | None = None,
-           weights: str = "the current weights") -> Finding:
+           weights: str = "the current weights", exact: bool = False) -> Finding:
     """Replay step ``step`` on ``model`` (see module doc): ``batch_loss(batch)`` when both are given,
     else the captured ``calls``. ``weights`` says which weights the current ones are (for the account
-    of a replay that stays finite). When the weights already hold NaN/Inf, the replay runs on
-    ``snapshot`` (weights of an earlier, finite step) if there is one."""
+    of a replay that stays finite); ``exact``: they are the ones step ``step`` began with (the optimizer has not
+    stepped since). When the weights already hold NaN/Inf, the replay runs on ``snapshot`` (weights of an
+    earlier, finite step) if there is one; an exact replay says they were written before the step."""
     runs = [_batch_run(batch_loss, batch)] if batch_loss is not None and batch is not None else [_call_run(model, c) for c in calls]
     if not runs:
         return Finding(step, "unavailable", detail=f"no forward call of step {step} was captured.")
@@ -139,7 +140,7 @@ def replay(model: nn.Module, calls: list[Call], *, step: int, batch: Any = None,
                         f"step: by the time it was noticed, the optimizer had already written NaN/Inf into the weights.)"))
             why = f"the weights kept at step {snapshot.step} are not finite either"
         data = "finite" if inputs_ok else "NON-finite" if inputs_ok is False else "not captured"
-        if weights == f"the weights of step {step}":  # the exact-step replay: the step began with these weights
+        if exact:  # the exact-step replay: the step began with these weights
             return Finding(step, "params", layer_of(bad_state[0]), inputs_ok, (
                 f"{len(bad_state)} parameter/buffer tensor(s) held NaN/Inf when step {step} began (first: {bad_state[0]}): "
                 f"written before its forward (by the loop itself, a checkpoint loaded, or an update whose gradients were "

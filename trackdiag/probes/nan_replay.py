@@ -263,17 +263,14 @@ class NanReplayProbe(Probe):
         if any(t is tap for t in self._cleared):
             return True
         total = view.total
-        others = [t for _, t in (ctx.waiting() if ctx.waiting is not None else ()) if t is not tap]
-        others = [t for t in others if t.total.device == total.device]  # model parallel: one read per device
+        others = [t for _, t in (ctx.waiting() if ctx.waiting is not None else ())  # model parallel: one read per device
+                  if t is not tap and t.total.device == total.device]
         self.reads += 1
-        if not others:
-            self._cleared = []
-            return math.isfinite(float(total))
-        if bool(torch.isfinite(torch.stack([total, *(t.total for t in others)])).all()):
+        if others and bool(torch.isfinite(torch.stack([total, *(t.total for t in others)])).all()):
             self._cleared = others
             return True
-        self._cleared = []  # one of them is not finite: this pass on its own (a second read, at a fault only)
-        self.reads += 1
+        self._cleared = []
+        self.reads += bool(others)  # one of them is not finite: this pass on its own (a second read, at a fault only)
         return math.isfinite(float(total))
 
     def on_more_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
@@ -297,7 +294,7 @@ class NanReplayProbe(Probe):
             self._busy = True
             found = replay(model, entry["calls"].get(comp.name, []), step=step, batch=batch,  # type: ignore[arg-type]
                            loss_fn=self.loss_fn, backward=self.backward if backward is None else backward,
-                           snapshot=snapshot, batch_loss=batch_loss, weights=weights)
+                           snapshot=snapshot, batch_loss=batch_loss, weights=weights, exact=exact)
         except Exception as exc:  # noqa: BLE001 - a replay never kills training
             found = Finding(step, "error", detail=f"the replay could not run the model ({brief(exc)})")
         finally:
