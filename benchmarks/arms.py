@@ -236,7 +236,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "noflight": {"flight": {"enabled": False}},   # no flight recorder at all
     "logreplay": {"nan_replay": {"mode": "log"}},  # NaN replay at the logging step (no per-step sync)
     "lean": {"flight": {"modules": False}, "nan_replay": {"mode": "log"}},
+    "noreplay": {"nan_replay": {"enabled": False}},
+    "layers50": {"grads": {"every": 50}, "gradflow": {"every": 50}, "outputs": {"every": 50}},
+    "asadv": {"flight": {"modules": False}, "nan_replay": {"mode": "log"}, "params": {"every": 50}, "updates": {"every": 50},
+              "activations": {"every": 50}, "memory_phases": {"every": 50}, "histograms": {"every": 500}},
 }
+#: variants that set a top-level key: the logging cadence (``advanced+every50``), no cost budget (``advanced+nobudget``)
+TOP_VARIANTS: dict[str, dict[str, Any]] = {"every20": {"every": 20}, "every50": {"every": 50}, "nobudget": {"budget": None}}
 
 
 def _excluded(variant: str = "") -> dict[str, Any]:
@@ -245,8 +251,10 @@ def _excluded(variant: str = "") -> dict[str, Any]:
     from trackdiag.registry import PROBES
 
     probes: dict[str, Any] = {"landscape": {"enabled": False}} if "landscape" in PROBES else {}
+    if variant in TOP_VARIANTS:
+        return {"probes": probes, **TOP_VARIANTS[variant]}
     if variant:
         if variant not in VARIANTS:
-            raise ValueError(f"unknown arm variant {variant!r}; accepted: {', '.join(VARIANTS)}")
+            raise ValueError(f"unknown arm variant {variant!r}; accepted: {', '.join([*VARIANTS, *TOP_VARIANTS])}")
         probes.update(VARIANTS[variant])
     return {"probes": probes} if probes else {}

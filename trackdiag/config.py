@@ -17,6 +17,7 @@ import yaml
 from trackdiag.config_checks import show_value, range_problem, type_problem, unresolved_problems
 from trackdiag.config_components import component_problems, constructor_defaults, constructor_params
 from trackdiag.errors import ConfigError
+from trackdiag.budget import budget_problems
 from trackdiag.redact import pattern_problems
 from trackdiag.registry import PROBES, RULES, SINKS
 from trackdiag.sanitize import Unresolved, to_plain_tolerant
@@ -28,7 +29,7 @@ _TOP: dict[str, Any] = {
     "level": str, "enabled": bool, "every": int, "max_layer_metrics": int, "history": int,
     "anomaly_window": int, "max_alerts_per_rule": int, "output_dir": str | None, "run_name": str | None,
     "sinks": list[str], "probes": dict, "rules": dict, "sink": dict, "redact": dict | None,
-    "objective": str | dict | None,
+    "objective": str | dict | None, "budget": Any,
 }
 #: what a component's loss is for (see README, "Objectives"): ``minimize`` (the default), ``adversarial``
 #: (a GAN's generator/discriminator pair), ``rl`` (a policy-gradient / actor-critic objective)
@@ -143,6 +144,8 @@ def validate(cfg: Mapping[str, Any]) -> None:
             active_sinks.append(name)
     problems += _redact_problems(cfg.get("redact"))
     problems += objective_problems(cfg.get("objective"))
+    if not isinstance(cfg.get("budget"), Unresolved):
+        problems += budget_problems(cfg.get("budget"))
     for family, registry in (("probes", PROBES), ("rules", RULES), ("sink", SINKS)):
         section = cfg.get(family) or {}
         if not isinstance(section, Mapping):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,19 @@ class SpreadThenEvery:
         while m % 10 == 0:
             m //= 10
         return m in (1, 2, 5)
+
+
+@dataclass(frozen=True)
+class Strided:
+    """``inner``'s steps that are also multiples of ``n`` (the cost budget's longer cadence,
+    :mod:`trackdiag.budget`); anomaly windows as ``inner``'s."""
+
+    inner: Callable[[int], bool]
+    n: int
+
+    @property
+    def anomaly(self) -> bool:
+        return getattr(self.inner, "anomaly", True)
+
+    def __call__(self, step: int) -> bool:
+        return step % self.n == 0 and self.inner(step)

@@ -28,6 +28,7 @@ from trackdiag.record import Record
 from trackdiag.registry import PROBES, RULES, SINKS, lookup
 from trackdiag.rules.base import Rule
 from trackdiag.runinfo import RunInfo, resolve_run
+from trackdiag.session_budget import CostBudget
 from trackdiag.session_checks import SetupChecks
 from trackdiag.session_close import RunEnd
 from trackdiag.session_guards import Guards
@@ -47,7 +48,7 @@ def _build(family: dict[str, str], name: str, entry: Mapping[str, Any] | None) -
     return lookup(family, name, entry)(**{k: v for k, v in entry.items() if k != "_target_"})
 
 
-class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards):
+class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards, CostBudget):
     """Training diagnostics for one run. See the README for the metric keys and alert kinds.
 
     Args:
@@ -115,6 +116,7 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards):
         self._on_step = [p for p in self.probes if type(p).on_step is not Probe.on_step]
         self._after_record = [p for p in self.probes if type(p).after_record is not Probe.after_record]
         self._schedules = self._distinct_schedules()
+        self._init_budget(cfg)
         name, out_dir, cwd, group, job = resolve_run(cfg["output_dir"], cfg["run_name"])
         self.run = RunInfo(name, out_dir, cfg["level"], cfg, to_plain(hparams) or {}, cwd, group, job,
                            components=[c.name for c in self.components])
@@ -185,6 +187,8 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards):
             self._open()
         if self._t_first is None:
             self._t_first = t0
+        elif self._gaps is not None:  # the cost budget's measure of the loop (session_budget.py)
+            self._gaps.append(t0 - self._t_last)
         ctx = self._ctx
         if type(loss) is dict or (not isinstance(loss, torch.Tensor) and isinstance(loss, Mapping)):
             losses = {k: self._scalar_loss(k, v) for k, v in loss.items()}
@@ -213,13 +217,18 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards):
             ctx.phase, ctx.phase_start = ctx.phase + 1, ctx.step
         self._phase_ready = True
         raised = None
+        log_now = False
         for sched in self._schedules:  # a few distinct schedules, not every probe
             if ctx.is_due(sched):
-                self._logging = ctx.step  # a Ctrl-C in here: close() logs this step's window again
-                raised = self._log(ctx.step)
-                self._logging = None
-                self._check_reindex()
+                log_now = True
                 break
+        else:  # under a stretched cadence (budget.py): a logging step at a NaN/Inf in the window too
+            log_now = bool(self._checks) and not self._finite_check(ctx.step)
+        if log_now:
+            self._logging = ctx.step  # a Ctrl-C in here: close() logs this step's window again
+            raised = self._log(ctx.step)
+            self._logging = None
+            self._check_reindex()
         self._reset_steps()
         self._step += 1
         ctx.step = self._step
@@ -274,9 +283,11 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards):
         self._unsent = collected  # a Ctrl-C from here on: close() still sends what was measured
         record = self._measured(step, collected)
         n = max(step - self._last_logged, 1)
-        self._window_overhead += ctx.hook_seconds  # forward/backward hooks ran inside the user's passes
-        ctx.hook_seconds = 0.0
+        hooks, ctx.hook_seconds = ctx.hook_seconds, 0.0
+        self._window_overhead += hooks  # forward/backward hooks ran inside the user's passes
         record.scalars["diag/perf/overhead_ms"] = 1e3 * self._window_overhead / n
+        if not final:
+            self._budget_window(step, self._window_overhead, hooks)
         self._overhead += self._window_overhead
         self._window_overhead = 0.0
         alerts = self._judge("check", record, self._history, self.components)

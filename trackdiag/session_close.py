@@ -30,6 +30,7 @@ class RunEnd:
             "overhead": {"seconds": spent, "per_step_ms": 1e3 * spent / max(self._step, 1),
                          "fraction": spent / wall if wall > 0 else 0.0,
                          "sink_thread_cpu_seconds": self._hub.cpu_seconds},
+            "budget": self._budget_summary(),
             "should_stop": self.should_stop, "disabled_probes": dict(self._disabled),
             "notes": [*self._notes.values(), *self._ctx.notes.values()],
             "consequences_suppressed": dict(self._book.consequences),

@@ -85,6 +85,13 @@ class FlightProbe(Probe):
         if self.flags is not None:
             self.flags.stop()
 
+    def stop_modules(self, ctx: ProbeContext) -> None:
+        """The cost budget's first shed (:mod:`trackdiag.budget`): no more per-module output flags (the crash
+        finding keeps the series, the replay of the running step and the traceback)."""
+        self.detach()
+        self.flags, self.modules, self.schedule = None, False, Never()
+        ctx.extra.pop(FLAGS_KEY, None)
+
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         if self.flags is not None:
             self.flags.end_step(ctx.step, due=ctx.is_due(self.schedule) and self._learning())

@@ -110,6 +110,10 @@ class LossProbe(Probe):
                 self._emas[name] = Ema(self.ema_beta)
             ring.push(ctx.step, value)
 
+    def window_values(self) -> list[Any]:
+        """The losses held since the last logging step (the cost budget's NaN/Inf check between stretched ones)."""
+        return [v for ring in self._rings.values() for v in ring.values]
+
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         out: dict[str, Any] = {}
         self._steps: dict[str, list[int]] = {}

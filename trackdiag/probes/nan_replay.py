@@ -78,7 +78,8 @@ class NanReplayProbe(Probe):
                  snapshot_mb: float = 1024.0, snapshot_every: int = 20) -> None:
         super().__init__(enabled=enabled, every=every)
         # mode=step replays before the bad update: no earlier weights needed
-        self.snapshot_bytes = int(max(snapshot_mb, 0.0) * 2**20) if mode == "log" else 0
+        self._snapshot_limit = int(max(snapshot_mb, 0.0) * 2**20)
+        self.snapshot_bytes = self._snapshot_limit if mode == "log" else 0
         self.snapshot_every = max(1, snapshot_every)
         self._snapped = -(10**9)
         self._snapshots: dict[str, ParamSnapshot] = {}
@@ -117,6 +118,16 @@ class NanReplayProbe(Probe):
                 self._stops.append(FORWARD.watch(comp.outer if comp.outer is not None else comp.model,
                                                  post=self._capturer(comp.name, dev), root=True))
                 self._watch_parts[comp.name] = dev
+
+    def to_log_mode(self, ctx: ProbeContext) -> None:
+        """The cost budget's first shed (:mod:`trackdiag.budget`): ``mode=step`` becomes ``mode=log`` (no host read
+        per step; the replay runs at the logging step from a weight snapshot, taken from the next finite one)."""
+        if self.mode != "step":
+            return
+        self.mode, self.snapshot_bytes = "log", self._snapshot_limit
+        for comp in ctx.components:
+            if comp.model is not None and self.snapshot_bytes and comp.name not in self._snapshots:
+                self._snapshots[comp.name] = ParamSnapshot(comp.model, self.snapshot_bytes)
 
     def _watch_outermost(self, comp: Component) -> None:
         """The model's own forward was not called in a step (``model.log_prob(x)``, ``model.loss(x)``:

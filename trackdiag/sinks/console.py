@@ -47,7 +47,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     overhead = summary.get("overhead", {})
     fraction, per_step = overhead.get("fraction", 0.0), overhead.get("per_step_ms", 0.0)
     lines = [f"trackdiag: {headline(summary)}, overhead {100 * fraction:.2f}% ({per_step:.2f} ms/step)"]
-    if fraction > NOTE_ABOVE:
+    lines += budget_lines(summary)
+    if fraction > NOTE_ABOVE and not (summary.get("budget") or {}).get("shed"):
         lines.append("  (mostly fixed costs, per step, per logging step and at start-up: with steps this short, "
                      "log less often with a larger `every` (diag.every=50) or use a lighter preset)")
     alerts = summary.get("alerts", {})
@@ -59,6 +60,17 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append("  no alerts")
     lines += where_lines(summary)
     return "\n".join(lines)
+
+
+def budget_lines(summary: dict[str, Any]) -> list[str]:
+    """What the cost budget shed (:mod:`trackdiag.budget`), and whether the run is still above it."""
+    budget = summary.get("budget") or {}
+    lines = [f"  within the {100 * budget['share']:.0f}% cost budget from step {shed['step']}: {shed.get('what', shed['shed'])}"
+             for shed in budget.get("shed", ())]
+    if budget.get("over"):
+        lines.append("  still above the cost budget with all it may shed shed: use a lighter preset or a larger `every` "
+                     "(diag.every=50)")
+    return lines
 
 
 def where_lines(summary: dict[str, Any]) -> list[str]:
@@ -101,7 +113,7 @@ class ConsoleSink(Sink):
         console = Console(file=stream, soft_wrap=True)  # paths and commands stay whole, pasteable
         console.print(table if summary.get("alerts") else format_summary(summary), highlight=False, markup=False)
         if summary.get("alerts"):
-            console.print("\n".join(where_lines(summary)), highlight=False, markup=False)
+            console.print("\n".join(budget_lines(summary) + where_lines(summary)), highlight=False, markup=False)
 
 
 def say(line: str, stream: TextIO | None = None) -> None:

@@ -1,0 +1,149 @@
+"""The cost budget (trackdiag/budget.py): what it decides from measured windows, how the session sheds
+(the logging cadence, extreme's per-step extras), that a NaN is still logged at the preset's cadence and
+named, and that ``budget=null`` keeps the preset's cadence. The session tests force the decision with a
+budget no run can meet (1e-9): which windows are measured is timing, what is shed then is not."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import trackdiag
+from trackdiag.budget import WALL, Budget, share_of
+from trackdiag.errors import ConfigError
+from trackdiag.sinks.console import format_summary
+from trackdiag.sinks.local import read_records
+
+TINY = 1e-9
+
+
+def test_budget_decides_from_the_median_after_warmup():
+    b = Budget(0.09, ["every x2", "every x5"], warmup=100, windows=5)
+    # 10% own time per window, x WALL (1.25) = 12.5% > 9%: but not before step 100
+    for step in range(10, 100, 10):
+        assert b.window(step, own=0.010, wall=0.110) is None
+    assert b.window(100, own=0.010, wall=0.110) == "every x2"
+    assert b.taken[0]["step"] == 100 and b.taken[0]["measured"] == pytest.approx(WALL * 0.1, rel=1e-3)
+    # measured again from scratch: 4 windows are not enough
+    for step in (120, 140, 160, 180):
+        assert b.window(step, own=0.010, wall=0.110) is None
+    assert b.window(200, own=0.010, wall=0.110) == "every x5"
+    for step in range(250, 600, 50):
+        assert b.window(step, own=0.010, wall=0.110) is None  # nothing left to shed
+    assert b.over()
+
+
+def test_one_expensive_window_is_not_a_trend():
+    """A histogram step or a GC pause makes one window expensive: the median of five ignores it."""
+    b = Budget(0.09, ["every x2"], warmup=0, windows=5)
+    got = [b.window(s, own=own, wall=0.1 + own) for s, own in zip(range(10, 60, 10), (0.002, 0.002, 0.05, 0.002, 0.002))]
+    assert got == [None] * 5 and b.last == pytest.approx(WALL * 0.02) and not b.taken
+    assert not b.over()
+
+
+def test_share_of_settings():
+    assert share_of("auto", "basic") == 0.06 and share_of("auto", "advanced") == 0.09 and share_of("auto", "extreme") == 0.12
+    assert share_of(None, "advanced") is None and share_of(False, "advanced") is None
+    assert share_of(0.2, "basic") == 0.2
+
+
+def test_bad_budget_is_one_config_error_with_the_other_problems():
+    with pytest.raises(ConfigError) as err:
+        trackdiag.Diagnostics(nn.Linear(2, 2), level="advanced", sinks=["local"], budget="lots", every=0)
+    text = str(err.value)
+    assert "diag.budget" in text and "'lots'" in text and "diag.every" in text
+    for bad in (0, 1.5, -0.1, True):
+        with pytest.raises(ConfigError, match="diag.budget"):
+            trackdiag.Diagnostics(nn.Linear(2, 2), level="advanced", sinks=["local"], budget=bad)
+
+
+class Boom(nn.Module):
+    """Finite on ordinary inputs; NaN where its input is huge: a fault a replay of the step's forward
+    reproduces on any weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(x.abs() > 1e3, float("nan"))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), Boom(), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _train(tmp_path, level: str, budget, steps: int, nan_at: int = -1):
+    """A tiny classifier (learnable labels); at ``nan_at`` one huge input, which module 1 (Boom) turns into NaN.
+    Returns the session and, per step, how many alerts had been raised after it."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 3, generator=g)
+    raised = []
+    diag = trackdiag.Diagnostics(model, opt, level=level, sinks=["local"], output_dir=str(tmp_path / level),
+                                 budget=budget, probes={"report": {"enabled": False}, "landscape": {"enabled": False}})
+    with diag:
+        for step in range(steps):
+            x = torch.randn(16, 8, generator=g)
+            y = (x @ w).argmax(1)
+            if step == nan_at:
+                x[0] = 1e6
+            out = model(x)
+            loss = nn.functional.cross_entropy(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=out, batch=(x, y))
+            raised.append(len(diag.alerts))
+    return diag, raised
+
+
+def test_shedding_stretches_the_logging_cadence(tmp_path):
+    diag, _ = _train(tmp_path, "advanced", TINY, 320)
+    shed = diag.summary()["budget"]["shed"]
+    assert [s["shed"] for s in shed] == ["every x2", "every x5"]
+    first, second = shed[0]["step"], shed[1]["step"]
+    steps = [r.step for r in read_records(tmp_path / "advanced")]
+    after = [s for s in steps if first < s <= second]
+    assert after and all(s % 20 == 0 for s in after), after
+    late = [s for s in steps if second < s < 319]  # the last one: close()'s final window
+    assert late and all(s % 50 == 0 for s in late), late
+    assert all(s < 10 or s % 10 == 0 for s in steps if s < first)  # the first 10 steps each, as the preset says
+    assert not [a for a in diag.alerts if a.severity != "info"]  # a healthy run stays silent
+
+
+def test_no_budget_keeps_the_cadence(tmp_path):
+    diag, _ = _train(tmp_path, "advanced", None, 260)
+    assert diag.summary()["budget"] is None
+    steps = [r.step for r in read_records(tmp_path / "advanced")]
+    assert [s for s in steps if s >= 100][:6] == [100, 110, 120, 130, 140, 150]
+
+
+def test_nan_under_a_stretched_cadence_is_still_logged_within_the_presets_cadence(tmp_path):
+    """Logging every 50 steps by then; the NaN at step 263 is found by the every-10 check at step 270,
+    raised there and named (module 1, by the replay)."""
+    diag, raised = _train(tmp_path, "advanced", TINY, 300, nan_at=263)
+    assert [s["shed"] for s in diag.summary()["budget"]["shed"]] == ["every x2", "every x5"]
+    bad = [a for a in diag.alerts if a.kind.startswith("nonfinite")]
+    assert bad, [(a.kind, a.step) for a in diag.alerts]
+    assert min(a.step for a in bad) == 263
+    first_raised = next(i for i, n in enumerate(raised) if n > 0 and any(a.kind.startswith("nonfinite") for a in diag.alerts[:n]))
+    assert first_raised == 270
+    assert any(a.where.startswith("1 (Boom") for a in bad), [(a.kind, a.where) for a in bad]
+
+
+def test_extreme_sheds_its_per_step_extras_first(tmp_path):
+    diag, _ = _train(tmp_path, "extreme", TINY, 130)
+    shed = diag.summary()["budget"]["shed"]
+    assert shed[0]["shed"] == "extras"
+    flight = next(p for p in diag.probes if p.name == "flight")
+    replay = next(p for p in diag.probes if p.name == "nan_replay")
+    assert flight.flags is None and replay.mode == "log" and replay.snapshot_bytes > 0
+    text = format_summary(diag.summary())
+    assert "cost budget from step 100: per-module output flags" in text
+
+
+def test_extreme_after_shedding_still_names_the_nan(tmp_path):
+    diag, _ = _train(tmp_path, "extreme", TINY, 180, nan_at=157)
+    assert diag.summary()["budget"]["shed"][0]["shed"] == "extras"
+    bad = [a for a in diag.alerts if a.kind.startswith("nonfinite")]
+    assert bad and min(a.step for a in bad) == 157
+    assert any(a.where.startswith("1 (Boom") for a in bad), [(a.kind, a.where) for a in bad]

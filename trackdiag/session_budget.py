@@ -1,0 +1,109 @@
+"""The cost budget in the session (:mod:`trackdiag.budget`), mixed into :class:`trackdiag.Diagnostics`:
+each logging window's own and wall time go to the :class:`~trackdiag.budget.Budget`; a shed it decides is
+applied here (the flight recorder's flags, the NaN replay's mode, the probes' schedules), and between the
+stretched logging steps one host read at the preset's cadence checks the window's every-step series."""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from typing import Any
+
+import torch
+
+from trackdiag.budget import STRIDES, Budget, share_of
+from trackdiag.schedule import Strided
+
+log = logging.getLogger("trackdiag")
+
+
+class CostBudget:
+    """``_init_budget``, ``_budget_window``, ``_finite_check``, ``_budget_summary``; see the module docstring."""
+
+    def _init_budget(self, cfg: dict[str, Any]) -> None:
+        self._budget: Budget | None = None
+        self._checks: list[Any] = []  # the preset's own schedules, once the logging step is stretched
+        self._base: dict[Any, Any] = {}  # probe -> its schedule before any stretch
+        self._gaps: list[float] | None = None  # per step: the loop's time between two step() calls
+        self._clean = False  # the window since the last logging step began at a scheduled one
+        share = share_of(cfg.get("budget", "auto"), cfg["level"])
+        if share is None or self._dist is not None:  # ranks must log at the same steps: no per-rank decisions
+            return
+        flight, replay = self._probe_named("flight"), self._probe_named("nan_replay")
+        extras = (flight is not None and flight.flags is not None) or (replay is not None and replay.mode == "step")
+        self._budget = Budget(share, ["extras"] * extras + [f"every x{k}" for k in STRIDES])
+        self._gaps = []
+
+    def _probe_named(self, name: str) -> Any:
+        return next((p for p in self.probes if p.name == name and p.enabled), None)
+
+    def _budget_window(self, step: int, own: float, hooks: float) -> None:
+        """A logging window's end: ``own`` seconds of trackdiag's time since the last one, ``hooks`` of them inside
+        the loop's passes. The loop's own time per step is the mean of the gaps between ``step()`` calls with
+        the long ones left out (over 3x the median: an evaluation, a checkpoint, another model's turn), less
+        the hooks. Only windows between two scheduled logging steps are judged (not an anomaly window's
+        every-step logging, nor a NaN's)."""
+        gaps, self._gaps = self._gaps, []
+        if self._budget is None or gaps is None:
+            return
+        regular = any(s(step) for s in self._schedules)
+        clean, self._clean = self._clean, regular
+        if not (clean and regular) or len(gaps) < 2:
+            return
+        cap = 3 * statistics.median(gaps)
+        kept = [g for g in gaps if g <= cap]
+        loop = len(gaps) * sum(kept) / len(kept) - hooks  # the user's time in the window, trackdiag's left out
+        shed = self._budget.window(step, own, loop + own)
+        if shed is not None:
+            self._shed(step, shed)
+
+    def _shed(self, step: int, shed: str) -> None:
+        ctx = self._ctx
+        if shed == "extras":
+            flight, replay = self._probe_named("flight"), self._probe_named("nan_replay")
+            if flight is not None and flight.flags is not None:
+                flight.stop_modules(ctx)
+            if replay is not None:
+                replay.to_log_mode(ctx)
+            what = ("per-module output flags and the exact-step NaN replay off (the replay runs at the logging "
+                    "step, from a weight snapshot)")
+        else:
+            n = self.every * int(shed.rpartition("x")[2])
+            if not self._base:
+                self._base = {p: p.schedule for p in self.probes}
+                self._checks = list(dict.fromkeys(self._base.values()))
+            for p in self.probes:
+                p.schedule = Strided(self._base.get(p, p.schedule), n)
+            self._schedules = self._distinct_schedules()
+            what = (f"logging every {n} steps instead of {self.every} (the window's losses and gradient norms "
+                    f"still checked for NaN/Inf every {self.every})")
+        assert self._budget is not None
+        self._budget.taken[-1]["what"] = what
+        log.info("trackdiag: at step %d its own time was ~%.0f%% of each step, above the %.0f%% budget of %r: %s. "
+                 "diag.budget=null keeps the preset's cadence.", step, 100 * self._budget.last,
+                 100 * self._budget.share, self.config["level"], what)
+
+    def _finite_check(self, step: int) -> bool:
+        """Between stretched logging steps, at a step the preset would have logged: whether the window's
+        losses and pre-clip gradient norms are all finite (one host read; True when nothing to read)."""
+        if not any(s(step) for s in self._checks):
+            return True
+        values: list[Any] = []
+        for p in self.probes:
+            got = getattr(p, "window_values", None)
+            if got is not None and p.enabled:
+                values += got()
+        if any(not math.isfinite(v) for v in values if not isinstance(v, torch.Tensor)):
+            return False
+        tensors = [v.detach().reshape(-1).float() for v in values if isinstance(v, torch.Tensor)]
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_device.setdefault(t.device, []).append(t)
+        return all(bool(torch.isfinite(torch.cat(ts)).all()) for ts in by_device.values())
+
+    def _budget_summary(self) -> dict[str, Any] | None:
+        b = self._budget
+        if b is None:
+            return None
+        return {"share": b.share, "shed": list(b.taken), "over": b.over(),
+                "measured": None if math.isnan(b.last) else round(b.last, 4)}
