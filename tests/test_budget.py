@@ -147,3 +147,32 @@ def test_extreme_after_shedding_still_names_the_nan(tmp_path):
     bad = [a for a in diag.alerts if a.kind.startswith("nonfinite")]
     assert bad and min(a.step for a in bad) == 157
     assert any(a.where.startswith("1 (Boom") for a in bad), [(a.kind, a.where) for a in bad]
+
+
+def test_a_loss_spike_under_a_stretched_cadence_is_raised_within_the_presets_cadence(tmp_path):
+    """Logging every 50 steps by then; the loss x1000 at step 263 only (labels scaled: a bad batch the
+    model recovers from) is a jump the every-10 check sees at step 270: the rules judge it there."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 3, generator=g)
+    raised_at = None
+    diag = trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path / "a"),
+                                 budget=TINY, probes={"report": {"enabled": False}})
+    with diag:
+        for step in range(300):
+            x = torch.randn(16, 8, generator=g)
+            y = (x @ w).argmax(1)
+            out = model(x)
+            loss = nn.functional.cross_entropy(out, y)
+            logged = loss * 1000 if step == 263 else loss  # what the loop reports (a bad batch's loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(logged)
+            if raised_at is None and any(a.kind == "loss_spike" for a in diag.alerts):
+                raised_at = step
+    assert [s["shed"] for s in diag.summary()["budget"]["shed"]] == ["every x2", "every x5"]
+    spikes = [a for a in diag.alerts if a.kind == "loss_spike"]
+    assert spikes and spikes[0].step == 263
+    assert raised_at == 270

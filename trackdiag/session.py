@@ -222,8 +222,8 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards, 
             if ctx.is_due(sched):
                 log_now = True
                 break
-        else:  # under a stretched cadence (budget.py): a logging step at a NaN/Inf in the window too
-            log_now = bool(self._checks) and not self._finite_check(ctx.step)
+        else:  # under a stretched cadence (budget.py): a logging step at a NaN/Inf or a jump in the window too
+            log_now = bool(self._checks) and self._window_check(ctx.step)
         if log_now:
             self._logging = ctx.step  # a Ctrl-C in here: close() logs this step's window again
             raised = self._log(ctx.step)

@@ -15,10 +15,30 @@ from trackdiag.budget import STRIDES, Budget, share_of
 from trackdiag.schedule import Strided
 
 log = logging.getLogger("trackdiag")
+JUMP = 3.0  # a value this many times its level off the level asks for a logging step (the rules' factors: 10)
+
+
+def _on_host(sources: dict[str, list[Any]]) -> dict[str, list[float]]:
+    """Each source's values (0-d/1-d tensors or floats) as host floats: one copy per device."""
+    out: dict[str, list[float]] = {src: [] for src in sources}
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for src, vals in sources.items():
+        for v in vals:
+            if isinstance(v, torch.Tensor):
+                by_device.setdefault(v.device, []).append((src, v.detach().reshape(-1).float()))
+            else:
+                out[src].append(float(v))
+    for parts in by_device.values():
+        flat = torch.cat([t for _, t in parts]).tolist()
+        i = 0
+        for src, t in parts:
+            out[src] += flat[i:i + t.numel()]
+            i += t.numel()
+    return out
 
 
 class CostBudget:
-    """``_init_budget``, ``_budget_window``, ``_finite_check``, ``_budget_summary``; see the module docstring."""
+    """``_init_budget``, ``_budget_window``, ``_window_check``, ``_budget_summary``; see the module docstring."""
 
     def _init_budget(self, cfg: dict[str, Any]) -> None:
         self._budget: Budget | None = None
@@ -26,6 +46,8 @@ class CostBudget:
         self._base: dict[Any, Any] = {}  # probe -> its schedule before any stretch
         self._gaps: list[float] | None = None  # per step: the loop's time between two step() calls
         self._clean = False  # the window since the last logging step began at a scheduled one
+        self._seen: dict[str, int] = {}  # per source: values of this window already checked (_window_check)
+        self._levels: dict[str, float] = {}  # per source: the median of the previous check's values
         share = share_of(cfg.get("budget", "auto"), cfg["level"])
         if share is None or self._dist is not None:  # ranks must log at the same steps: no per-rank decisions
             return
@@ -43,9 +65,9 @@ class CostBudget:
         the long ones left out (over 3x the median: an evaluation, a checkpoint, another model's turn), less
         the hooks. Only windows between two scheduled logging steps are judged (not an anomaly window's
         every-step logging, nor a NaN's)."""
-        gaps, self._gaps = self._gaps, []
-        if self._budget is None or gaps is None:
+        if self._budget is None or self._gaps is None:
             return
+        gaps, self._gaps, self._seen = self._gaps, [], {}
         regular = any(s(step) for s in self._schedules)
         clean, self._clean = self._clean, regular
         if not (clean and regular) or len(gaps) < 2:
@@ -83,23 +105,31 @@ class CostBudget:
                  "diag.budget=null keeps the preset's cadence.", step, 100 * self._budget.last,
                  100 * self._budget.share, self.config["level"], what)
 
-    def _finite_check(self, step: int) -> bool:
-        """Between stretched logging steps, at a step the preset would have logged: whether the window's
-        losses and pre-clip gradient norms are all finite (one host read; True when nothing to read)."""
+    def _window_check(self, step: int) -> bool:
+        """Between stretched logging steps, at a step the preset would have logged: whether to log now. The
+        window's every-step losses and pre-clip gradient norms, in one host read: a NaN/Inf, or a value
+        ``JUMP``-fold off the level of the previous check (``|v - level| > JUMP x |level|``: a spike or an
+        explosion the rules judge at once, as at the preset's own cadence), asks for a logging step."""
         if not any(s(step) for s in self._checks):
-            return True
-        values: list[Any] = []
+            return False
+        sources: dict[str, list[Any]] = {}
         for p in self.probes:
             got = getattr(p, "window_values", None)
             if got is not None and p.enabled:
-                values += got()
-        if any(not math.isfinite(v) for v in values if not isinstance(v, torch.Tensor)):
-            return False
-        tensors = [v.detach().reshape(-1).float() for v in values if isinstance(v, torch.Tensor)]
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_device.setdefault(t.device, []).append(t)
-        return all(bool(torch.isfinite(torch.cat(ts)).all()) for ts in by_device.values())
+                sources.update(got())
+        values = _on_host(sources)
+        for src, vals in values.items():
+            new = vals[self._seen.get(src, 0):]
+            self._seen[src] = len(vals)
+            if not new:
+                continue
+            if not all(math.isfinite(v) for v in new):
+                return True
+            level = self._levels.get(src)
+            if level is not None and any(abs(v - level) > JUMP * abs(level) for v in new):
+                return True
+            self._levels[src] = statistics.median(new)
+        return False
 
     def _budget_summary(self) -> dict[str, Any] | None:
         b = self._budget

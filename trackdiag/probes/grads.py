@@ -137,9 +137,9 @@ class GradProbe(Probe):
             now = pre.new_zeros(()) if g is None else sentinel_norm(g)
         self._kept.setdefault(comp.name, []).append((ctx.step, pre, now))
 
-    def window_values(self) -> list[Any]:
-        """The pre-clip gradient norms of the steps since the last logging step (see ``LossProbe.window_values``)."""
-        return [totals([v for _, v in ring]) for ring in self._ring.values() if ring]
+    def window_values(self) -> dict[str, list[Any]]:
+        """Each model's pre-clip gradient norms since the last logging step (see ``LossProbe.window_values``)."""
+        return {f"grad:{name}": [totals([v for _, v in ring])] for name, ring in self._ring.items() if ring}
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         out = take_pending(self._pending)

@@ -110,9 +110,9 @@ class LossProbe(Probe):
                 self._emas[name] = Ema(self.ema_beta)
             ring.push(ctx.step, value)
 
-    def window_values(self) -> list[Any]:
-        """The losses held since the last logging step (the cost budget's NaN/Inf check between stretched ones)."""
-        return [v for ring in self._rings.values() for v in ring.values]
+    def window_values(self) -> dict[str, list[Any]]:
+        """Each loss's values since the last logging step (the cost budget's check between stretched ones)."""
+        return {f"loss:{name}": ring.values for name, ring in self._rings.items() if ring.values}
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         out: dict[str, Any] = {}
