@@ -19,7 +19,7 @@ TINY = 1e-9
 
 def test_budget_decides_from_the_median_after_warmup():
     b = Budget(0.09, ["every x2", "every x5"], warmup=100, windows=5)
-    # 10% own time per window, x WALL (1.25) = 12.5% > 9%: but not before step 100
+    # 10% own time per window, x WALL (1.25) = 12.5% > 9%: but not before step 100 (warmup=100 here)
     for step in range(10, 100, 10):
         assert b.window(step, own=0.010, wall=0.110) is None
     assert b.window(100, own=0.010, wall=0.110) == "every x2"
@@ -97,61 +97,61 @@ def _train(tmp_path, level: str, budget, steps: int, nan_at: int = -1):
 
 
 def test_shedding_stretches_the_logging_cadence(tmp_path):
-    diag, _ = _train(tmp_path, "advanced", TINY, 320)
+    diag, _ = _train(tmp_path, "advanced", TINY, 520)
     shed = diag.summary()["budget"]["shed"]
     assert [s["shed"] for s in shed] == ["every x2", "every x5"]
     first, second = shed[0]["step"], shed[1]["step"]
     steps = [r.step for r in read_records(tmp_path / "advanced")]
     after = [s for s in steps if first < s <= second]
     assert after and all(s % 20 == 0 for s in after), after
-    late = [s for s in steps if second < s < 319]  # the last one: close()'s final window
+    late = [s for s in steps if second < s < 519]  # the last one: close()'s final window
     assert late and all(s % 50 == 0 for s in late), late
     assert all(s < 10 or s % 10 == 0 for s in steps if s < first)  # the first 10 steps each, as the preset says
     assert not [a for a in diag.alerts if a.severity != "info"]  # a healthy run stays silent
 
 
 def test_no_budget_keeps_the_cadence(tmp_path):
-    diag, _ = _train(tmp_path, "advanced", None, 260)
+    diag, _ = _train(tmp_path, "advanced", None, 360)
     assert diag.summary()["budget"] is None
     steps = [r.step for r in read_records(tmp_path / "advanced")]
-    assert [s for s in steps if s >= 100][:6] == [100, 110, 120, 130, 140, 150]
+    assert [s for s in steps if s >= 300][:6] == [300, 310, 320, 330, 340, 350]
 
 
 def test_nan_under_a_stretched_cadence_is_still_logged_within_the_presets_cadence(tmp_path):
-    """Logging every 50 steps by then; the NaN at step 263 is found by the every-10 check at step 270,
+    """Logging every 50 steps by then; the NaN at step 463 is found by the every-10 check at step 470,
     raised there and named (module 1, by the replay)."""
-    diag, raised = _train(tmp_path, "advanced", TINY, 300, nan_at=263)
+    diag, raised = _train(tmp_path, "advanced", TINY, 500, nan_at=463)
     assert [s["shed"] for s in diag.summary()["budget"]["shed"]] == ["every x2", "every x5"]
     bad = [a for a in diag.alerts if a.kind.startswith("nonfinite")]
     assert bad, [(a.kind, a.step) for a in diag.alerts]
-    assert min(a.step for a in bad) == 263
+    assert min(a.step for a in bad) == 463
     first_raised = next(i for i, n in enumerate(raised) if n > 0 and any(a.kind.startswith("nonfinite") for a in diag.alerts[:n]))
-    assert first_raised == 270
+    assert first_raised == 470
     assert any(a.where.startswith("1 (Boom") for a in bad), [(a.kind, a.where) for a in bad]
 
 
 def test_extreme_sheds_its_per_step_extras_first(tmp_path):
-    diag, _ = _train(tmp_path, "extreme", TINY, 130)
+    diag, _ = _train(tmp_path, "extreme", TINY, 330)
     shed = diag.summary()["budget"]["shed"]
     assert shed[0]["shed"] == "extras"
     flight = next(p for p in diag.probes if p.name == "flight")
     replay = next(p for p in diag.probes if p.name == "nan_replay")
     assert flight.flags is None and replay.mode == "log" and replay.snapshot_bytes > 0
     text = format_summary(diag.summary())
-    assert "cost budget from step 100: per-module output flags" in text
+    assert "cost budget from step 300: per-module output flags" in text
 
 
 def test_extreme_after_shedding_still_names_the_nan(tmp_path):
-    diag, _ = _train(tmp_path, "extreme", TINY, 180, nan_at=157)
+    diag, _ = _train(tmp_path, "extreme", TINY, 380, nan_at=357)
     assert diag.summary()["budget"]["shed"][0]["shed"] == "extras"
     bad = [a for a in diag.alerts if a.kind.startswith("nonfinite")]
-    assert bad and min(a.step for a in bad) == 157
+    assert bad and min(a.step for a in bad) == 357
     assert any(a.where.startswith("1 (Boom") for a in bad), [(a.kind, a.where) for a in bad]
 
 
 def test_a_loss_spike_under_a_stretched_cadence_is_raised_within_the_presets_cadence(tmp_path):
-    """Logging every 50 steps by then; the loss x1000 at step 263 only (labels scaled: a bad batch the
-    model recovers from) is a jump the every-10 check sees at step 270: the rules judge it there."""
+    """Logging every 50 steps by then; the loss x1000 at step 463 only (labels scaled: a bad batch the
+    model recovers from) is a jump the every-10 check sees at step 470: the rules judge it there."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
@@ -160,12 +160,12 @@ def test_a_loss_spike_under_a_stretched_cadence_is_raised_within_the_presets_cad
     diag = trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path / "a"),
                                  budget=TINY, probes={"report": {"enabled": False}})
     with diag:
-        for step in range(300):
+        for step in range(500):
             x = torch.randn(16, 8, generator=g)
             y = (x @ w).argmax(1)
             out = model(x)
             loss = nn.functional.cross_entropy(out, y)
-            logged = loss * 1000 if step == 263 else loss  # what the loop reports (a bad batch's loss)
+            logged = loss * 1000 if step == 463 else loss  # what the loop reports (a bad batch's loss)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -174,5 +174,5 @@ def test_a_loss_spike_under_a_stretched_cadence_is_raised_within_the_presets_cad
                 raised_at = step
     assert [s["shed"] for s in diag.summary()["budget"]["shed"]] == ["every x2", "every x5"]
     spikes = [a for a in diag.alerts if a.kind == "loss_spike"]
-    assert spikes and spikes[0].step == 263
-    assert raised_at == 270
+    assert spikes and spikes[0].step == 463
+    assert raised_at == 470

@@ -3,7 +3,7 @@
 A preset's fixed costs (hooks, the NaN replay's capture, a logging step every ``every`` steps) are small
 next to a step of 10 ms or more, and not next to one of 1-5 ms (one sentence per step, a tiny MLP). The
 session measures its own time against the wall time of each logging window (the end-of-run summary's
-figure); once the run is past its first ``WARMUP`` steps (first histograms, sinks opening, caches), when the
+figure); once the run is past its first ``WARMUP`` steps (where setup faults show and not_learning judges), when the
 median of the last ``WINDOWS`` windows, scaled by ``WALL`` (own time undercounts the wall cost: the
 allocator, caches and the cyclic GC pay for what trackdiag holds; measured by benchmarks/overhead.py), is
 above the budget, the session sheds one thing, in this order, and measures again:
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 #: the published cost of each preset (README, docs/performance.md): the upper end, as a share of the step
 SHARES = {"basic": 0.06, "advanced": 0.09, "extreme": 0.12}
-WARMUP = 100   # steps before the first decision
+WARMUP = 300   # steps before the first decision: a run's start (setup faults, not_learning's first verdicts) at full cadence
 WINDOWS = 5    # logging windows judged together (their median: a histogram step or a GC pause is one window)
 WALL = 1.25    # wall cost / own time on short-step loops (seq2seq: 0.116 / 0.092 advanced, 0.204 / 0.151 extreme)
 STRIDES = (2, 5)
