@@ -12,9 +12,9 @@ above the budget, the session sheds one thing, in this order, and measures again
      per step: the NaN replay runs at the logging step, as at ``advanced``, from a weight snapshot;
   2. ``every x2``, then ``every x5``: the logging step (collect, one host copy, rules, sinks) every 2x, then
      5x, the preset's cadence. The every-step series (loss, pre-clip gradient norm) still hold every step,
-     and at the preset's own cadence one host read checks that the window's losses and gradient norms are
-     finite: a NaN/Inf is logged, replayed and raised as before. A spike or a per-layer finding is raised
-     at the next logging step (its step still named exactly).
+     and at the preset's own cadence one host read of the window's losses and gradient norms asks for a
+     logging step at a NaN/Inf or a jump (:meth:`~trackdiag.session_budget.CostBudget._window_check`): those
+     are logged, replayed and raised as before. A per-layer finding waits for the next logging step.
 
 Nothing is shed back (a run whose steps grow heavier keeps the lighter cadence). Every shed is logged
 once (INFO), kept in ``summary()["budget"]`` and printed in the end-of-run summary. ``diag.budget``:

@@ -14,10 +14,10 @@ from typing import Any, Mapping
 
 import yaml
 
+from trackdiag.budget import budget_problems
 from trackdiag.config_checks import show_value, range_problem, type_problem, unresolved_problems
 from trackdiag.config_components import component_problems, constructor_defaults, constructor_params
 from trackdiag.errors import ConfigError
-from trackdiag.budget import budget_problems
 from trackdiag.redact import pattern_problems
 from trackdiag.registry import PROBES, RULES, SINKS
 from trackdiag.sanitize import Unresolved, to_plain_tolerant

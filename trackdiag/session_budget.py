@@ -77,9 +77,9 @@ class CostBudget:
         loop = len(gaps) * sum(kept) / len(kept) - hooks  # the user's time in the window, trackdiag's left out
         shed = self._budget.window(step, own, loop + own)
         if shed is not None:
-            self._shed(step, shed)
+            self._shed(step, shed, self._budget)
 
-    def _shed(self, step: int, shed: str) -> None:
+    def _shed(self, step: int, shed: str, budget: Budget) -> None:
         ctx = self._ctx
         if shed == "extras":
             flight, replay = self._probe_named("flight"), self._probe_named("nan_replay")
@@ -98,12 +98,11 @@ class CostBudget:
                 p.schedule = Strided(self._base.get(p, p.schedule), n)
             self._schedules = self._distinct_schedules()
             what = (f"logging every {n} steps instead of {self.every} (the window's losses and gradient norms "
-                    f"still checked for NaN/Inf every {self.every})")
-        assert self._budget is not None
-        self._budget.taken[-1]["what"] = what
+                    f"still checked for NaN/Inf and jumps every {self.every})")
+        budget.taken[-1]["what"] = what
         log.info("trackdiag: at step %d its own time was ~%.0f%% of each step, above the %.0f%% budget of %r: %s. "
-                 "diag.budget=null keeps the preset's cadence.", step, 100 * self._budget.last,
-                 100 * self._budget.share, self.config["level"], what)
+                 "diag.budget=null keeps the preset's cadence.", step, 100 * budget.last, 100 * budget.share,
+                 self.config["level"], what)
 
     def _window_check(self, step: int) -> bool:
         """Between stretched logging steps, at a step the preset would have logged: whether to log now. The
