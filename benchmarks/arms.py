@@ -247,14 +247,17 @@ TOP_VARIANTS: dict[str, dict[str, Any]] = {"every20": {"every": 20}, "every50": 
 
 def _excluded(variant: str = "") -> dict[str, Any]:
     """Expensive scheduled artifacts (landscapes) are timed separately, not in the preset arms; a
-    ``variant`` (:data:`VARIANTS`) switches one feature."""
+    ``variant`` (:data:`VARIANTS`, :data:`TOP_VARIANTS`) switches one feature; several join with ``+``
+    (``noreplay+nobudget``)."""
     from trackdiag.registry import PROBES
 
     probes: dict[str, Any] = {"landscape": {"enabled": False}} if "landscape" in PROBES else {}
-    if variant in TOP_VARIANTS:
-        return {"probes": probes, **TOP_VARIANTS[variant]}
-    if variant:
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown arm variant {variant!r}; accepted: {', '.join([*VARIANTS, *TOP_VARIANTS])}")
-        probes.update(VARIANTS[variant])
-    return {"probes": probes} if probes else {}
+    top: dict[str, Any] = {}
+    for one in filter(None, variant.split("+")):
+        if one in TOP_VARIANTS:
+            top.update(TOP_VARIANTS[one])
+        elif one in VARIANTS:
+            probes.update(VARIANTS[one])
+        else:
+            raise ValueError(f"unknown arm variant {one!r}; accepted: {', '.join([*VARIANTS, *TOP_VARIANTS])}")
+    return {"probes": probes, **top} if probes or top else {}

@@ -33,6 +33,25 @@ def test_budget_decides_from_the_median_after_warmup():
     assert b.over()
 
 
+def test_the_logging_steps_own_time_is_not_scaled_as_per_step_time_is():
+    """WALL scales the per-step part (hooks and step() between the user's operations); a window whose own time is
+    all its logging step (a large model's per-layer statistics) is judged at its own time."""
+    per_step, logging = Budget(0.09, ["every x2"], warmup=0, windows=1), Budget(0.09, ["every x2"], warmup=0, windows=1)
+    assert per_step.window(10, own=0.008, wall=0.108) == "every x2"  # 8% x 1.4 = 11.2% > 9%
+    assert per_step.last == pytest.approx(WALL * 0.08)
+    assert logging.window(10, own=0.008, wall=0.108, logging=0.008) is None  # 8% as measured
+    assert logging.last == pytest.approx(0.08)
+
+
+@pytest.mark.parametrize("own,first", [(0.10, "every x2"), (0.13, "extras")])
+def test_extremes_extras_are_shed_on_the_clocks_own_evidence_only(own: float, first: str):
+    """Its extras are a capability (the exact-step replay, per-module flags), not a cadence: shed when the own time
+    itself is over (13% > 12%), not on WALL's estimate alone (10% x 1.5 = 15%: the cadence goes instead)."""
+    b = Budget(0.12, ["extras", "every x2", "every x5"], warmup=0, windows=1)
+    assert b.window(10, own=own, wall=1.0 + own) == first
+    assert "extras" not in b.sheds
+
+
 def test_one_expensive_window_is_not_a_trend():
     """A histogram step or a GC pause makes one window expensive: the median of five ignores it."""
     b = Budget(0.09, ["every x2"], warmup=0, windows=5)
@@ -70,8 +89,9 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), Boom(), nn.Tanh(), nn.Linear(16, 3))
 
 
-def _train(tmp_path, level: str, budget, steps: int, nan_at: int = -1):
+def _train(tmp_path, level: str, budget, steps: int, nan_at: int = -1, batch: bool = True):
     """A tiny classifier (learnable labels); at ``nan_at`` one huge input, which module 1 (Boom) turns into NaN.
+    ``batch``: the loop passes ``step(outputs=..., batch=...)`` (else the loss alone).
     Returns the session and, per step, how many alerts had been raised after it."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -91,7 +111,10 @@ def _train(tmp_path, level: str, budget, steps: int, nan_at: int = -1):
             opt.zero_grad()
             loss.backward()
             opt.step()
-            diag.step(loss, outputs=out, batch=(x, y))
+            if batch:
+                diag.step(loss, outputs=out, batch=(x, y))
+            else:
+                diag.step(loss)
             raised.append(len(diag.alerts))
     return diag, raised
 
@@ -176,3 +199,31 @@ def test_a_loss_spike_under_a_stretched_cadence_is_raised_within_the_presets_cad
     spikes = [a for a in diag.alerts if a.kind == "loss_spike"]
     assert spikes and spikes[0].step == 463
     assert raised_at == 470
+
+
+def _shed_capture_then_nan(tmp_path, batch: bool):
+    """Sheds every 2x (step 300), 5x (400), then the replay's capture (650); a NaN at 673, checked at 680."""
+    diag, raised = _train(tmp_path, "advanced", TINY, 700, nan_at=673, batch=batch)
+    shed = diag.summary()["budget"]["shed"]
+    assert [s["shed"] for s in shed] == ["every x2", "every x5", "capture"], shed
+    assert shed[2]["step"] < 673
+    replay = next(p for p in diag.probes if p.name == "nan_replay")
+    assert replay.shed_at == shed[2]["step"] and not replay._stops
+    for comp in diag.components:  # the call slot is given back: the model's own fast call path
+        assert "_compiled_call_impl" not in comp.model.__dict__
+    bad = [a for a in diag.alerts if a.kind.startswith("nonfinite")]
+    assert bad and min(a.step for a in bad) == 673, [(a.kind, a.step) for a in diag.alerts]
+    first_raised = next(i for i, n in enumerate(raised) if n and any(a.kind.startswith("nonfinite") for a in diag.alerts[:n]))
+    assert first_raised == 680
+    return bad
+
+
+def test_after_the_capture_is_shed_a_step_with_its_batch_is_still_named(tmp_path):
+    bad = _shed_capture_then_nan(tmp_path, batch=True)
+    assert any(a.where.startswith("1 (Boom") for a in bad), [(a.kind, a.where) for a in bad]
+
+
+def test_after_the_capture_is_shed_a_step_without_its_batch_says_why_it_is_not_named(tmp_path):
+    bad = _shed_capture_then_nan(tmp_path, batch=False)
+    assert not any("Boom" in a.where for a in bad)
+    assert any("cost budget stopped keeping the training forwards" in a.message for a in bad), [a.message for a in bad]

@@ -622,3 +622,60 @@ def test_weights_initialised_at_zero_do_not_make_a_step_larger_than_the_weights(
     if head_only:
         got = {r.step: r.scalars["diag/update/step_size"] for r in read_records(tmp_path) if "diag/update/step_size" in r.scalars}
         assert len(got) >= 10 and all(v == pytest.approx(by_hand[s], rel=1e-4) for s, v in got.items()), (got, by_hand)
+
+
+# ----------------------------------------------------------------------------- 10 losses that are exactly 0 on many steps
+def _mined(tmp_path: Any, freeze_at: int | None) -> Any:
+    """A metric-learning loop whose loss is exactly 0 (graph-connected: ``emb.sum() * 0``, as pytorch-metric-learning
+    returns when nothing is mined) on a stretch of 80 steps and on every third step after 60. ``freeze_at``: the
+    first layer is frozen mid-run there (a real stopped layer, for contrast)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    diag = session(model, opt, tmp_path)
+    with diag:
+        for step in range(300):
+            if step == freeze_at:
+                model[0].requires_grad_(False)
+            emb = model(torch.randn(32, 16, generator=g))
+            if 150 <= step < 230 or (step % 3 == 0 and step > 60):
+                loss = emb.sum() * 0
+            else:
+                loss = torch.relu(5.0 - (emb[0::2] - emb[1::2]).pow(2).sum(1)).mean() + 1e-3
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss)
+    return diag
+
+
+@pytest.mark.parametrize("freeze_at", [None, 100])
+def test_steps_whose_loss_is_exactly_zero_do_not_make_layers_stale(tmp_path: Any, freeze_at: int | None) -> None:
+    """On an exactly-zero loss every layer's gradient is exactly 0: no layer stopped training (stale_params said
+    "trained earlier but receives no gradient" for every layer at step 150). A layer frozen at step 100 still is."""
+    stale = [(a.where, a.step) for a in _mined(tmp_path, freeze_at).alerts if a.kind == "stale_params"]
+    if freeze_at is None:
+        assert stale == []
+    else:
+        assert [w for w, _ in stale] == ["0 (Linear)"] and 100 <= stale[0][1] <= 110, stale
+
+
+@pytest.mark.parametrize("late_zeros,late_value,fires", [(0.6, 0.05, False), (0.0, 0.5, True)])
+def test_a_mostly_zero_loss_is_levelled_by_its_mean_not_a_median_of_zero(late_zeros: float, late_value: float,
+                                                                        fires: bool) -> None:
+    """Semi-hard triplet mining: the loss is exactly 0 on the batches where nothing is mined (60 % of them from step
+    150 on). A window median of 0 was the "best", and a later window whose median was not 0 "rose from a best of 0"
+    (info, on a healthy run). The means are the levels then: a real rise is still raised, from a best that is not 0."""
+    from trackdiag.rules.loss import LossDivergence
+
+    g = torch.Generator().manual_seed(0)
+    loss = {}
+    for s in range(600):
+        zeros, value = (0.1, 0.09) if s < 150 else (0.6, 0.05) if s < 400 else (late_zeros, late_value)
+        loss[s] = 0.0 if float(torch.rand((), generator=g)) < zeros else value * (0.8 + 0.4 * float(torch.rand((), generator=g)))
+    found = _judge(LossDivergence(), _loss_records(loss))
+    assert all(a.threshold > 0 and "best of 0;" not in a.message for a in found), [a.message for a in found]
+    assert bool(found) == fires, [a.message for a in found]
+    if fires:
+        assert found[0].step >= 400 and "the mean loss of the last 20 steps" in found[0].message

@@ -234,6 +234,8 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards, 
         ctx.step = self._step
         self._t_last = time.perf_counter()
         self._window_overhead += self._t_last - t0
+        if log_now:
+            self._log_seconds = self._t_last - t0  # the next window's logging part (the cost budget's)
         if raised is not None:
             raise AlertRaised(raised)
         return self.should_stop

@@ -48,12 +48,14 @@ class CostBudget:
         self._clean = False  # the window since the last logging step began at a scheduled one
         self._seen: dict[str, int] = {}  # per source: values of this window already checked (_window_check)
         self._levels: dict[str, float] = {}  # per source: the median of the previous check's values
+        self._log_seconds = 0.0  # the last logging step's own time: it opens the next window (see _budget_window)
         share = share_of(cfg.get("budget", "auto"), cfg["level"])
         if share is None or self._dist is not None:  # ranks must log at the same steps: no per-rank decisions
             return
         flight, replay = self._probe_named("flight"), self._probe_named("nan_replay")
         extras = (flight is not None and flight.flags is not None) or (replay is not None and replay.mode == "step")
-        self._budget = Budget(share, ["extras"] * extras + [f"every x{k}" for k in STRIDES])
+        capture = replay is not None and bool(replay._stops)
+        self._budget = Budget(share, ["extras"] * extras + [f"every x{k}" for k in STRIDES] + ["capture"] * capture)
         self._gaps = []
 
     def _probe_named(self, name: str) -> Any:
@@ -75,7 +77,7 @@ class CostBudget:
         cap = 3 * statistics.median(gaps)
         kept = [g for g in gaps if g <= cap]
         loop = len(gaps) * sum(kept) / len(kept) - hooks  # the user's time in the window, trackdiag's left out
-        shed = self._budget.window(step, own, loop + own)
+        shed = self._budget.window(step, own, loop + own, self._log_seconds)
         if shed is not None:
             self._shed(step, shed, self._budget)
 
@@ -89,6 +91,12 @@ class CostBudget:
                 replay.to_log_mode(ctx)
             what = ("per-module output flags and the exact-step NaN replay off (the replay runs at the logging "
                     "step, from a weight snapshot)")
+        elif shed == "capture":
+            replay = self._probe_named("nan_replay")
+            if replay is not None:
+                replay.stop_capture(step)
+            what = ("the NaN replay no longer keeps each training forward's arguments (a NaN step is replayed from "
+                    "step(batch=...) when given; else it is raised without its module)")
         else:
             n = self.every * int(shed.rpartition("x")[2])
             if not self._base:

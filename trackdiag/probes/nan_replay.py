@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -100,6 +101,7 @@ class NanReplayProbe(Probe):
         self.told: dict[tuple[str, int], tuple[str, int, bool]] = {}  # finding -> (kind, step) told, data at fault
         self._busy = False
         self._ctx: ProbeContext | None = None
+        self.shed_at: int | None = None  # the step the cost budget stopped the capture at (:meth:`stop_capture`)
 
     def bind(self, default_every: int) -> None:
         self._size = self.ring or (self.every or default_every) + 1
@@ -128,6 +130,18 @@ class NanReplayProbe(Probe):
         for comp in ctx.components:
             if comp.model is not None and self.snapshot_bytes and comp.name not in self._snapshots:
                 self._snapshots[comp.name] = ParamSnapshot(comp.model, self.snapshot_bytes)
+
+    def stop_capture(self, step: int) -> None:
+        """The cost budget's last shed (:mod:`trackdiag.budget`): the training forwards' arguments are no longer
+        kept (no call slot, nothing per forward call). A step given ``batch=...`` is still replayed (the user's
+        loss, else ``model(inputs)``); a step without one says why nothing of it was held."""
+        for stop in self._stops:
+            stop()
+        self._stops.clear()
+        self._watch_parts.clear()
+        self._depths.clear()
+        self._pending.clear()
+        self.shed_at = step
 
     def _watch_outermost(self, comp: Component) -> None:
         """The model's own forward was not called in a step (``model.log_prob(x)``, ``model.loss(x)``:
@@ -176,11 +190,12 @@ class NanReplayProbe(Probe):
         to ``max_calls`` per step (one list append; detached when the step ends, :meth:`_flush`).
         ``submodule``: the watcher of a submodule's outermost call (:meth:`_watch_outermost`), replayed on it."""
         pending, max_calls = self._pending, self.max_calls
-        grad_enabled, autocast = torch.is_grad_enabled, torch.is_autocast_enabled
+        grad_enabled, autocast, clock = torch.is_grad_enabled, torch.is_autocast_enabled, time.perf_counter
 
         def capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if self._busy or not module.training or not grad_enabled():
                 return
+            t0 = clock()
             calls = pending.get(comp)
             if calls is None:
                 calls = pending[comp] = []
@@ -189,6 +204,8 @@ class NanReplayProbe(Probe):
             dev = device_type if device_type != "meta" else _device_of(module)
             amp = (dev, torch.get_autocast_dtype(dev)) if autocast(dev) else None
             calls.append([args, kwargs, amp, module] if submodule else [args, kwargs, amp])  # tuples once detached
+            if self._ctx is not None:  # inside the user's forward: the session's clock misses it
+                self._ctx.hook_seconds += clock() - t0
         return capture
 
     def _flush(self, step: int) -> dict[str, Any] | None:
@@ -340,7 +357,10 @@ class NanReplayProbe(Probe):
             return None
         entry = self._entry(step)
         if entry is None or not entry["calls"]:
-            return "", Finding(step, "unavailable", detail=f"no training forward of step {step} is held (ring of {self._size} steps).")
+            why = (f"the cost budget stopped keeping the training forwards at step {self.shed_at} and the step gave no "
+                   "batch= (diag.budget=null keeps them)" if self.shed_at is not None and step >= self.shed_at
+                   else f"ring of {self._size} steps")
+            return "", Finding(step, "unavailable", detail=f"no training forward of step {step} is held ({why}).")
         self.replays += 1
         got: tuple[str, Finding] | None = None
         for comp in ctx.components:

@@ -146,6 +146,9 @@ class LossSpike(Rule):
                 self._spikes.setdefault(k, SpikeDetector(**self.spike)).load_state_dict(s)
 
 
+SPARSE = 0.25  # a loss exactly 0 on this share of its steps is levelled by means (see LossDivergence)
+
+
 class LossDivergence(Rule):
     """The run going backwards: the rolling median of the loss (last ``window`` steps, 20) climbs above
     ``factor`` (2) x its best value AND has given back more than ``giveback`` (0.5) of the progress
@@ -155,7 +158,9 @@ class LossDivergence(Rule):
     loss weights and growing episodes raise a loss too); it is ``corroborated`` when the gradient norm
     grew out of proportion with it (its median ``grad_factor``, 5, x what it was at the best loss, and
     3x more than the loss grew), ``weights`` when an update-to-weight ratio above 1 was measured, and
-    then ``persistent`` when it held ``window`` more steps."""
+    then ``persistent`` when it held ``window`` more steps. A loss that is exactly 0 on a quarter of its steps or
+    on most of a window (a margin or triplet loss on the batches where nothing is mined: a median of 0 is no level,
+    and anything above it "x-fold") is levelled by the windows' means from then on."""
 
     kind = "loss_divergence"
     hint = ("The learning rate is probably too high: lower it (e.g. 10x), add warm-up or LR decay, clip "
@@ -199,6 +204,10 @@ class LossDivergence(Rule):
                 continue
             recent.append(v)
             del recent[:-self.window]
+            st["seen"], st["zeros"] = st.get("seen", 0) + 1, st.get("zeros", 0) + (v == 0.0)
+            if not st.get("sparse") and len(recent) == self.window and (
+                    st["zeros"] >= SPARSE * st["seen"] or (statistics.median(recent) == 0.0 and any(recent))):
+                st["sparse"], st["best"] = True, math.inf  # levels are means from here on (the start stays: progress)
             first: list[float] = st["first"]
             if len(first) < 3:
                 first.append(v)
@@ -208,12 +217,12 @@ class LossDivergence(Rule):
                 st["after"] = st.get("after", 0) + 1  # losses since the first three (the median is of those alone:
                 judged = st["after"] >= 3     # with the first ones in it, a loss falling 5.0, 0.18, 0.01 "rose")
             if judged and found is None and step < self.early_steps and not st.get("early_fired"):
-                now, base = statistics.median(recent[-min(5, st["after"]):]), min(first)
-                if now > self.early_factor * abs(base) and now - base > 1e-6:
+                now, base = statistics.median(recent[-min(5, st["after"]):]), min(first) or statistics.fmean(first)
+                if base != 0.0 and now > self.early_factor * abs(base) and now - base > 1e-6:  # 0: nothing mined yet
                     found, st["early_fired"] = ("early", step, now, base), True
             if len(recent) < self.window:
                 continue
-            cur = statistics.median(recent)
+            cur = statistics.fmean(recent) if st.get("sparse") else statistics.median(recent)
             if math.isnan(st["start"]):
                 st["start"] = cur
             if cur < st["best"]:
@@ -247,7 +256,7 @@ class LossDivergence(Rule):
         if why == "early":
             msg = f"the loss rises from the very start: the median of the last 5 steps is {now:.4g}, {now / base:.1f}x the first losses ({base:.4g})"
         else:
-            msg = f"the median loss of the last {self.window} steps rose to {now:.4g} from a best of {base:.4g}"
+            msg = f"the {'mean' if st.get('sparse') else 'median'} loss of the last {self.window} steps rose to {now:.4g} from a best of {base:.4g}"
         if "corroborated" in evidence:
             msg += f"; the gradient norm grew {g_now / g_then:.0f}x meanwhile"
         elif not evidence:

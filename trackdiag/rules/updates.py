@@ -243,7 +243,8 @@ class StaleParams(Rule):
       a ``.detach()`` cutting it off;
     - **stopped** (info): a layer that received gradients and then none (``None`` or exactly zero) or
       no longer changes (``update/ratio`` = 0) for ``min_steps`` steps and ``patience`` measurements:
-      a phase that ended, or a layer frozen mid-run.
+      a phase that ended, or a layer frozen mid-run. A measurement where every layer's gradient is exactly
+      zero (an exactly-zero loss: nothing mined by a triplet or margin loss) is no evidence either way.
     Layers excluded from the optimizer on purpose are not seen at all."""
 
     kind = "stale_params"
@@ -265,13 +266,18 @@ class StaleParams(Rule):
         for comp in components:
             grads = layer_values(record, comp.key("grad/norm"))
             ups = layer_values(record, comp.key("update/ratio"))
+            # every layer's gradient exactly zero: the loss gave no signal at this step (a margin or triplet loss
+            # with nothing mined is an exact 0); no layer is singled out, so none is judged by its gradient
+            silent = len(grads) > 1 and not any(grads.values())
             for layer in dict.fromkeys([*grads, *ups]):
                 key = f"{comp.name}|{layer}"
                 self._first.setdefault(key, record.step)
                 g = grads.get(layer)
                 if g is not None and g > 0:
                     self._trained.add(key)
-                no_grad, no_change = g == 0.0, ups.get(layer) == 0.0
+                no_grad, no_change = g == 0.0 and not silent, ups.get(layer) == 0.0
+                if silent and not no_change:
+                    continue  # neither evidence nor counter-evidence: the streak waits
                 if not self._streaks.bump(key, no_grad or no_change, record.step, self.min_steps):
                     continue
                 where, since = qualified(comp, layer), self._streaks.start(key)
