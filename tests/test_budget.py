@@ -227,3 +227,16 @@ def test_after_the_capture_is_shed_a_step_without_its_batch_says_why_it_is_not_n
     bad = _shed_capture_then_nan(tmp_path, batch=False)
     assert not any("Boom" in a.where for a in bad)
     assert any("cost budget stopped keeping the training forwards" in a.message for a in bad), [a.message for a in bad]
+
+
+def test_the_summary_says_what_a_run_costs_after_its_sheds():
+    """The run's overhead figure averages its start (full cadence) in; after a shed the summary also gives the
+    latest estimate, and no estimate when still over (it says what to do instead)."""
+    from trackdiag.sinks.console import budget_lines
+
+    shed = [{"step": 300, "shed": "every x2", "what": "logging every 20 steps instead of 10"}]
+    lines = budget_lines({"budget": {"share": 0.09, "shed": shed, "over": False, "measured": 0.0612}})
+    assert lines[-1].startswith("  since then ~6.1% of each step")
+    over = budget_lines({"budget": {"share": 0.09, "shed": shed, "over": True, "measured": 0.2}})
+    assert "still above" in over[-1] and not any("since then" in line for line in over)
+    assert budget_lines({"budget": {"share": 0.09, "shed": [], "over": False, "measured": 0.05}}) == []

@@ -70,6 +70,9 @@ def budget_lines(summary: dict[str, Any]) -> list[str]:
     if budget.get("over"):
         lines.append("  still above the cost budget with all it may shed shed: use a lighter preset or a larger `every` "
                      "(diag.every=50)")
+    elif lines and budget.get("measured") is not None:
+        lines.append(f"  since then ~{100 * budget['measured']:.1f}% of each step (the budget's estimate of the wall cost; "
+                     f"the overhead above averages the whole run, its start at the preset's cadence included)")
     return lines
 
 
