@@ -42,6 +42,13 @@ def _limit() -> float:
     return LIMIT_S * max(1.0, load / (os.cpu_count() or 1))
 
 
+def _terminal_sigint() -> None:
+    """In the job (before exec): SIGINT as a terminal's foreground job has it. A suite started in the background by a
+    shell without job control (``pytest ... &`` in a script) runs with SIGINT ignored, every child inherits that, and
+    Python keeps an inherited SIG_IGN: the job would train on through the Ctrl-C (as it did, 13,000 steps past it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class _Job:
     """The example app with ``+diag=advanced`` in its own process group, its output read as it comes."""
 
@@ -51,7 +58,8 @@ class _Job:
         env["PYTHONFAULTHANDLER"] = "1"  # a hang shows every thread's stack (SIGABRT), not just a timeout
         self.proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "train.py"), "+diag=advanced",
                                       "steps=100000", f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path, env=env,
-                                     text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                                     text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_terminal_sigint)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)  # type: ignore[arg-type]
         self.reader.start()
