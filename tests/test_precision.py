@@ -678,4 +678,4 @@ def test_a_mostly_zero_loss_is_levelled_by_its_mean_not_a_median_of_zero(late_ze
     assert all(a.threshold > 0 and "best of 0;" not in a.message for a in found), [a.message for a in found]
     assert bool(found) == fires, [a.message for a in found]
     if fires:
-        assert found[0].step >= 400 and "the mean loss of the last 20 steps" in found[0].message
+        assert found[0].step >= 400 and "the mean loss of the last 60 steps" in found[0].message

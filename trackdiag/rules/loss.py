@@ -147,6 +147,7 @@ class LossSpike(Rule):
 
 
 SPARSE = 0.25  # a loss exactly 0 on this share of its steps is levelled by means (see LossDivergence)
+SPAN = 3       # ... of this many windows: a mined loss is 0 or a few hard triplets' mean, 20 of them are noise
 
 
 class LossDivergence(Rule):
@@ -159,8 +160,8 @@ class LossDivergence(Rule):
     grew out of proportion with it (its median ``grad_factor``, 5, x what it was at the best loss, and
     3x more than the loss grew), ``weights`` when an update-to-weight ratio above 1 was measured, and
     then ``persistent`` when it held ``window`` more steps. A loss that is exactly 0 on a quarter of its steps or
-    on most of a window (a margin or triplet loss on the batches where nothing is mined: a median of 0 is no level,
-    and anything above it "x-fold") is levelled by the windows' means from then on."""
+    of a window (a margin or triplet loss on the batches where nothing is mined: a median of mostly zeros is no
+    level, and anything above it "x-fold") is levelled from then on by the mean of its last ``SPAN`` (3) windows."""
 
     kind = "loss_divergence"
     hint = ("The learning rate is probably too high: lower it (e.g. 10x), add warm-up or LR decay, clip "
@@ -204,9 +205,12 @@ class LossDivergence(Rule):
                 continue
             recent.append(v)
             del recent[:-self.window]
+            longer: list[float] = st.setdefault("longer", [])  # a sparse loss's level: the mean of 3 windows
+            longer.append(v)
+            del longer[:-SPAN * self.window]
             st["seen"], st["zeros"] = st.get("seen", 0) + 1, st.get("zeros", 0) + (v == 0.0)
             if not st.get("sparse") and len(recent) == self.window and (
-                    st["zeros"] >= SPARSE * st["seen"] or (statistics.median(recent) == 0.0 and any(recent))):
+                    st["zeros"] >= SPARSE * st["seen"] or recent.count(0.0) >= SPARSE * self.window):
                 st["sparse"], st["best"] = True, math.inf  # levels are means from here on (the start stays: progress)
             first: list[float] = st["first"]
             if len(first) < 3:
@@ -222,7 +226,7 @@ class LossDivergence(Rule):
                     found, st["early_fired"] = ("early", step, now, base), True
             if len(recent) < self.window:
                 continue
-            cur = statistics.fmean(recent) if st.get("sparse") else statistics.median(recent)
+            cur = statistics.fmean(longer) if st.get("sparse") else statistics.median(recent)
             if math.isnan(st["start"]):
                 st["start"] = cur
             if cur < st["best"]:
@@ -256,7 +260,8 @@ class LossDivergence(Rule):
         if why == "early":
             msg = f"the loss rises from the very start: the median of the last 5 steps is {now:.4g}, {now / base:.1f}x the first losses ({base:.4g})"
         else:
-            msg = f"the {'mean' if st.get('sparse') else 'median'} loss of the last {self.window} steps rose to {now:.4g} from a best of {base:.4g}"
+            level, span = ("mean", SPAN * self.window) if st.get("sparse") else ("median", self.window)
+            msg = f"the {level} loss of the last {span} steps rose to {now:.4g} from a best of {base:.4g}"
         if "corroborated" in evidence:
             msg += f"; the gradient norm grew {g_now / g_then:.0f}x meanwhile"
         elif not evidence:
