@@ -208,7 +208,7 @@ def _shed_capture_then_nan(tmp_path, batch: bool):
     assert [s["shed"] for s in shed] == ["every x2", "every x5", "capture"], shed
     assert shed[2]["step"] < 673
     replay = next(p for p in diag.probes if p.name == "nan_replay")
-    assert replay.shed_at == shed[2]["step"] and not replay._stops
+    assert replay.shed_at == shed[2]["step"] and not replay.capturing
     for comp in diag.components:  # the call slot is given back: the model's own fast call path
         assert "_compiled_call_impl" not in comp.model.__dict__
     bad = [a for a in diag.alerts if a.kind.startswith("nonfinite")]

@@ -54,7 +54,7 @@ class CostBudget:
             return
         flight, replay = self._probe_named("flight"), self._probe_named("nan_replay")
         extras = (flight is not None and flight.flags is not None) or (replay is not None and replay.mode == "step")
-        capture = replay is not None and bool(replay._stops)
+        capture = replay is not None and replay.capturing
         self._budget = Budget(share, ["extras"] * extras + [f"every x{k}" for k in STRIDES] + ["capture"] * capture)
         self._gaps = []
 

@@ -135,13 +135,22 @@ class NanReplayProbe(Probe):
         """The cost budget's last shed (:mod:`trackdiag.budget`): the training forwards' arguments are no longer
         kept (no call slot, nothing per forward call). A step given ``batch=...`` is still replayed (the user's
         loss, else ``model(inputs)``); a step without one says why nothing of it was held."""
+        self._unwatch()
+        self.shed_at = step
+
+    @property
+    def capturing(self) -> bool:
+        """Whether training forwards are being kept (a call slot or submodule watchers installed)."""
+        return bool(self._stops)
+
+    def _unwatch(self) -> None:
+        """No forward call is watched or pending from here on."""
         for stop in self._stops:
             stop()
         self._stops.clear()
         self._watch_parts.clear()
         self._depths.clear()
         self._pending.clear()
-        self.shed_at = step
 
     def _watch_outermost(self, comp: Component) -> None:
         """The model's own forward was not called in a step (``model.log_prob(x)``, ``model.loss(x)``:
@@ -168,13 +177,8 @@ class NanReplayProbe(Probe):
                 self._stops.append(FORWARD.watch(module, pre=enter, post=leave))
 
     def detach(self) -> None:
-        for stop in self._stops:
-            stop()
-        self._stops.clear()
-        self._watch_parts.clear()
-        self._depths.clear()
+        self._unwatch()
         self._ring.clear()
-        self._pending.clear()
         self._snapshots.clear()
 
     def after_record(self, ctx: ProbeContext, record: Record) -> None:
