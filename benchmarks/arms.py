@@ -249,7 +249,7 @@ def _excluded(variant: str = "") -> dict[str, Any]:
     """Expensive scheduled artifacts (landscapes) are timed separately, not in the preset arms; a
     ``variant`` (:data:`VARIANTS`, :data:`TOP_VARIANTS`) switches one feature; several join with ``+``
     (``noreplay+nobudget``)."""
-    from trackdiag.registry import PROBES
+    from trackdiag.core.registry import PROBES
 
     probes: dict[str, Any] = {"landscape": {"enabled": False}} if "landscape" in PROBES else {}
     top: dict[str, Any] = {}

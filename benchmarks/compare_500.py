@@ -16,10 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from trackdiag.alert import Alert
-from trackdiag.alerting import AlertBook
-from trackdiag.record import Record
-from trackdiag.runinfo import RunInfo
+from trackdiag.core.alert import Alert
+from trackdiag.alerts.book import AlertBook
+from trackdiag.core.record import Record
+from trackdiag.core.runinfo import RunInfo
 from trackdiag.sinks.local import LocalSink
 
 LRS = [1e-4, 1e-3, 1e-2, 1e-1, 1.0]

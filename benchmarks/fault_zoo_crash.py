@@ -21,7 +21,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's trackdiag, an
 import _zoo_crash as crash  # noqa: E402
 import _zoo_styles as styles  # noqa: E402
 import trackdiag  # noqa: E402
-from trackdiag.sinks.local import read_records  # noqa: E402
+from trackdiag.core.record import read_records  # noqa: E402
 
 ONSET = 43  # not a logging step: the "raised" column shows the wait for the next one (50)
 FLAGS = {"flight": {"modules": True}}

@@ -5,7 +5,7 @@
 
 1. Flags: each workload's bare training step, interleaved step by step (random order in each slot)
    with the same step of a twin model (same weights, same batches) whose every module the flight
-   recorder's :class:`~trackdiag.output_flags.OutputFlags` watches (its call slots, the per-call
+   recorder's :class:`~trackdiag.capture.output_flags.OutputFlags` watches (its call slots, the per-call
    append, and at ``end_step`` the placing, one sum per held tensor and the ``stack``: every step's
    flags, as on a step the NaN replay did not judge healthy). Reported: ms/step and the median of the paired per-round ratios (noisy for steps
    of tens of ms: the flags cost less than the steps' own spread), and the flags' own time, timed
@@ -33,9 +33,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import workloads  # noqa: E402
 
 import trackdiag  # noqa: E402
-from trackdiag.context import Component, ProbeContext  # noqa: E402
-from trackdiag.layers import LayerIndex  # noqa: E402
-from trackdiag.output_flags import OutputFlags  # noqa: E402
+from trackdiag.capture.context import Component, ProbeContext  # noqa: E402
+from trackdiag.capture.layers import LayerIndex  # noqa: E402
+from trackdiag.capture.output_flags import OutputFlags  # noqa: E402
 
 
 def flags_cost(name: str, rounds: int, steps: int) -> dict[str, float]:

@@ -1,9 +1,9 @@
 """Each arm's turn hears only its own session's process-wide hooks.
 
 trackdiag follows a model through hooks that live in the process, not on the model: torch's global
-module forward hooks (:mod:`trackdiag.forward_watch`: while any session watches forward calls, every
+module forward hooks (:mod:`trackdiag.capture.forward_watch`: while any session watches forward calls, every
 module call in the process takes PyTorch's slower ``_call_impl`` path), the global optimizer step
-hooks (:mod:`trackdiag.optimizers`: every optimizer step is told to every live session) and the
+hooks (:mod:`trackdiag.capture.optimizers`: every optimizer step is told to every live session) and the
 gradient tap's end-of-backward queue. The benchmark keeps all arms in one process (to interleave them
 step by step), so without this the bare arm's module calls would pay for the advanced and extreme
 sessions' forward watchers, and every session would pay for the others': the ratios would understate
@@ -21,9 +21,9 @@ from typing import Any, Iterator
 
 from torch import nn
 
-from trackdiag.forward_watch import FORWARD
-from trackdiag.gradtap import TAP_QUEUE
-from trackdiag.optimizers import DISPATCH
+from trackdiag.capture.forward_watch import FORWARD
+from trackdiag.capture.gradtap import TAP_QUEUE
+from trackdiag.capture.optimizers import DISPATCH
 
 
 def _owned(fn: Any, ctx: Any) -> bool:

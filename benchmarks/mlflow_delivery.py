@@ -85,7 +85,7 @@ def _timed(owner, name):
 
 _TARGETS = {
     "mlflow.tracking.client": ("MlflowClient", None),
-    "trackdiag.sinks.mlflow": ("MlflowSink", "close"),
+    "trackdiag.sinks.mlflow.sink": ("MlflowSink", "close"),
     "mlflow.store.artifact.local_artifact_repo": ("LocalArtifactRepository", ("log_artifact", "log_artifacts")),
     "mlflow.store.artifact.http_artifact_repo": ("HttpArtifactRepository", ("log_artifact", "log_artifacts")),
 }
@@ -138,8 +138,8 @@ def _points_in_mlflow(uri: str, run_dir: Path) -> tuple[str, int, int, str]:
     """(status, points in MLflow, points in the local record, run id) for the job's run."""
     from mlflow import MlflowClient
 
-    from trackdiag.record import Record
-    from trackdiag.sinks._mlflow_ops import sanitize_key
+    from trackdiag.core.record import Record
+    from trackdiag.sinks.mlflow.ops import sanitize_key
 
     local: dict[str, set[int]] = {}
     for line in (run_dir / "records.jsonl").read_text().splitlines():

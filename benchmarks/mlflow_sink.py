@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from trackdiag.record import Record
-from trackdiag.runinfo import RunInfo
+from trackdiag.core.record import Record
+from trackdiag.core.runinfo import RunInfo
 from trackdiag.sinks.base import Sink, SinkHub
-from trackdiag.sinks.mlflow import MlflowSink
+from trackdiag.sinks.mlflow.sink import MlflowSink
 
 
 def _workload(ms: float) -> tuple[torch.Tensor, int]:

@@ -7,7 +7,7 @@ Runs one arm of a workload (benchmarks/workloads.py; an arm is a preset or ``pre
 arms.py) and, around every hook the session calls, a wall-clock timer: each probe's ``on_step``,
 ``on_grads``, ``before_optimizer_step``/``after_optimizer_step``, ``collect``, ``publish`` and
 ``after_record``; each rule's ``check``; the end-of-backward tap, the optimizer-step dispatch, the
-forward watchers (the call slots of :mod:`trackdiag.root_call`, the module's own call excluded) and
+forward watchers (the call slots of :mod:`trackdiag.capture.root_call`, the module's own call excluded) and
 ``Diagnostics.step`` (logging steps amortised). A bare arm of the same workload, interleaved in blocks
 with the timed one, gives the step time the costs are read against. Timers nest: the optimizer dispatch
 holds the probes' ``on_grads`` and ``*_optimizer_step``; ``Diagnostics.step`` holds ``on_step`` and the
@@ -61,7 +61,8 @@ class Timers:
 
 def instrument_classes(timers: Timers) -> None:
     """Session parts, on their classes (before the arm's session exists: hooks bind at attach)."""
-    from trackdiag import gradtap, optimizers, root_call, session
+    from trackdiag.capture import gradtap, optimizers, root_call
+    from trackdiag.session import diagnostics as session
 
     timers.on_class(session.Diagnostics, "step", "Diagnostics.step")
     timers.on_class(session.Diagnostics, "_log", "logging step (all of it)")

@@ -55,7 +55,7 @@ def _alert(a: Any, raised: int | None = None) -> dict[str, Any]:
 
 def _series(run_dir: Path) -> dict[str, Any]:
     """Every-step series, update ratios and eval metrics from the local record."""
-    from trackdiag.sinks.local import read_records
+    from trackdiag.core.record import read_records
 
     series: dict[str, dict[int, float]] = {}
     logged: dict[str, dict[int, float]] = {}

@@ -88,7 +88,7 @@ def log_synthetic(client: Any, eid: str, parent: str, num: int, steps: int = 100
     every step, an eval loss every 200 steps, alert counts; diverging at high lr / depth."""
     from mlflow.entities import Metric, Param, RunTag
 
-    from trackdiag.sinks._mlflow_sweep import summary_tag
+    from trackdiag.sinks.mlflow.sweep import summary_tag
 
     rng = random.Random(num)
     lr, depth, seed = LRS[num % 5], DEPTHS[(num // 5) % 5], num // 25

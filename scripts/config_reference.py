@@ -57,8 +57,8 @@ def _cell(v: Any) -> str:
 
 
 def build() -> str:
-    from trackdiag.config import _REDACT, _TOP, constructor_defaults, constructor_params, load_preset
-    from trackdiag.registry import PROBES, RULES, SINKS
+    from trackdiag.config.load import _REDACT, _TOP, constructor_defaults, constructor_params, load_preset
+    from trackdiag.core.registry import PROBES, RULES, SINKS
 
     presets = {p: load_preset(p) for p in PRESETS}
     notes = {**_comments("diag", "advanced.yaml"), **_comments("diag", "basic.yaml")}

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from _procs import kill_group
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import read_records
 
 
 def tiny_model() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -91,7 +91,7 @@ def missing_points(client: Any, kids: list[Any]) -> dict[str, int]:
     """Run name -> local-record points absent from (or different on) the server, every key of every job."""
     from _mlflow_util import history, local_points, same_points
 
-    from trackdiag.sinks._mlflow_ops import sanitize_key
+    from trackdiag.sinks.mlflow.ops import sanitize_key
 
     def check(run: Any) -> tuple[str, int]:
         local = local_points(Path(run.data.tags["trackdiag.run_dir"]))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import trackdiag
-from trackdiag.registry import PROBES
+from trackdiag.core.registry import PROBES
 
 
 @contextlib.contextmanager

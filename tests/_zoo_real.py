@@ -68,7 +68,7 @@ class Run:
     def raised_at(self, alert: Any) -> int:
         """The logging step whose record carried ``alert``: when the user was told (``alert.step`` is
         when the fault happened)."""
-        from trackdiag.sinks.local import read_records
+        from trackdiag.core.record import read_records
 
         for rec in read_records(self.diag.run.output_dir):
             if any((a.kind, a.step, a.where) == (alert.kind, alert.step, alert.where) for a in rec.alerts):

@@ -59,7 +59,7 @@ def _close_sessions_left_open():
     """A test that leaves a session open (it would be closed at exit) keeps torch's global hooks installed
     for every later test: close it when the test ends, as the interpreter's exit would."""
     yield
-    from trackdiag.optimizers import DISPATCH
+    from trackdiag.capture.optimizers import DISPATCH
 
     for session in list(DISPATCH._listeners):  # every session not closed yet, opened or not
         if not getattr(session, "_closed", True):

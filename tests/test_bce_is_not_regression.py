@@ -18,7 +18,7 @@ from torch import nn
 
 import trackdiag
 from _zoo_a import one_thread
-from trackdiag.task import decide
+from trackdiag.alerts.task import decide
 
 OFF = {"report": {"enabled": False}, "histograms": {"enabled": False}, "landscape": {"enabled": False}}
 D, P = 8, 16

@@ -247,7 +247,7 @@ def session_under_autocast(tmp_path: Path, dtype: torch.dtype, device: str) -> N
     """nanoGPT's loop under autocast (fp16: GradScaler, unscale_, clip): the session keeps every probe,
     logs finite unscaled gradient norms, and sees a planted overflow as exactly one skipped step."""
     import trackdiag
-    from trackdiag.sinks.local import read_records
+    from trackdiag.core.record import read_records
 
     wl, model, g = _gpt_tiny_cuda(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

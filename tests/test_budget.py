@@ -1,4 +1,4 @@
-"""The cost budget (trackdiag/budget.py): what it decides from measured windows, how the session sheds
+"""The cost budget (trackdiag/session/budget_policy.py): what it decides from measured windows, how the session sheds
 (the logging cadence, extreme's per-step extras), that a NaN is still logged at the preset's cadence and
 named, and that ``budget=null`` keeps the preset's cadence. The session tests force the decision with a
 budget no run can meet (1e-9): which windows are measured is timing, what is shed then is not."""
@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 
 import trackdiag
-from trackdiag.budget import WALL, Budget, share_of
-from trackdiag.errors import ConfigError
+from trackdiag.session.budget_policy import WALL, Budget, share_of
+from trackdiag.core.errors import ConfigError
 from trackdiag.sinks.console import format_summary
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import read_records
 
 TINY = 1e-9
 

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from trackdiag.alert import Alert
-from trackdiag.alerting import AlertBook
+from trackdiag.core.alert import Alert
+from trackdiag.alerts.book import AlertBook
 from trackdiag.compare import CompareError, compare, load_runs, write_outputs
 from trackdiag.compare.table import render_text, rows, to_csv
-from trackdiag.record import Record
-from trackdiag.runinfo import RunInfo
+from trackdiag.core.record import Record
+from trackdiag.core.runinfo import RunInfo
 from trackdiag.sinks.local import LocalSink
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,7 +181,7 @@ def test_mlflow_reader_paginates_and_matches_the_contract(tmp_path: Path) -> Non
     from omegaconf import OmegaConf
 
     from trackdiag.compare.mlflow_source import load_mlflow
-    from trackdiag.hydra_callback import log_to_mlflow_parent
+    from trackdiag.hydra.callback import log_to_mlflow_parent
 
     uri, parent, ids = _mlflow_store(tmp_path)
     runs = load_mlflow("cmp-exp", tracking_uri=uri, page_size=2)  # 3 pages; the parent is left out
@@ -221,7 +221,7 @@ def _hydra_sweep(base: Path, *extra: str) -> tuple[Path, subprocess.CompletedPro
     return sweep, proc
 
 
-HAS_MLFLOW_SINK = (REPO / "trackdiag/sinks/mlflow.py").exists() and (REPO / "trackdiag/conf/diag/sink/mlflow.yaml").exists()
+HAS_MLFLOW_SINK = (REPO / "trackdiag/sinks/mlflow/sink.py").exists() and (REPO / "trackdiag/conf/diag/sink/mlflow.yaml").exists()
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from trackdiag.alert import Alert  # noqa: E402
+from trackdiag.core.alert import Alert  # noqa: E402
 from trackdiag.compare import compare  # noqa: E402
 from trackdiag.compare.plots import _anomalies_by_param, format_value  # noqa: E402
-from trackdiag.record import Record  # noqa: E402
-from trackdiag.runinfo import RunInfo  # noqa: E402
+from trackdiag.core.record import Record  # noqa: E402
+from trackdiag.core.runinfo import RunInfo  # noqa: E402
 from trackdiag.sinks.local import LocalSink  # noqa: E402
 
 #: (lr, status, alert) per job: at lr 1.0 one run crashed after an alert, one crashed with none, one is fine

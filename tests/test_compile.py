@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import trackdiag
 from _loops import CharGPT, char_batches, char_data
 from _zoo_a import one_thread
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import read_records
 
 pytestmark = pytest.mark.slow
 LEAN = {"report": {"enabled": False}, "landscape": {"enabled": False}, "histograms": {"enabled": False}}
@@ -111,7 +111,7 @@ def test_trackdiags_own_call_slot_is_not_taken_for_a_compiled_model(tmp_path) ->
     """trackdiag watches a root through the slot ``module.compile()`` uses: an eager model that a
     session watches is still eager to the next session (and to the pre-flight, which hooks only
     eager models), a compiled one is still compiled."""
-    from trackdiag.forward_watch import compiled_parts
+    from trackdiag.capture.forward_watch import compiled_parts
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     first = trackdiag.Diagnostics(model, None, level="advanced", sinks=["local"], output_dir=str(tmp_path / "a"))
@@ -130,7 +130,7 @@ def test_pause_counters_live_in_the_instances_from_the_start() -> None:
     ``paused()`` (the pre-flight's, at ``extreme``), a model compiled before that would be recompiled
     there (the [inplace] case above failed when it ran first in its process). A fresh process, so no
     earlier test has paused anything."""
-    code = ("from trackdiag.forward_watch import FORWARD; from trackdiag.optimizers import DISPATCH; "
+    code = ("from trackdiag.capture.forward_watch import FORWARD; from trackdiag.capture.optimizers import DISPATCH; "
             "print('_paused' in vars(FORWARD), '_paused' in vars(DISPATCH))")
     import subprocess
     import sys

@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 
 from trackdiag import ConfigError, Diagnostics, DisabledDiagnostics
-from trackdiag.config import load_preset, presets, resolve
+from trackdiag.config.load import load_preset, presets, resolve
 
 
 def _model_opt():

@@ -24,8 +24,8 @@ from hypothesis import strategies as st  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from trackdiag import ConfigError, Diagnostics  # noqa: E402
-from trackdiag.config import constructor_params, load_preset  # noqa: E402
-from trackdiag.registry import PROBES, RULES  # noqa: E402
+from trackdiag.config.load import constructor_params, load_preset  # noqa: E402
+from trackdiag.core.registry import PROBES, RULES  # noqa: E402
 
 UNSET = "${oc.env:TRACKDIAG_FUZZ_NEVER_SET}"
 # (path, value) pairs, each invalid on its own

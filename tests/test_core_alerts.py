@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import trackdiag
 import trackdiag.probes
 from trackdiag import AlertRaised, Diagnostics
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import read_records
 from trackdiag.rules.base import Rule
 from conftest import LEAN_PROBES, batches, make_mlp
 
@@ -122,7 +122,7 @@ def test_cooldown_suppresses_repeats(digits, tmp_path, caplog) -> None:
 
 
 def test_loss_series_has_every_step_and_one_host_copy_per_logging_step(digits, tmp_path, monkeypatch) -> None:
-    import trackdiag.session as session
+    import trackdiag.session.diagnostics as session
 
     calls = []
     real = session.to_host

@@ -30,7 +30,7 @@ pytest.importorskip("mlflow")
 from mlflow import MlflowClient  # noqa: E402
 
 from _mlflow_util import history, local_points, ready_store, same_points  # noqa: E402
-from trackdiag.sinks._mlflow_ops import sanitize_key  # noqa: E402
+from trackdiag.sinks.mlflow.ops import sanitize_key  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT_S = 10.0

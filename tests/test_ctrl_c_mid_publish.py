@@ -16,8 +16,8 @@ from torch import nn
 import trackdiag
 from _zoo_a import digits, one_thread
 from trackdiag.probes.loss import LossProbe
-from trackdiag.sinks.local import read_records
-from trackdiag.uninterrupted import uninterrupted
+from trackdiag.core.record import read_records
+from trackdiag.util.uninterrupted import uninterrupted
 
 
 @pytest.fixture

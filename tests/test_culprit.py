@@ -25,7 +25,7 @@ def _nan(diag: Any) -> Any:
 
 
 def _raised_at(diag: Any, alert: Any) -> int:
-    from trackdiag.sinks.local import read_records
+    from trackdiag.core.record import read_records
 
     return next(r.step for r in read_records(diag.run.output_dir) if any(a.kind == alert.kind for a in r.alerts))
 
@@ -144,9 +144,9 @@ def test_output_flags_name_the_first_module_and_its_input(batched, chunk):
     """OutputFlags alone, on the CPU path (one sum per output) and on the CUDA path's batching (tensors
     wait for one multi-tensor kernel, exercised here on CPU tensors: every ``chunk`` tensors, 2: several per
     forward, or only at the end of the step, 64)."""
-    from trackdiag.context import Component, ProbeContext
-    from trackdiag.layers import LayerIndex
-    from trackdiag.output_flags import OutputFlags
+    from trackdiag.capture.context import Component, ProbeContext
+    from trackdiag.capture.layers import LayerIndex
+    from trackdiag.capture.output_flags import OutputFlags
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), zoo.NanGate(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2))
     comp = Component("", model, None, LayerIndex.build(model, list(model.parameters()), 64))
@@ -181,9 +181,9 @@ def test_output_flags_of_a_step_judged_healthy_are_never_computed():
     """With the NaN replay's per-step judgement (``mode=step``), a healthy non-logging step's held outputs
     are let go without a kernel; the bad step, a logging step and a step whose last forward came after the
     judgement still get their flags."""
-    from trackdiag.context import Component, ProbeContext
-    from trackdiag.layers import LayerIndex
-    from trackdiag.output_flags import OutputFlags
+    from trackdiag.capture.context import Component, ProbeContext
+    from trackdiag.capture.layers import LayerIndex
+    from trackdiag.capture.output_flags import OutputFlags
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), zoo.NanGate(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2))
     comp = Component("", model, None, LayerIndex.build(model, list(model.parameters()), 64))

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from torch import nn
 
-from trackdiag.components import build_components
-from trackdiag.record import Record
+from trackdiag.capture.components import build_components
+from trackdiag.core.record import Record
 from trackdiag.rules.generalization import Overfitting
 from trackdiag.rules.gradients import GradExplosion
 from trackdiag.rules.loss import LossSpike

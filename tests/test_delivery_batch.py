@@ -13,11 +13,11 @@ pytest.importorskip("mlflow")
 
 from mlflow import MlflowClient  # noqa: E402
 
-from trackdiag.record import Record  # noqa: E402
-from trackdiag.runinfo import RunInfo  # noqa: E402
-from trackdiag.sinks._mlflow_ops import MAX_BYTES  # noqa: E402
+from trackdiag.core.record import Record  # noqa: E402
+from trackdiag.core.runinfo import RunInfo  # noqa: E402
+from trackdiag.sinks.mlflow.ops import MAX_BYTES  # noqa: E402
 from trackdiag.sinks.base import SinkHub  # noqa: E402
-from trackdiag.sinks.mlflow import MlflowSink  # noqa: E402
+from trackdiag.sinks.mlflow.sink import MlflowSink  # noqa: E402
 
 from _mlflow_util import history, ready_store  # noqa: E402
 
@@ -30,7 +30,7 @@ class _Key:
 
 
 def test_pack_respects_every_log_batch_limit() -> None:
-    from trackdiag.sinks._mlflow_batch import pack
+    from trackdiag.sinks.mlflow.batch import pack
 
     size = lambda e: len(e.key) + (80 if hasattr(e, "step") else len(e.value) + 40)  # noqa: E731
     metrics = [_Key(f"m{i}") for i in range(2500)]
@@ -47,7 +47,7 @@ def test_pack_respects_every_log_batch_limit() -> None:
 
 
 def test_groups() -> None:
-    from trackdiag.sinks._mlflow_batch import GROUP_POINTS, group_end
+    from trackdiag.sinks.mlflow.batch import GROUP_POINTS, group_end
 
     pts = {"op": "points", "records": [[0, 0, {f"k{i}": 1.0 for i in range(400)}, {}]]}
     ops = [{"op": "open", "spec": {}}, {"op": "tags", "items": [["a", "b"]]}, pts, {"op": "artifact"}, pts,
@@ -86,7 +86,7 @@ def test_a_run_is_delivered_in_a_handful_of_calls(tmp_path: Path, monkeypatch: p
     sink = MlflowSink(tracking_uri=store, experiment="merged", delivery="thread")
     hub = SinkHub([sink])
     hub.open(RunInfo(name="merged", output_dir=out, level="advanced", config={}, hparams={"lr": 0.1, "depth": 2}))
-    from trackdiag.record import Histogram
+    from trackdiag.core.record import Histogram
 
     for step in range(120):
         scalars = {f"diag/grad/norm/layer{i}": float(step + i) for i in range(8)}

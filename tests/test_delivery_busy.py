@@ -17,7 +17,7 @@ pytest.importorskip("mlflow")
 
 from mlflow import MlflowClient  # noqa: E402
 
-from trackdiag.sinks._mlflow_ops import sanitize_key  # noqa: E402
+from trackdiag.sinks.mlflow.ops import sanitize_key  # noqa: E402
 
 from _mlflow_util import history, local_points  # noqa: E402
 

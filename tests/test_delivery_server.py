@@ -23,8 +23,8 @@ from mlflow import MlflowClient  # noqa: E402
 
 import trackdiag  # noqa: E402
 from trackdiag.cli import main as cli_main  # noqa: E402
-from trackdiag.sinks._mlflow_ops import sanitize_key  # noqa: E402
-from trackdiag.sinks.mlflow import MlflowSink  # noqa: E402
+from trackdiag.sinks.mlflow.ops import sanitize_key  # noqa: E402
+from trackdiag.sinks.mlflow.sink import MlflowSink  # noqa: E402
 
 from _delay_proxy import DelayProxy  # noqa: E402
 from _mlflow_util import MlflowServer, free_port, history, local_points, tiny_model, train  # noqa: E402
@@ -140,7 +140,7 @@ def test_close_waits_while_delivery_moves(server: MlflowServer, tmp_path: Path, 
         sink = next(s for s in diag._hub.sinks if isinstance(s, MlflowSink))
         with diag:
             train(diag, model, opt, range(10))
-            from trackdiag.record import Record
+            from trackdiag.core.record import Record
             diag._hub.write(Record(step=9, artifacts=_files(diag.run.output_dir, 24)))
     finally:
         proxy.stop()
@@ -170,7 +170,7 @@ def test_cap_sets_the_status_and_sync_delivers_the_rest(server: MlflowServer, tm
             t0 = time.monotonic()
             while sink.run_id is None and time.monotonic() - t0 < 60:
                 time.sleep(0.2)
-            from trackdiag.record import Record
+            from trackdiag.core.record import Record
             diag._hub.write(Record(step=5, artifacts=_files(diag.run.output_dir, 40)))
     finally:
         proxy.stop()

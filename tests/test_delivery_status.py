@@ -132,7 +132,7 @@ def test_crash_sigterm_and_ctrl_c_without_with(tmp_path: Path) -> None:
 def test_status_of_exceptions_and_close_inside_except(tmp_path: Path) -> None:
     """Without an explicit status, close() called while an exception is handled is FAILED."""
     import trackdiag
-    from trackdiag import exit_status
+    from trackdiag.util import exit_status
     from _mlflow_util import tiny_model, train
 
     assert exit_status.status_of(None) == "FINISHED" and exit_status.status_of(ValueError()) == "FAILED"

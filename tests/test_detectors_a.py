@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from _zoo_a import SmallCNN, TinyTransformer, gan, manual_loop, mlp, quiet_probes, records, series, train
 from torch import nn
 
-from trackdiag.errors import ConfigError
+from trackdiag.core.errors import ConfigError
 from trackdiag.probes.outputs import has_labels, output_stats, pick_output, split_by_component
 
 A_KEYS = ("diag/out/batch_std", "diag/out/top_class_fraction", "diag/update/ratio_median", "diag/grad/flow_ratio",
@@ -144,7 +144,7 @@ def test_overfitting_memorised_train_set(tmp_path: Any) -> None:
 
 def _judge_evals(vals: list[float], every: int = 20) -> list[Any]:
     """Overfitting judged on an evaluation series (steps 19, 39, ...) with a train loss falling 1 % per eval."""
-    from trackdiag.record import Record
+    from trackdiag.core.record import Record
     from trackdiag.rules.generalization import Overfitting
 
     rule, history, out = Overfitting(), [], []
@@ -248,7 +248,7 @@ def test_update_ratio_is_the_optimizers_step_not_the_loops_projection_after_it(t
     renormalisation scales them ~5x: it raised update_ratio critical at step 0 on a healthy run). The
     ratio is the optimizer's own update, measured by hand between optimizer.step()'s two sides."""
     import trackdiag
-    from trackdiag.sinks.local import read_records
+    from trackdiag.core.record import read_records
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
@@ -289,9 +289,9 @@ def test_update_ratio_fault(tmp_path: Any, case: str) -> None:
 
 
 def test_update_ratio_low_quiet_while_lr_annealed() -> None:
-    from trackdiag.context import Component
-    from trackdiag.layers import LayerIndex
-    from trackdiag.record import Record
+    from trackdiag.capture.context import Component
+    from trackdiag.capture.layers import LayerIndex
+    from trackdiag.core.record import Record
     from trackdiag.rules.updates import UpdateRatio
 
     comp = Component("", None, None, LayerIndex.build(None, [], 8))
@@ -330,7 +330,7 @@ def test_dead_units_negative_bias(tmp_path: Any) -> None:
     model = mlp()
     with torch.no_grad():
         model[0].bias.fill_(-10.0)  # pre-activations all < 0: every unit of the first ReLU is dead
-    from trackdiag.forward_watch import FORWARD
+    from trackdiag.capture.forward_watch import FORWARD
 
     attached: dict[int, int] = {}
 
@@ -421,7 +421,7 @@ def test_amp_forced_overflow(tmp_path: Any) -> None:
 
 # ----------------------------------------------------------------------------- config
 def test_presets_and_option_validation() -> None:
-    from trackdiag.config import resolve
+    from trackdiag.config.load import resolve
 
     for level in ("basic", "advanced", "extreme"):
         resolve({"level": level})

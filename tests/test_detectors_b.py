@@ -17,8 +17,8 @@ from torch import nn
 
 import trackdiag
 from trackdiag.probes import memory as memory_probe
-from trackdiag.record import Record
-from trackdiag.replay import replay
+from trackdiag.core.record import Record
+from trackdiag.forensics.replay import replay
 from trackdiag.rules.memory import MemoryLeak, linear_fit
 
 from _zoo_b import (Net, batches, digits, kinds, leak_net, log_net, mlp, records, session, slow_loader, train, where_net)
@@ -121,7 +121,7 @@ def test_preflight_guesses_the_void_label_of_segmentation_targets(tmp_path):
     """The pre-flight and the replay compute the loss themselves when none is handed over: with VOC/Cityscapes
     targets (void = 255, above the classes) that is cross-entropy with ignore_index=255, as the user's loss does;
     it raised "Target 255 is out of bounds" and the pre-flight was skipped with a note."""
-    from trackdiag.tensors import default_loss
+    from trackdiag.util.tensors import default_loss
 
     g = torch.Generator().manual_seed(0)
     out = torch.randn(2, 4, 6, 6, generator=g)
@@ -655,7 +655,7 @@ def test_healthy_run_at_advanced_is_silent(tmp_path):
 def test_hooked_model_deepcopies_and_pickles_without_the_session(tmp_path):
     import pickle
 
-    from trackdiag.preflight import clone_model
+    from trackdiag.forensics.preflight import clone_model
 
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), 1e-3)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from trackdiag.record import Record
+from trackdiag.core.record import Record
 from trackdiag.rules.straggler import Straggler
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import read_records
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 TIMEOUT = 90
@@ -51,7 +51,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict],
     out = tmp_path_factory.mktemp("ddp")
     uri = None
     try:
-        import trackdiag.sinks.mlflow  # noqa: F401
+        import trackdiag.sinks.mlflow.sink  # noqa: F401
         import mlflow  # noqa: F401
 
         uri = f"sqlite:///{out / 'mlflow.db'}"

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import trackdiag
-from trackdiag.registry import RULES
-from trackdiag.sinks.local import read_records
+from trackdiag.core.registry import RULES
+from trackdiag.core.record import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import trackdiag
-from trackdiag import exit_status
-from trackdiag.sinks.local import read_records
+from trackdiag.util import exit_status
+from trackdiag.core.record import read_records
 
 import _zoo_crash as zoo
 
@@ -135,7 +135,7 @@ def test_ctrl_c_is_not_a_crash_and_the_finding_is_written_once(tmp_path, monkeyp
 def test_ctrl_c_inside_a_logging_step_keeps_that_step_in_the_record(tmp_path, monkeypatch, where):
     """SIGINT lands wherever the main thread is; on a logging step it used to land after the window
     was marked logged and before its record reached the sinks: the last loss point was lost."""
-    import trackdiag.session as session_mod
+    import trackdiag.session.diagnostics as session_mod
 
     def interrupt(real):
         def hit(*a, **k):
@@ -306,8 +306,8 @@ def test_extreme_flags_watch_through_call_slots_and_leave_other_models_on_the_fa
     every slot is given back."""
     from torch import nn
 
-    from trackdiag.registry import PROBES
-    from trackdiag.root_call import SLOT
+    from trackdiag.core.registry import PROBES
+    from trackdiag.capture.root_call import SLOT
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), zoo.NanGate(nn.Linear(16, 16)), nn.ReLU(), nn.Linear(16, 2))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import trackdiag
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import read_records
 from conftest import LEAN_PROBES, batches, make_mlp
 
 
@@ -21,7 +21,7 @@ def _series(out_dir, key: str) -> dict[int, float]:
 @pytest.mark.parametrize("mode", ["plain", "scaler_explicit_unscale", "scaler_implicit_unscale", "accumulate", "clipped"])
 def test_global_grad_norm_matches_clip_grad_norm(digits, tmp_path, mode: str, every: int) -> None:
     """``every=7``: off the due steps a step's norm is kept as its per-tensor norms and worked out for the
-    whole window at the logging step (:func:`trackdiag.grad_records.totals`); every step still matches."""
+    whole window at the logging step (:func:`trackdiag.capture.grad_records.totals`); every step still matches."""
     x, y = digits
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -172,7 +172,7 @@ def test_many_tensors_take_the_chunked_paths_and_still_match(tmp_path) -> None:
     """A model of 120 parameter tensors (the many-tensor paths of ``max_abs`` and the histogram
     binning on CPU, and chunks smaller than the model): global norm vs ``clip_grad_norm_``, max |g|
     vs a direct reduction, NaN still counted."""
-    import trackdiag.norms as norms
+    import trackdiag.util.norms as norms
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(60)])
@@ -236,7 +236,7 @@ def test_all_finite_agrees_with_isfinite_and_leaves_values_bitwise_unchanged(dty
     """``all_finite`` (GradScaler's check kernel at scale 1) vs ``torch.isfinite`` per tensor, over lists
     with one NaN, +Inf or -Inf planted anywhere, with 0-d, empty, transposed and mixed-dtype tensors;
     the checked tensors keep every bit (subnormals, -0.0, NaN) and their version counter."""
-    from trackdiag.norms import all_finite
+    from trackdiag.util.norms import all_finite
 
     gen = torch.Generator().manual_seed(0)
     tiny = torch.finfo(dtype).tiny / 4  # a subnormal
@@ -263,7 +263,7 @@ def test_all_finite_agrees_with_isfinite_and_leaves_values_bitwise_unchanged(dty
 
 def test_all_finite_falls_back_where_the_kernel_refuses() -> None:
     """Expanded (overlapping) views and complex tensors take the norm path and still answer right."""
-    from trackdiag.norms import all_finite
+    from trackdiag.util.norms import all_finite
 
     row = torch.tensor([1.0, 2.0, math.nan])
     assert not bool(all_finite([torch.ones(3), row[:2].expand(4, 2).t()] + [row.expand(2, 3)]))
@@ -278,7 +278,7 @@ def test_global_norm_of_small_and_large_cpu_tensors_matches_float64() -> None:
     foreach kernel and the large contiguous fp32/fp64 ones by BLAS dots gives the same number as a
     float64 reference (each path alone, and together); non-contiguous large tensors take the
     foreach kernel."""
-    from trackdiag.norms import DOT, SMALL, global_norm
+    from trackdiag.util.norms import DOT, SMALL, global_norm
 
     gen = torch.Generator().manual_seed(3)
     small = [torch.randn(int(n), generator=gen) for n in torch.randint(1, SMALL, (300,), generator=gen)]
@@ -294,7 +294,7 @@ def test_global_norm_of_small_and_large_cpu_tensors_matches_float64() -> None:
 
 def test_totals_of_mixed_passes_keep_their_order() -> None:
     """Passes of different sizes, some worked out already, some under a scale: one tensor in order."""
-    from trackdiag.grad_records import totals
+    from trackdiag.capture.grad_records import totals
 
     g = torch.Generator().manual_seed(0)
     grads = [[torch.randn(n, generator=g) for n in sizes] for sizes in ([3, 4], [5], [3, 4], [2, 2, 2], [5])]
@@ -316,7 +316,7 @@ def test_one_hook_per_builtin_layer_still_sees_every_pass_that_reaches_the_compo
     """The tap hooks one parameter per built-in layer (its forward uses them all) but every parameter of
     anything else: a pass that reaches only a custom module's second tensor is still measured, and its
     norm equals the direct one."""
-    from trackdiag.gradtap import firing
+    from trackdiag.capture.gradtap import firing
 
     class Two(torch.nn.Module):  # two tensors a pass can reach one at a time
         def __init__(self) -> None:

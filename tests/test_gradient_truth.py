@@ -19,7 +19,7 @@ import trackdiag
 from _loops import (CharGPT, WordLM, batchify, char_batches, char_data, gpt_optimizer, lm_batches, ref_norm, repackage,
                     warmup_cosine, word_data)
 from _zoo_a import one_thread, quiet_probes
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import read_records
 
 
 def points(out, key: str) -> dict[int, float]:

@@ -19,9 +19,9 @@ from mlflow import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import trackdiag  # noqa: E402
-from trackdiag.runinfo import RunInfo, safe_component  # noqa: E402
+from trackdiag.core.runinfo import RunInfo, safe_component  # noqa: E402
 from trackdiag.sinks.local import LocalSink  # noqa: E402
-from trackdiag.sinks.mlflow import MlflowSink  # noqa: E402
+from trackdiag.sinks.mlflow.sink import MlflowSink  # noqa: E402
 
 from _mlflow_util import tiny_model, train  # noqa: E402
 

@@ -23,10 +23,10 @@ import yaml  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
 
 import trackdiag  # noqa: E402
-from trackdiag.errors import ConfigError  # noqa: E402
-from trackdiag.redact import MASK, RedactPolicy  # noqa: E402
-from trackdiag.runinfo import RunInfo, redact_override  # noqa: E402
-from trackdiag.sinks.mlflow import MlflowSink  # noqa: E402
+from trackdiag.core.errors import ConfigError  # noqa: E402
+from trackdiag.util.redact import MASK, RedactPolicy  # noqa: E402
+from trackdiag.core.runinfo import RunInfo, redact_override  # noqa: E402
+from trackdiag.sinks.mlflow.sink import MlflowSink  # noqa: E402
 from trackdiag.sinks.wandb_util import redact as wandb_redact  # noqa: E402
 
 from _mlflow_util import MlflowServer, tiny_model, train  # noqa: E402

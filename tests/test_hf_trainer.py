@@ -15,8 +15,8 @@ import torch
 
 from _framework_util import fluent_mlflow_state_reset  # noqa: F401 (autouse fixture)
 from _zoo_a import one_thread, quiet_probes
-from trackdiag.errors import ConfigError
-from trackdiag.sinks.local import read_records
+from trackdiag.core.errors import ConfigError
+from trackdiag.core.record import read_records
 
 pytest.importorskip("transformers", reason="pip install 'trackdiag[transformers]'")
 from transformers import Trainer, TrainerCallback  # noqa: E402

@@ -7,13 +7,13 @@ import torch
 from torch import nn
 
 from trackdiag import Diagnostics
-from trackdiag.components import build_components
-from trackdiag.context import ProbeContext
-from trackdiag.errors import ConfigError
+from trackdiag.capture.components import build_components
+from trackdiag.capture.context import ProbeContext
+from trackdiag.core.errors import ConfigError
 from trackdiag.probes.histograms import HistogramProbe
-from trackdiag.record import Record
-from trackdiag.sinks.local import read_records
-from trackdiag.transfer import to_host
+from trackdiag.core.record import Record
+from trackdiag.core.record import read_records
+from trackdiag.util.transfer import to_host
 
 
 def _model() -> nn.Module:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import trackdiag
-import trackdiag.session
+import trackdiag.session.diagnostics
 from conftest import LEAN_PROBES, batches, make_mlp
 
 # sync on CUDA: a value turned into a Python number, or an output sized by the data (bincount reads its max),
@@ -81,13 +81,13 @@ def _train(digits, steps: int, diag=None, device: str = "cpu", watch=None, scale
 def _copies(monkeypatch) -> list[int]:
     """Spy on the session's batched device-to-host copy: one entry per call."""
     calls: list[int] = []
-    real = trackdiag.session.to_host
+    real = trackdiag.session.diagnostics.to_host
 
     def spy(values):
         calls.append(len(calls))
         return real(values)
 
-    monkeypatch.setattr(trackdiag.session, "to_host", spy)
+    monkeypatch.setattr(trackdiag.session.diagnostics, "to_host", spy)
     return calls
 
 

@@ -11,9 +11,9 @@ from torch import nn
 
 import trackdiag
 from _zoo_a import digits, one_thread, quiet_probes
-from trackdiag.alert import Alert
-from trackdiag.alerting import AlertBook
-from trackdiag.record import Record
+from trackdiag.core.alert import Alert
+from trackdiag.alerts.book import AlertBook
+from trackdiag.core.record import Record
 
 
 class Poison(nn.Module):
@@ -84,7 +84,7 @@ def test_incident_book_folds_repeats_reraises_when_it_worsens_or_comes_back() ->
 
 
 def _judge(rule: Any, grad: dict[int, float], loss: dict[int, float], every: int = 10) -> list[Alert]:
-    from trackdiag.components import build_components
+    from trackdiag.capture.components import build_components
 
     comps = build_components(nn.Linear(2, 2), None, 64)
     found: list[Alert] = []

@@ -14,8 +14,8 @@ from torch import nn
 
 import trackdiag
 from _zoo_a import digits, one_thread, quiet_probes
-from trackdiag.input_grads import asks_input_grad
-from trackdiag.sinks.local import read_records
+from trackdiag.capture.input_grads import asks_input_grad
+from trackdiag.core.record import read_records
 
 LEVELS = ["basic", "advanced", "extreme"]
 
@@ -137,7 +137,7 @@ def test_watching_rests_after_one_pass_steps_and_resumes_when_several_passes_beg
     """30 clean steps (the inputs stop being watched at step 20), then from step 30 either FGSM
     training (silent: the first such step is not judged, the next ones are seen) or the
     accumulation mistake (critical, one step later than with watching on: step 31)."""
-    from trackdiag.forward_watch import FORWARD
+    from trackdiag.capture.forward_watch import FORWARD
 
     xtr, ytr, _, _ = digits()
     model = mlp()

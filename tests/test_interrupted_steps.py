@@ -20,7 +20,7 @@ from torch import nn
 
 import trackdiag
 from _zoo_a import digits, one_thread
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import read_records
 
 PACKAGE = trackdiag.__file__.rsplit("/", 1)[0]
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from trackdiag.cli import main as cli_main
-from trackdiag.errors import TrackdiagError
-from trackdiag.landscape import filter_normalized_direction, grid_steps, loss_landscape, norm_params
+from trackdiag.core.errors import TrackdiagError
+from trackdiag.forensics.landscape import filter_normalized_direction, grid_steps, loss_landscape, norm_params
 
 
 def _quadratic() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:

@@ -18,8 +18,8 @@ from torch import nn
 
 from _framework_util import fluent_mlflow_state_reset  # noqa: F401 (autouse fixture)
 from _zoo_a import digits, one_thread, quiet_probes
-from trackdiag.errors import ConfigError
-from trackdiag.sinks.local import read_records
+from trackdiag.core.errors import ConfigError
+from trackdiag.core.record import read_records
 
 pl = pytest.importorskip("lightning.pytorch", reason="pip install 'trackdiag[lightning]'")
 from trackdiag.integrations.lightning import DiagnosticsCallback  # noqa: E402

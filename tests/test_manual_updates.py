@@ -16,12 +16,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import trackdiag
 from _zoo_a import one_thread, quiet_probes
-from trackdiag.grad_records import Pass
+from trackdiag.capture.grad_records import Pass
 from trackdiag.probes.zerograd import wiped
 
 LEVELS = ["basic", "advanced", "extreme"]

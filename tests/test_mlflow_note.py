@@ -13,7 +13,7 @@ import mlflow  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
 
 import trackdiag  # noqa: E402
-from trackdiag.sinks._mlflow_note import RUN_HREF, _one_line, run_note  # noqa: E402
+from trackdiag.sinks.mlflow.note import RUN_HREF, _one_line, run_note  # noqa: E402
 
 from _mlflow_util import ready_store, tiny_model, train  # noqa: E402
 

@@ -14,8 +14,8 @@ pytest.importorskip("mlflow")
 from mlflow import MlflowClient  # noqa: E402
 
 import trackdiag  # noqa: E402
-from trackdiag.sinks._mlflow_ops import sanitize_key  # noqa: E402
-from trackdiag.sinks.mlflow import MlflowSink  # noqa: E402
+from trackdiag.sinks.mlflow.ops import sanitize_key  # noqa: E402
+from trackdiag.sinks.mlflow.sink import MlflowSink  # noqa: E402
 
 from _mlflow_util import MlflowServer, history, local_points, tiny_model, train  # noqa: E402
 

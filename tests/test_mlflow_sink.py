@@ -17,10 +17,10 @@ from mlflow import MlflowClient  # noqa: E402
 
 import trackdiag  # noqa: E402
 from trackdiag.cli import main as cli_main  # noqa: E402
-from trackdiag.record import Histogram, Record  # noqa: E402
-from trackdiag.runinfo import RunInfo  # noqa: E402
-from trackdiag.sinks._mlflow_ops import MAX_BYTES, chunk_metrics, sanitize_key  # noqa: E402
-from trackdiag.sinks.mlflow import MlflowSink  # noqa: E402
+from trackdiag.core.record import Histogram, Record  # noqa: E402
+from trackdiag.core.runinfo import RunInfo  # noqa: E402
+from trackdiag.sinks.mlflow.ops import MAX_BYTES, chunk_metrics, sanitize_key  # noqa: E402
+from trackdiag.sinks.mlflow.sink import MlflowSink  # noqa: E402
 
 from _mlflow_util import free_port, history, local_points, same_points, tiny_model, train  # noqa: E402
 
@@ -173,7 +173,7 @@ def test_a_sweep_job_run_is_created_with_its_job_number(tmp_path: Path, store: s
     right after it (a sweep's ``test_killed_job_is_killed_others_unaffected`` flaked this way under load) no
     longer leaves a child run without ``trackdiag.job_num`` until its spool is delivered. Only the sink's
     ``open`` op is run here, as the worker runs the first group."""
-    from trackdiag.sinks._mlflow_run import Runner
+    from trackdiag.sinks.mlflow.run import Runner
 
     sink = MlflowSink(tracking_uri=store, experiment="sweep-open", delivery="thread", tags={"team": 7})
     group = str(tmp_path / "multirun" / "x")
@@ -247,7 +247,7 @@ def test_params_keep_the_users_hyperparameters_not_the_whole_preset(tmp_path: Pa
     """A Hydra user's ``hparams=cfg`` holds the whole ``diag`` node: MLflow's params get the user's keys,
     ``diag.level`` and what the user changed (here ``every``), not the 130-odd preset values; the whole
     preset is in the ``trackdiag/diag_config.yaml`` artifact."""
-    from trackdiag.config import resolve
+    from trackdiag.config.load import resolve
 
     diag_node = resolve({"level": "advanced", "every": 7})
     model, opt = tiny_model()

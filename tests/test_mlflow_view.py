@@ -20,7 +20,7 @@ pytest.importorskip("mlflow")
 from mlflow import MlflowClient  # noqa: E402
 
 import trackdiag  # noqa: E402
-from trackdiag.sinks.mlflow import MlflowSink  # noqa: E402
+from trackdiag.sinks.mlflow.sink import MlflowSink  # noqa: E402
 
 from _mlflow_util import free_port, ready_store, tiny_model, train  # noqa: E402
 

@@ -19,8 +19,8 @@ from trackdiag.plots.environment import environment_report
 from trackdiag.plots.gradflow import classify, plot_grad_flow
 from trackdiag.plots.memory import MemorySnapshot
 from trackdiag.plots.summary import model_summary
-from trackdiag.record import Record
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import Record
+from trackdiag.core.record import read_records
 
 PNG = b"\x89PNG\r\n\x1a\n"
 IMAGES = ("loss_alerts", "grad_flow", "grad_hist", "param_hist", "memory")

@@ -20,8 +20,8 @@ from torch import nn
 import trackdiag
 from _loops import CharGPT, char_batches, char_data, gpt_optimizer
 from _zoo_a import digits, one_thread, quiet_probes
-from trackdiag.record import Record
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import Record
+from trackdiag.core.record import read_records
 
 
 def session(model: Any, opt: Any, tmp_path: Any, level: str = "advanced", **kw: Any) -> trackdiag.Diagnostics:
@@ -96,7 +96,7 @@ def _norms(values: dict[int, float], loss: dict[int, float] | None = None, layer
 
 
 def _judge(rule: Any, records: list[Record]) -> list[Any]:
-    from trackdiag.components import build_components
+    from trackdiag.capture.components import build_components
 
     comps = build_components(nn.Linear(2, 2), None, 64)
     found, history = [], []
@@ -230,7 +230,7 @@ def test_labels_equal_to_inputs_are_a_leak_only_when_the_model_copies(tmp_path, 
 
 # ----------------------------------------------------------------------------- 4: objectives
 def test_two_losses_of_two_components_are_an_adversarial_set() -> None:
-    from trackdiag.objectives import Objectives
+    from trackdiag.alerts.objectives import Objectives
 
     obj = Objectives("auto")
     obj.observe({"": 1})
@@ -244,7 +244,7 @@ def test_two_losses_of_two_components_are_an_adversarial_set() -> None:
 def test_a_rising_loss_is_judged_only_where_it_should_fall() -> None:
     """The same rising loss (a GAN generator's, an actor-critic's growing episodes): loss rules stay
     silent under ``adversarial``/``rl``; minimised, the rise alone is an info finding."""
-    from trackdiag.objectives import Objectives
+    from trackdiag.alerts.objectives import Objectives
     from trackdiag.rules.loss import LossDivergence
 
     loss = {s: (2.0 - s / 100 if s < 60 else 1.4 + (s - 60) / 20) for s in range(300)}
@@ -256,8 +256,8 @@ def test_a_rising_loss_is_judged_only_where_it_should_fall() -> None:
 
 
 def test_objective_is_validated() -> None:
-    from trackdiag.config import resolve
-    from trackdiag.errors import ConfigError
+    from trackdiag.config.load import resolve
+    from trackdiag.core.errors import ConfigError
 
     assert resolve({"objective": {"G": "adversarial", "D": "adversarial"}})["objective"]["G"] == "adversarial"
     with pytest.raises(ConfigError, match=r"diag.objective.G: 'adverserial' is not one of"):
@@ -506,7 +506,7 @@ def test_a_discriminator_becoming_contested_is_not_an_explosion(objective: str, 
     """For a GAN's or an RL agent's component the game moves the gradient level and the loss (pix2pix's saturated
     discriminator becoming contested: 18x, for the rest of the run; it raised a critical): only signals from outside
     the game count there: a learning rate raised 1000x just before, a loss gone non-finite."""
-    from trackdiag.objectives import Objectives
+    from trackdiag.alerts.objectives import Objectives
     from trackdiag.rules.gradients import GradExplosion
 
     rule = GradExplosion()

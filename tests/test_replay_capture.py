@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import trackdiag
-from trackdiag.root_call import SLOT
+from trackdiag.capture.root_call import SLOT
 
 
 class Encoder(nn.Module):

@@ -16,7 +16,7 @@ import torch
 
 import _zoo_crash as crash
 import _zoo_styles as zoo
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import read_records
 
 LEVELS = ("basic", "advanced", "extreme")
 
@@ -59,7 +59,7 @@ def test_preflight_on_sparse_gradients(tmp_path, optim):
     report = json.loads((tmp_path / "summary.json").read_text())
     assert diag.summary()["disabled_probes"] == {} and [a.kind for a in diag.alerts] == [], diag.alerts
     assert "notes" in report and not any("loss computation" in n for n in report["notes"])
-    from trackdiag.preflight import run_preflight
+    from trackdiag.forensics.preflight import run_preflight
 
     gen = torch.Generator().manual_seed(5)
     model = zoo.Recommender()
@@ -126,7 +126,7 @@ def test_the_users_loss_names_the_nan_module(tmp_path, script):
 
 def test_loss_fn_is_settable_later_and_checked(tmp_path):
     import trackdiag
-    from trackdiag.errors import ConfigError
+    from trackdiag.core.errors import ConfigError
 
     model = zoo.TwoTower()
     diag = trackdiag.Diagnostics(model, None, level="basic", sinks=["local"], output_dir=str(tmp_path))
@@ -135,7 +135,7 @@ def test_loss_fn_is_settable_later_and_checked(tmp_path):
     assert diag._ctx.loss_fn is diag.loss_fn
     with pytest.raises(ConfigError, match="expected a callable"):
         diag.loss_fn = 3
-    from trackdiag.user_loss import loss_value
+    from trackdiag.capture.user_loss import loss_value
 
     t = torch.tensor(2.0)
     assert loss_value(t) is t and loss_value((t, "outputs")) is t and loss_value({"loss": t}) is t

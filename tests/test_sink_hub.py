@@ -9,8 +9,8 @@ import random
 import threading
 import time
 
-from trackdiag.record import Record
-from trackdiag.runinfo import RunInfo
+from trackdiag.core.record import Record
+from trackdiag.core.runinfo import RunInfo
 from trackdiag.sinks.base import Sink, SinkHub
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from trackdiag.sinks._mlflow_spool import Spool, masked_state, real_uri
+from trackdiag.sinks.mlflow.spool import Spool, masked_state, real_uri
 
 
 def test_spool_meta_masks_the_password_and_recovers_it(tmp_path, monkeypatch) -> None:

@@ -132,7 +132,7 @@ def test_what_the_rules_missed_is_caught(tmp_path, style: str, fault: str) -> No
 def test_overfitting_on_a_tiny_subset_is_raised_by_the_second_evaluation_after_the_turn(tmp_path, style: str) -> None:
     """Trained on one or two batches, evaluated every 20 steps: the onset is the evaluation after the
     best one, and the alert comes at the next evaluation (54000e6: three evaluations later)."""
-    from trackdiag.sinks.local import read_records
+    from trackdiag.core.record import read_records
 
     run = load(style).run(tmp_path, level="advanced", seed=0, steps=300, fault="tiny_subset")
     first = run.first("warning")

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from trackdiag.compare import sweep_ledger as ledger
+from trackdiag.hydra import sweep_ledger as ledger
 from trackdiag.compare.mlflow_source import _summary
-from trackdiag.sinks._mlflow_sweep import find_parents, merge_parents, summary_tag, sweep_status
+from trackdiag.sinks.mlflow.sweep import find_parents, merge_parents, summary_tag, sweep_status
 
 
 def _config(*task: str, sweeper: str = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
@@ -113,7 +113,7 @@ KILLED_PROCESS = r"""
 import os, signal, sys, time
 import torch
 import trackdiag
-from trackdiag.sinks.mlflow import MlflowSink
+from trackdiag.sinks.mlflow.sink import MlflowSink
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 diag = trackdiag.Diagnostics(model, opt, level="basic", sinks=["local", "mlflow"], output_dir=sys.argv[2],

@@ -103,7 +103,7 @@ def test_sync_without_tracking_uri_uses_the_named_store_and_still_checks(tmp_pat
 
 def test_background_delivery_applies_the_same_checks_and_only_to_its_own_store(tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from trackdiag.sinks._mlflow_leftovers import deliver, output_root
+    from trackdiag.sinks.mlflow.leftovers import deliver, output_root
 
     monkeypatch.chdir(tmp_path)
     mine, other = ready_store(tmp_path, "mine.db"), f"sqlite:///{tmp_path / 'other.db'}"
@@ -121,7 +121,7 @@ def test_background_delivery_applies_the_same_checks_and_only_to_its_own_store(t
 
 
 def test_op_checks(tmp_path: Path) -> None:
-    from trackdiag.sinks._mlflow_check import check_op
+    from trackdiag.sinks.mlflow.check import check_op
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

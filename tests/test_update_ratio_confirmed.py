@@ -22,11 +22,11 @@ from torch import nn
 
 import trackdiag
 from _zoo_a import digits, one_thread, quiet_probes
-from trackdiag.context import Component
-from trackdiag.layers import LayerIndex
-from trackdiag.record import Record
+from trackdiag.capture.context import Component
+from trackdiag.capture.layers import LayerIndex
+from trackdiag.core.record import Record
 from trackdiag.rules.updates import UpdateRatio
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import read_records
 
 
 def loud(diag: Any, kind: str = "update_ratio") -> list[Any]:

@@ -12,7 +12,7 @@ from torch import nn
 
 import trackdiag
 from _zoo_a import one_thread
-from trackdiag.isolation import generators_in, generators_kept
+from trackdiag.capture.isolation import generators_in, generators_kept
 
 OFF = {"report": {"enabled": False}, "histograms": {"enabled": False}, "landscape": {"enabled": False}}
 

@@ -14,8 +14,8 @@ from conftest import batches, make_mlp
 
 from trackdiag import Diagnostics
 from trackdiag.probes.histograms import HistogramProbe
-from trackdiag.schedule import Every, SpreadThenEvery
-from trackdiag.sinks.local import read_records
+from trackdiag.util.schedule import Every, SpreadThenEvery
+from trackdiag.core.record import read_records
 
 
 def test_spread_schedule_steps() -> None:
@@ -70,7 +70,7 @@ def test_advanced_runs_get_a_series_and_faults_show_in_it(tmp_path: Path, digits
 
 def test_mlflow_histogram_image_is_square_and_flags_the_end_bins() -> None:
     pytest.importorskip("matplotlib")
-    from trackdiag.sinks._mlflow_media import HistogramRenderer
+    from trackdiag.sinks.mlflow.media import HistogramRenderer
 
     r = HistogramRenderer()
     edges = list(np.linspace(-1.0, 1.0, 33))

@@ -84,10 +84,10 @@ def test_report_page_of_a_nan_run(nan_run: Path, tmp_path: Path) -> None:
 
 def _comparison(tmp_path: Path) -> Path:
     """A local sweep: lr 1e-3 healthy, lr 1 diverging, a job that never enabled trackdiag."""
-    from trackdiag.alert import Alert
+    from trackdiag.core.alert import Alert
     from trackdiag.compare import compare, write_outputs
-    from trackdiag.record import Record
-    from trackdiag.runinfo import RunInfo
+    from trackdiag.core.record import Record
+    from trackdiag.core.runinfo import RunInfo
     from trackdiag.sinks.local import LocalSink
 
     sweep = tmp_path / "sweep"

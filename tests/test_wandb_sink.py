@@ -17,12 +17,13 @@ pytest.importorskip("wandb")
 import torch  # noqa: E402
 
 import trackdiag  # noqa: E402
-from trackdiag.alert import Alert  # noqa: E402
-from trackdiag.config import _read, load_preset, merge, validate  # noqa: E402
-from trackdiag.errors import ConfigError, TrackdiagError  # noqa: E402
-from trackdiag.record import Histogram, Record  # noqa: E402
-from trackdiag.runinfo import RunInfo  # noqa: E402
-from trackdiag.sinks.local import read_records  # noqa: E402
+from trackdiag.core.alert import Alert  # noqa: E402
+from trackdiag.config.load import load_preset, merge, validate  # noqa: E402
+from trackdiag.core.presets import _read  # noqa: E402
+from trackdiag.core.errors import ConfigError, TrackdiagError  # noqa: E402
+from trackdiag.core.record import Histogram, Record  # noqa: E402
+from trackdiag.core.runinfo import RunInfo  # noqa: E402
+from trackdiag.core.record import read_records  # noqa: E402
 from trackdiag.sinks.wandb import WandbSink  # noqa: E402
 from trackdiag.sinks.wandb_util import REDACTED, fit_histogram, redact, summary_policy, sweep_group  # noqa: E402
 

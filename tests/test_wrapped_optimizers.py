@@ -3,7 +3,6 @@ optimizer, Lightning's closures, GANs). Real ``accelerate`` on the CPU, offline;
 computed in the loop by hand in float64."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from torch import nn
 import trackdiag
 from _loops import ref_norm
 from _zoo_a import digits, one_thread, quiet_probes
-from trackdiag.sinks.local import read_records
+from trackdiag.core.record import read_records
 
 accelerate = pytest.importorskip("accelerate", reason="pip install 'trackdiag[accelerate]'")
 

@@ -1,11 +1,15 @@
-"""trackdiag: training diagnostics for any PyTorch loop, streamed to MLflow or W&B."""
-from trackdiag.alert import Alert
-from trackdiag.disabled import DisabledDiagnostics
-from trackdiag.errors import AlertRaised, ConfigError, TrackdiagError
-from trackdiag.preflight import PreflightReport
-from trackdiag.record import Histogram, Record
-from trackdiag.session import Diagnostics
+"""trackdiag: training diagnostics for any PyTorch loop, streamed to MLflow or W&B.
 
-__version__ = "0.1.0"
+The public face: :class:`Diagnostics` (the session), :class:`Alert` and :class:`Record` (what it
+emits), the errors it raises. The stages behind it are laid out in docs/development.md.
+"""
+from trackdiag.core.alert import Alert
+from trackdiag.core.errors import AlertRaised, ConfigError, TrackdiagError
+from trackdiag.core.record import Histogram, Record
+from trackdiag.core.version import __version__
+from trackdiag.forensics.preflight import PreflightReport
+from trackdiag.session.diagnostics import Diagnostics
+from trackdiag.session.disabled import DisabledDiagnostics
+
 __all__ = ["Alert", "AlertRaised", "ConfigError", "Diagnostics", "DisabledDiagnostics", "Histogram", "PreflightReport", "Record",
            "TrackdiagError", "__version__"]

@@ -83,7 +83,7 @@ class StyleRun:
 
     def raised_at(self, alert: Any) -> int:
         """The logging step whose record carried ``alert`` (when the user was told); -1 if none."""
-        from trackdiag.sinks.local import read_records
+        from trackdiag.core.record import read_records
 
         for rec in read_records(self.run_dir):
             if any((a.kind, a.step, a.where) == (alert.kind, alert.step, alert.where) for a in rec.alerts):

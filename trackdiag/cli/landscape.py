@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trackdiag.errors import TrackdiagError
-from trackdiag.landscape import LOSSES
+from trackdiag.core.errors import TrackdiagError
+from trackdiag.forensics.landscape import LOSSES
 
 _STATE_KEYS = ("model", "state_dict", "model_state_dict")
 
@@ -49,7 +49,7 @@ def load_model(checkpoint: Path, factory: str | None, device: str) -> Any:
         raise TrackdiagError(f"{checkpoint}: expected a model or a state dict, got {type(obj).__name__}")
     if factory is None:
         raise TrackdiagError(f"{checkpoint} holds a state dict: pass --factory module:function that builds the model")
-    from trackdiag.registry import resolve
+    from trackdiag.core.registry import resolve
 
     try:
         build = resolve(factory)
@@ -77,7 +77,7 @@ def load_batch(path: Path, device: str) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trackdiag.landscape import loss_landscape
+    from trackdiag.forensics.landscape import loss_landscape
     from trackdiag.plots.landscape import save_landscape
 
     try:

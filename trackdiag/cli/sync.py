@@ -26,9 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trackdiag.sinks._mlflow_check import check_state
-    from trackdiag.sinks._mlflow_store import pid_alive
-    from trackdiag.sinks._mlflow_spool import Spool, drain, spools_in
+    from trackdiag.sinks.mlflow.check import check_state
+    from trackdiag.sinks.mlflow.spool import Spool, drain, spools_in
+    from trackdiag.sinks.mlflow.store import pid_alive
 
     root: Path = args.run_dir.resolve()
     found = [root] if (root / "meta.json").is_file() else spools_in(root)
@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
             rc = max(rc, 2)
             spool.release()
             continue
-        from trackdiag.redact import DEFAULT_POLICY
-        from trackdiag.sinks._mlflow_spool import real_uri
+        from trackdiag.sinks.mlflow.spool import real_uri
+        from trackdiag.util.redact import DEFAULT_POLICY
 
         same = real_uri(str(state.get("tracking_uri") or ""), args.tracking_uri)
         target = DEFAULT_POLICY.text(args.tracking_uri or state["tracking_uri"])  # printed without credentials

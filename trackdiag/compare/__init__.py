@@ -7,7 +7,8 @@
 
 Heavy dependencies (mlflow, wandb, matplotlib, rich) are imported only by the parts that need them.
 """
-from trackdiag.compare.comparison import Comparison, compare, load_runs, write_outputs
+from trackdiag.compare.comparison import Comparison, compare, load_runs
+from trackdiag.compare.outputs import write_outputs
 from trackdiag.compare.runs import CompareError, RunSummary
 
 __all__ = ["Comparison", "CompareError", "RunSummary", "compare", "load_runs", "write_outputs"]

@@ -1,8 +1,8 @@
 """Hydra job dirs: the status markers the callback writes, overrides, config, jobs without a record.
 
-The callback (:mod:`trackdiag.hydra_callback`) writes ``<sweep>/.trackdiag/jobs/<num>.json`` with the
+The callback (:mod:`trackdiag.hydra.callback`) writes ``<sweep>/.trackdiag/jobs/<num>.json`` with the
 job's Hydra status (``COMPLETED`` | ``FAILED``, or ``KILLED`` for a job whose process died before it
-ended, :mod:`~trackdiag.compare.sweep_end`) and error; a failed job is reported ``FAILED``
+ended, :mod:`~trackdiag.hydra.sweep_end`) and error; a failed job is reported ``FAILED``
 whatever its ``run.json`` says, and a Hydra job dir without a trackdiag record is a job that
 died before diagnostics started (or ran with diagnostics off, if its marker says ``COMPLETED``).
 Every file is read bounded and type-checked (:mod:`trackdiag.compare.safe_read`): a malformed
@@ -124,7 +124,7 @@ def read_hydra_config(job: Path) -> dict[str, Any]:
     try:
         from omegaconf import OmegaConf
 
-        from trackdiag.sanitize import to_plain_tolerant
+        from trackdiag.util.sanitize import to_plain_tolerant
 
         data = to_plain_tolerant(OmegaConf.create(data))
     except Exception as e:  # noqa: BLE001 - omegaconf refuses the data: keep the raw values

@@ -18,10 +18,27 @@ from pathlib import Path
 from typing import Any
 
 from trackdiag.compare.hydra_jobs import failed_job, job_num, overlay, read_job_markers, read_overrides
-from trackdiag.compare.runs import (HEALTH_RANK, CompareError, Progress, RunSummary, best_finite, first_anomaly,
-                                    flatten, health_from_severities, loss_stats, training_health)
-from trackdiag.compare.safe_read import (UnreadableFile, as_dict, as_int, as_str, iter_json_lines,
-                                         normalise_summary, read_json)
+from trackdiag.compare.runs import (
+    HEALTH_RANK,
+    CompareError,
+    Progress,
+    RunSummary,
+    best_finite,
+    first_anomaly,
+    flatten,
+    health_from_severities,
+    loss_stats,
+    training_health,
+)
+from trackdiag.compare.safe_read import (
+    UnreadableFile,
+    as_dict,
+    as_int,
+    as_str,
+    iter_json_lines,
+    normalise_summary,
+    read_json,
+)
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,18 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
-from trackdiag.compare.runs import (HEALTH_RANK, CompareError, Progress, RunSummary, best_finite, first_anomaly,
-                                    loss_stats, parse_value, training_health)
-from trackdiag.sinks._mlflow_sweep import literal
+from trackdiag.compare.runs import (
+    HEALTH_RANK,
+    CompareError,
+    Progress,
+    RunSummary,
+    best_finite,
+    first_anomaly,
+    loss_stats,
+    parse_value,
+    training_health,
+)
+from trackdiag.sinks.mlflow.sweep import literal
 
 log = logging.getLogger(__name__)
 

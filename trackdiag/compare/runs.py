@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from trackdiag.compare.safe_read import MAX_DEPTH, UnreadableFile, clip, clip_value, parse_json
-from trackdiag.errors import TrackdiagError
+from trackdiag.core.errors import TrackdiagError
 
 #: What a run that never ran trackdiag reads as in the health column (a plain MLflow run, a Hydra job
 #: without ``diag``): neither failed nor healthy, just not diagnosed.

@@ -17,8 +17,16 @@ import socket
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
-from trackdiag.compare.runs import (CompareError, MAX_CURVE_POINTS, Progress, RunSummary, best_finite,
-                                    first_anomaly, flatten, loss_stats)
+from trackdiag.compare.runs import (
+    MAX_CURVE_POINTS,
+    CompareError,
+    Progress,
+    RunSummary,
+    best_finite,
+    first_anomaly,
+    flatten,
+    loss_stats,
+)
 
 log = logging.getLogger(__name__)
 

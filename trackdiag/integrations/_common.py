@@ -10,9 +10,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from trackdiag.config import resolve
-from trackdiag.disabled import DisabledDiagnostics
-from trackdiag.session import Diagnostics
+from trackdiag.config.load import resolve
+from trackdiag.session.diagnostics import Diagnostics
+from trackdiag.session.disabled import DisabledDiagnostics
 
 log = logging.getLogger("trackdiag")
 
@@ -51,7 +51,7 @@ def join_trackers(overrides: Mapping[str, Any], joined: Sequence[str]) -> dict[s
 def build_session(model: Any, optimizer: Any, scaler: Any, level: str, overrides: Mapping[str, Any],
                   hparams: Any, loss_fn: Any = None) -> Diagnostics | DisabledDiagnostics:
     """The session (a no-op one when ``enabled=False`` is among the overrides); ``loss_fn``: the
-    user's ``loss_fn(batch) -> loss`` (see :mod:`trackdiag.user_loss`)."""
+    user's ``loss_fn(batch) -> loss`` (see :mod:`trackdiag.capture.user_loss`)."""
     if overrides.get("enabled", True) is False:
         return DisabledDiagnostics()
     return Diagnostics(model, optimizer, scaler, level=level, hparams=hparams, loss_fn=loss_fn, **overrides)

@@ -4,7 +4,7 @@ The ``Trainer`` hands callbacks no per-step loss (only ``on_log``'s averages, wh
 replaced: ``logging_nan_inf_filter``). Its default ``compute_loss`` takes the loss from the model's
 output (``outputs["loss"]``), so the loss of every training micro-batch is the ``loss`` field of
 the model's forward output. This module reads it through trackdiag's forward watcher
-(:mod:`trackdiag.forward_watch`: the model's call slot, which ``torch.save`` and ``deepcopy`` drop,
+(:mod:`trackdiag.capture.forward_watch`: the model's call slot, which ``torch.save`` and ``deepcopy`` drop,
 eager forwards only, a no-op while Dynamo traces), keeping a detached reference per micro-batch (no copy, no host read) and
 the last micro-batch's keyword arguments as the step's ``batch``.
 
@@ -27,9 +27,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from trackdiag.components import batch_size_of
-from trackdiag.forward_watch import FORWARD
-from trackdiag.gradtap import TAP_QUEUE
+from trackdiag.capture.components import batch_size_of
+from trackdiag.capture.forward_watch import FORWARD
+from trackdiag.capture.gradtap import TAP_QUEUE
 from trackdiag.integrations._common import combine_losses
 
 log = logging.getLogger("trackdiag")

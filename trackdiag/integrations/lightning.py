@@ -49,17 +49,23 @@ import inspect
 import logging
 from typing import Any, Mapping, Sequence
 
-from trackdiag import exit_status
-
-from trackdiag.alert import Alert
-from trackdiag.components import batch_size_of
-from trackdiag.disabled import DisabledDiagnostics
-from trackdiag.distributed import is_main_process
-from trackdiag.integrations._common import (build_session, check_config, combine_losses, eval_metrics,
-                                            join_trackers, start_at, status_of)
+from trackdiag.capture.components import batch_size_of
+from trackdiag.capture.user_loss import checked
+from trackdiag.core.alert import Alert
+from trackdiag.integrations._common import (
+    build_session,
+    check_config,
+    combine_losses,
+    eval_metrics,
+    join_trackers,
+    start_at,
+    status_of,
+)
 from trackdiag.integrations._mlflow_join import FluentRun
-from trackdiag.session import Diagnostics
-from trackdiag.user_loss import checked
+from trackdiag.session.diagnostics import Diagnostics
+from trackdiag.session.disabled import DisabledDiagnostics
+from trackdiag.util import exit_status
+from trackdiag.util.ranks import is_main_process
 
 try:
     import lightning.pytorch as pl

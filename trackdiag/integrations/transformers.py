@@ -41,12 +41,12 @@ import logging
 import sys
 from typing import Any
 
-from trackdiag.alert import Alert
-from trackdiag.disabled import DisabledDiagnostics
+from trackdiag.capture.user_loss import checked
+from trackdiag.core.alert import Alert
 from trackdiag.integrations._common import build_session, check_config, eval_metrics, join_trackers, start_at
 from trackdiag.integrations._step_loss import StepLoss
-from trackdiag.session import Diagnostics
-from trackdiag.user_loss import checked
+from trackdiag.session.diagnostics import Diagnostics
+from trackdiag.session.disabled import DisabledDiagnostics
 
 try:
     from transformers import TrainerCallback

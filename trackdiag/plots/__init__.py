@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from trackdiag.errors import TrackdiagError
-from trackdiag.record import Record
+from trackdiag.core.errors import TrackdiagError
+from trackdiag.core.record import Record
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

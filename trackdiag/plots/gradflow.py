@@ -17,8 +17,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from trackdiag.core.record import Record
 from trackdiag.plots import figure, save, split_key
-from trackdiag.record import Record
 
 
 def layer_norms(records: Iterable[Record]) -> dict[str, dict[str, list[float]]]:

@@ -14,8 +14,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from trackdiag.core.record import Record
 from trackdiag.plots import figure, save, split_key
-from trackdiag.record import Record
 
 
 def collect(records: Iterable[Record], family: str) -> dict[str, tuple[np.ndarray, list[int], np.ndarray]]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from trackdiag.landscape import Landscape
+from trackdiag.forensics.landscape import Landscape
 from trackdiag.plots import figure, save
 
 

@@ -21,9 +21,9 @@ import re
 from pathlib import Path
 from typing import Iterable
 
-from trackdiag.errors import brief
+from trackdiag.core.errors import brief
+from trackdiag.core.record import Record
 from trackdiag.plots import figure, save, scalar_series
-from trackdiag.record import Record
 
 log = logging.getLogger("trackdiag")
 _CUDA = ("cuda_allocated_mb", "cuda_reserved_mb", "cuda_peak_mb")

@@ -21,10 +21,10 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from trackdiag.alert import Alert
-from trackdiag.errors import brief
+from trackdiag.core.alert import Alert
+from trackdiag.core.errors import brief
+from trackdiag.core.record import Record
 from trackdiag.plots import describe, figure, loss_points, save
-from trackdiag.record import Record
 
 log = logging.getLogger("trackdiag")
 _SEVERITY = {"info": "#3182bd", "warning": "#ff7f00", "critical": "#cb181d"}
@@ -187,10 +187,10 @@ def layer_labels(summaries: dict[str, Any]) -> dict[str, str]:
 def build_report(run_dir: str | Path, records: list[Record] | None = None, *, write_html: bool = True) -> list[Path]:
     """Render every picture the run's records allow and (with ``write_html``) the HTML page; returns the
     files written. Without matplotlib: one warning, and a page with the tables only."""
+    from trackdiag.core.record import read_records
     from trackdiag.plots.gradflow import plot_grad_flow
     from trackdiag.plots.histograms import plot_histograms
     from trackdiag.plots.memory import plot_memory
-    from trackdiag.sinks.local import read_records
 
     run_dir = Path(run_dir)
     if records is None:

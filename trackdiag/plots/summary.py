@@ -91,7 +91,7 @@ def model_summary(model: nn.Module, batch: Any = None, *, max_depth: int = 2, ma
                 continue
         from torch.utils.flop_counter import FlopCounterMode
 
-        from trackdiag.isolation import isolated
+        from trackdiag.capture.isolation import isolated
 
         with isolated(model), torch.no_grad():  # buffers, counters, RNG and flags put back afterwards
             model.eval()

@@ -17,7 +17,7 @@ Emits per component and module (train-mode forwards only), once the module has b
 Beyond the session's key budget, modules are grouped by name prefix (unit-weighted) and the full
 per-module table goes to ``record.tables``.
 
-How it sees the outputs: through trackdiag's global forward watcher (:mod:`trackdiag.forward_watch`),
+How it sees the outputs: through trackdiag's global forward watcher (:mod:`trackdiag.capture.forward_watch`),
 armed in ``on_step`` of the step *before* a due step and disarmed in ``on_step`` of the due step;
 nothing is registered on the modules (``torch.save(model)`` stays clean). When some part of the
 model is compiled, the training forward is not watched (that would break or recompile its graph):
@@ -40,12 +40,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from trackdiag.context import ProbeContext, StepInputs
-from trackdiag.forward_watch import FORWARD
-from trackdiag.layers import group_names
+from trackdiag.capture.context import ProbeContext, StepInputs
+from trackdiag.capture.forward_watch import FORWARD
+from trackdiag.capture.layers import group_names
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.record import Record
-from trackdiag.tensors import inputs_of
+from trackdiag.util.tensors import inputs_of
 
 log = logging.getLogger("trackdiag")
 
@@ -156,7 +156,7 @@ class ActivationProbe(Probe):
 
     def _replay(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         """Compiled model: watch one eager, no-grad forward of the step's batch (state restored)."""
-        from trackdiag.isolation import isolated
+        from trackdiag.capture.isolation import isolated
 
         if inputs.batch is None:
             if "activations" not in ctx.notes:

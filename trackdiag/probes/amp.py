@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trackdiag.context import ProbeContext
+from trackdiag.capture.context import ProbeContext
 from trackdiag.probes.base import Probe
 
 

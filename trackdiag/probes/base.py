@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from trackdiag.context import Component, ProbeContext, StepInputs
+from trackdiag.capture.context import Component, ProbeContext, StepInputs
 
 if TYPE_CHECKING:
-    from trackdiag.grad_records import GradView
-from trackdiag.record import Record
-from trackdiag.schedule import Every
+    from trackdiag.capture.grad_records import GradView
+from trackdiag.core.record import Record
+from trackdiag.util.schedule import Every
 
 
 class Probe:
@@ -59,7 +59,7 @@ class Probe:
 
     def on_grads(self, ctx: ProbeContext, comp: Component, view: "GradView") -> None:
         """Once per step and component, when the step consumes the gradients: ``view.norms`` are
-        the pre-clip norms the backward pass left (see :class:`~trackdiag.grad_records.GradView`).
+        the pre-clip norms the backward pass left (see :class:`~trackdiag.capture.grad_records.GradView`).
         Every step: must cost at most a few device ops off due steps. Default: nothing."""
 
     def on_more_grads(self, ctx: ProbeContext, comp: Component, view: "GradView") -> None:

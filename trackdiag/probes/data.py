@@ -48,12 +48,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from trackdiag.context import ProbeContext, StepInputs
-from trackdiag.norms import stack_scalars
+from trackdiag.alerts.task import masked_ce
+from trackdiag.capture.context import ProbeContext, StepInputs
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.record import Record
-from trackdiag.task import masked_ce
-from trackdiag.tensors import HIGH_IGNORE, class_dim, float_tensors, inputs_of, logits_of, targets_of
+from trackdiag.util.norms import stack_scalars
+from trackdiag.util.tensors import HIGH_IGNORE, class_dim, float_tensors, inputs_of, logits_of, targets_of
+
 
 class DataFiniteProbe(Probe):
     """See module docstring (``data_finite``). Per step and float tensor of the batch: one
@@ -145,7 +146,7 @@ class DataLabelsProbe(Probe):
         """Once targets equal to the inputs are first measured, up to step ``leak_steps``: each model's first call
         of a step (a decoder fed the targets shifted by one, teacher forcing, makes it a copy task, not a leak).
         One Python call per call of a model while it lasts; loops whose targets are not the inputs' shape never pay it."""
-        from trackdiag.forward_watch import FORWARD, may_watch
+        from trackdiag.capture.forward_watch import FORWARD, may_watch
 
         ctx = self._ctx
         self._watching = True

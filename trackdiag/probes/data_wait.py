@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable, Iterator
 
-from trackdiag.context import ProbeContext
+from trackdiag.capture.context import ProbeContext
 from trackdiag.probes.base import Probe
 
 

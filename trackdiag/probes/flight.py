@@ -2,13 +2,13 @@
 needs, kept without a host read on non-logging steps.
 
 When the user's script dies mid-step (an exception, SIGTERM), the session's exit path
-(:mod:`trackdiag.flight`) writes one ``crash`` alert: the exception, the step, the last ``last`` steps
+(:mod:`trackdiag.session.flight`) writes one ``crash`` alert: the exception, the step, the last ``last`` steps
 of the every-step series (loss, pre-clip gradient norm: already kept on the device by the ``loss``
 and ``grads`` probes and flushed into the record at close) and the module whose output first went
 non-finite in the step that was running. That module comes from, in order:
 
   * ``modules: true``: per-module output flags recorded in the real forward of every step
-    (:mod:`trackdiag.output_flags`): exact even for a fault that happens once, for a model trackdiag
+    (:mod:`trackdiag.capture.output_flags`): exact even for a fault that happens once, for a model trackdiag
     cannot call itself (a LightningModule without ``forward``), and for a script that died before any
     replay could run. The same flags name the culprit of a ``nonfinite_*`` alert when the NaN replay
     cannot reproduce the fault;
@@ -18,7 +18,7 @@ non-finite in the step that was running. That module comes from, in order:
   * the traceback: the innermost module whose ``forward`` was running when the exception was raised.
 
 Emits no metric key (the crash is an alert; the flags only travel in the logging step's host copy).
-Cost: none per step without ``modules``; with it (:mod:`trackdiag.output_flags`), a few microseconds
+Cost: none per step without ``modules``; with it (:mod:`trackdiag.capture.output_flags`), a few microseconds
 of host work per module call, and the flags themselves (a sum per module output on the CPU, one
 multi-tensor kernel on CUDA) only on steps not judged healthy by the NaN replay's ``mode=step`` (every step
 without it) and on the logging steps that learn which modules are non-finite on healthy steps too (the first 3,
@@ -31,14 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from trackdiag.context import ProbeContext, StepInputs
-from trackdiag.errors import ConfigError
-from trackdiag.incidents import nonfinite
-from trackdiag.output_flags import OutputFlags
+from trackdiag.alerts.incidents import nonfinite
+from trackdiag.capture.context import ProbeContext, StepInputs
+from trackdiag.capture.output_flags import OutputFlags
+from trackdiag.core.errors import ConfigError
+from trackdiag.core.record import Record
+from trackdiag.probes._replay_report import FLAGS_KEY
 from trackdiag.probes.base import Probe
-from trackdiag.record import Record
-from trackdiag.replay_report import FLAGS_KEY
-from trackdiag.schedule import Every, Never
+from trackdiag.util.schedule import Every, Never
 
 #: habitual non-finite modules are learned from the first LEARN_FIRST logging steps, then every LEARN_EVERY-th
 LEARN_FIRST, LEARN_EVERY = 3, 10
@@ -86,7 +86,7 @@ class FlightProbe(Probe):
             self.flags.stop()
 
     def stop_modules(self, ctx: ProbeContext) -> None:
-        """The cost budget's first shed (:mod:`trackdiag.budget`): no more per-module output flags (the crash
+        """The cost budget's first shed (:mod:`trackdiag.session.budget_policy`): no more per-module output flags (the crash
         finding keeps the series, the replay of the running step and the traceback)."""
         self.detach()
         self.flags, self.modules, self.schedule = None, False, Never()

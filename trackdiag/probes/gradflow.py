@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from trackdiag.context import Component, ProbeContext
-from trackdiag.grad_records import GradView
-from trackdiag.layers import layer_of
+from trackdiag.capture.context import Component, ProbeContext
+from trackdiag.capture.grad_records import GradView
+from trackdiag.capture.layers import layer_of
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.record import Record
 
 
 class GradFlowProbe(Probe):

@@ -17,7 +17,7 @@ Emits per component (``diag/`` or ``diag/<component>/``):
       ``max_norm=0``, a ``zero_grad`` between ``backward`` and ``step``), with the table
       ``grad/wiped`` = ``{"first": step, "run": n, "of": steps}``: the run of consecutive wiped steps
       going on at the window's end (carried across windows) and where it began.
-Cost: per step, the global norm the tap took (see :mod:`trackdiag.gradtap`: one pass over the
+Cost: per step, the global norm the tap took (see :mod:`trackdiag.capture.gradtap`: one pass over the
 gradients, the sentinel's norm among its per-tensor norms) and, when the optimizer steps, a look at the
 sentinel's gradient: none when it is the tensor the backward pass left at the same version (two attribute
 reads), else one norm of that small tensor ("wiped" is decided for the whole window at the logging
@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from trackdiag.context import Component, ProbeContext
-from trackdiag.grad_records import GradView, sentinel_norm, totals
-from trackdiag.norms import max_abs, plain, stack_scalars, tensor_norms  # noqa: F401  (re-exported for user probes)
+from trackdiag.capture.context import Component, ProbeContext
+from trackdiag.capture.grad_records import GradView, sentinel_norm, totals
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe, take_pending
-from trackdiag.record import Record
+from trackdiag.util.norms import max_abs, plain, stack_scalars, tensor_norms  # noqa: F401  (re-exported for user probes)
 
 
 def publish_layers(prefix: str, comp: Component, per_layer: np.ndarray, record: Record, per_group: np.ndarray | None) -> None:

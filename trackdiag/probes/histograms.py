@@ -31,7 +31,7 @@ edges; two ``aminmax`` per tensor once, at the first due step.
 No host sync: counts and edges go to the host with the session's one copy. Nothing on other steps.
 
 Schedule: with ``spread`` (the default) the due steps are log-spaced up to ``every`` and then every
-``every`` steps (:class:`~trackdiag.schedule.SpreadThenEvery` on the session's cadence: 0, 10, 20, 50,
+``every`` steps (:class:`~trackdiag.util.schedule.SpreadThenEvery` on the session's cadence: 0, 10, 20, 50,
 100, 200, 500, 1000, 1500, ... at ``advanced``), so a short run still gets a series and a long one
 costs what ``every`` alone would, plus 5 due steps at the start. ``spread=false``: ``0, every, 2 every, ...``.
 """
@@ -43,14 +43,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from trackdiag.context import Component, ProbeContext
-from trackdiag.errors import ConfigError
-from trackdiag.grad_records import GradView
-from trackdiag.layers import group_names, layer_of
-from trackdiag.norms import bin_counts, flat_chunks
+from trackdiag.capture.context import Component, ProbeContext
+from trackdiag.capture.grad_records import GradView
+from trackdiag.capture.layers import group_names, layer_of
+from trackdiag.core.errors import ConfigError
+from trackdiag.core.record import Histogram, Record
 from trackdiag.probes.base import Probe
-from trackdiag.record import Histogram, Record
-from trackdiag.schedule import Every, SpreadThenEvery
+from trackdiag.util.norms import bin_counts, flat_chunks
+from trackdiag.util.schedule import Every, SpreadThenEvery
 
 MAX_BINS = 512
 DECADES = 8  # symlog edges: the smallest magnitude bin starts this many decades below the top
@@ -231,7 +231,7 @@ class HistogramProbe(Probe):
         """The fast path for linear edges known on the host: CPU groups by :func:`linear_counts_cpu`;
         elsewhere ``histc`` counts the values inside
         ``[lo, hi]``; ``x < lo`` are the ones below; the rest (above ``hi``, NaN, +Inf) are above.
-        A group's tensors are binned in concatenated chunks (:func:`~trackdiag.norms.flat_chunks`)."""
+        A group's tensors are binned in concatenated chunks (:func:`~trackdiag.util.norms.flat_chunks`)."""
         b, n = self.bins, len(layout.groups)
         members: list[list[torch.Tensor]] = [[] for _ in range(n)]
         for t, g in zip(tensors, layout.param_group):

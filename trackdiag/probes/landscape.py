@@ -1,7 +1,7 @@
 """Loss landscape probe: a filter-normalised loss landscape of the model, on a sparse schedule.
 
 On each due step it takes the step's batch (``diag.step(..., batch=...)``) and evaluates, along one
-or two random directions (see :mod:`trackdiag.landscape`), the user's own loss computation
+or two random directions (see :mod:`trackdiag.forensics.landscape`), the user's own loss computation
 ``loss_fn(batch)`` when the session has one (``Diagnostics(..., loss_fn=...)``: models that return
 their loss, take several inputs, or several models), else ``model(x)`` scored against ``y`` with
 ``loss`` (``cross_entropy`` | ``mse``) for a batch ``(x, y)``; a batch it cannot interpret is skipped
@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from trackdiag.context import ProbeContext, StepInputs
-from trackdiag.errors import ConfigError, brief
-from trackdiag.landscape import LOSSES
+from trackdiag.capture.context import ProbeContext, StepInputs
+from trackdiag.capture.user_loss import loss_value, skipped
+from trackdiag.core.errors import ConfigError, brief
+from trackdiag.core.record import Record
+from trackdiag.forensics.landscape import LOSSES
 from trackdiag.probes.base import Probe
-from trackdiag.record import Record
-from trackdiag.user_loss import loss_value, skipped
 
 log = logging.getLogger("trackdiag")
 
@@ -90,8 +90,8 @@ class LandscapeProbe(Probe):
             skipped(ctx, self.name, "no batch was given to step()" if batch is None else
                     f"the batch is a {type(batch).__name__}, not (inputs, targets)")
             return
-        from trackdiag.forward_watch import FORWARD
-        from trackdiag.landscape import loss_landscape
+        from trackdiag.capture.forward_watch import FORWARD
+        from trackdiag.forensics.landscape import loss_landscape
         from trackdiag.plots.landscape import save_landscape, sharpness
 
         evaluate = (lambda: loss_value(user(batch))) if user is not None else None

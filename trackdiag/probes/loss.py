@@ -9,7 +9,7 @@ Emits, per loss name (``loss`` or ``<component>/loss``):
   ``diag/task/kind`` (1 classification, 2 regression, 0 not shown), ``diag/task/chance_loss`` (the loss
   of a model that ignores its input: ln C, or the targets' variance for MSE; times the targets for a
   summed loss) and ``diag/task/shift`` (1: the loss compares position t with target t+1), once the
-  task is shown (see :mod:`trackdiag.task`): the first steps' loss equals the outputs'
+  task is shown (see :mod:`trackdiag.alerts.task`): the first steps' loss equals the outputs'
   cross-entropy (or MSE) against the batch's targets. Task-specific rules read these.
 Cost: one ``detach`` per step and loss (a reference is kept, nothing is copied); at the logging
 step the window is stacked and copied to the host with every other diagnostic. During the first 3
@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from trackdiag.context import ProbeContext, StepInputs
-from trackdiag.norms import stack_scalars
+from trackdiag.alerts.task import STEPS, Marginal, Task, decide, entropy, per_position, terms
+from trackdiag.capture.context import ProbeContext, StepInputs
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.record import Record
-from trackdiag.stats import Ema
-from trackdiag.task import STEPS, Marginal, Task, decide, entropy, per_position, terms
-from trackdiag.tensors import class_dim, logits_of, targets_of
+from trackdiag.util.norms import stack_scalars
+from trackdiag.util.stats import Ema
+from trackdiag.util.tensors import class_dim, logits_of, targets_of
 
 
 def classes_of(outputs: Any, batch: Any) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trackdiag.context import ProbeContext
+from trackdiag.capture.context import ProbeContext
 from trackdiag.probes.base import Probe
 
 

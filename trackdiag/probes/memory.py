@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from trackdiag.context import ProbeContext
+from trackdiag.capture.context import ProbeContext
 from trackdiag.probes.base import Probe
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

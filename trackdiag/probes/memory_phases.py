@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from trackdiag.context import Component, ProbeContext, StepInputs
-from trackdiag.forward_watch import FORWARD, may_watch
+from trackdiag.capture.context import Component, ProbeContext, StepInputs
+from trackdiag.capture.forward_watch import FORWARD, may_watch
 from trackdiag.probes.base import Probe
 
 

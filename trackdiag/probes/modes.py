@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from trackdiag.context import Component, ProbeContext, StepInputs
+from trackdiag.capture.context import Component, ProbeContext, StepInputs
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.record import Record
-from trackdiag.schedule import Never
+from trackdiag.util.schedule import Never
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _NORM = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)

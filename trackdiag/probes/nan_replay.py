@@ -1,20 +1,20 @@
 """NaN replay probe: keeps what a replay needs and, when ``nonfinite_loss`` / ``nonfinite_grad`` /
-``nonfinite_input`` fires, replays the bad step's batch once (see :mod:`trackdiag.replay`) and
+``nonfinite_input`` fires, replays the bad step's batch once (see :mod:`trackdiag.forensics.replay`) and
 writes the culprit into the alert: ``where="body.2 (input finite)"`` and the message
-(:mod:`trackdiag.replay_report`).
+(:mod:`trackdiag.probes._replay_report`).
 
 What it keeps:
   * *references* (``detach()``-ed views, no copies) to the arguments of every training-mode forward
     of each root model with grad enabled (the first ``max_calls``, 8, per step), with the autocast
     state, for the last ``ring`` steps (default: the session's ``every`` + 1). During the step a call
     costs one list append (the arguments as passed); they are detached when the step ends. They are seen through the root's call slot
-    (:mod:`trackdiag.root_call`: an attribute ``torch.save``, pickle and ``deepcopy`` drop, so a saved
+    (:mod:`trackdiag.capture.root_call`: an attribute ``torch.save``, pickle and ``deepcopy`` drop, so a saved
     model stays clean, and the model's other modules keep PyTorch's fast call path; a global forward
     hook when ``module.compile()`` took the slot). On a model that was already compiled before the session, or when nothing was
     captured, the batch given to ``step(batch=...)`` is replayed as ``model(inputs)``. Memory cost:
     those input batches stay alive ``ring`` steps longer (``ring`` x batch bytes on their device).
   * (``mode=log``) a copy of the weights from a logging step whose record was entirely finite, taken
-    at most every ``snapshot_every`` (20) steps (:mod:`trackdiag.snapshot`; ``snapshot_mb`` caps it,
+    at most every ``snapshot_every`` (20) steps (:mod:`trackdiag.forensics.snapshot`; ``snapshot_mb`` caps it,
     default 1024 MB; 0 turns it off): when the optimizer has already written NaN into the weights by
     the time the fault is noticed (the usual case at the default cadence), the bad step's batch is
     replayed on those weights instead (at most ``every`` + ``snapshot_every`` steps older). Cost: one
@@ -50,20 +50,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component, ProbeContext, StepInputs
-from trackdiag.errors import ConfigError, brief
-from trackdiag.forward_watch import FORWARD, may_watch
-from trackdiag.grad_records import GradView
-from trackdiag.incidents import nonfinite
+from trackdiag.alerts.incidents import nonfinite
+from trackdiag.capture.context import Component, ProbeContext, StepInputs
+from trackdiag.capture.forward_watch import FORWARD, may_watch
+from trackdiag.capture.grad_records import GradView
+from trackdiag.core.alert import Alert
+from trackdiag.core.errors import ConfigError, brief
+from trackdiag.core.record import Record
+from trackdiag.core.registry import resolve
+from trackdiag.forensics.replay import Call, Finding, replay
+from trackdiag.forensics.snapshot import ParamSnapshot
+from trackdiag.probes._replay_report import FLAGS_KEY, TRIGGERS, Joint, detached, enrich, held  # noqa: F401 (re-exported)
 from trackdiag.probes.base import Probe
-from trackdiag.record import Record
-from trackdiag.registry import resolve
-from trackdiag.replay import Call, Finding, replay
-from trackdiag.replay_report import FLAGS_KEY, Joint, detached, enrich, enrich_alerts, held  # noqa: F401 (re-exported)
-from trackdiag.schedule import Never
-from trackdiag.snapshot import ParamSnapshot
-from trackdiag.tensors import inputs_of
+from trackdiag.util.schedule import Never
+from trackdiag.util.tensors import inputs_of
 
 log = logging.getLogger("trackdiag")
 MODES = ("log", "step")
@@ -122,7 +122,7 @@ class NanReplayProbe(Probe):
                 self._watch_parts[comp.name] = dev
 
     def to_log_mode(self, ctx: ProbeContext) -> None:
-        """The cost budget's first shed (:mod:`trackdiag.budget`): ``mode=step`` becomes ``mode=log`` (no host read
+        """The cost budget's first shed (:mod:`trackdiag.session.budget_policy`): ``mode=step`` becomes ``mode=log`` (no host read
         per step; the replay runs at the logging step from a weight snapshot, taken from the next finite one)."""
         if self.mode != "step":
             return
@@ -132,7 +132,7 @@ class NanReplayProbe(Probe):
                 self._snapshots[comp.name] = ParamSnapshot(comp.model, self.snapshot_bytes)
 
     def stop_capture(self, step: int) -> None:
-        """The cost budget's last shed (:mod:`trackdiag.budget`): the training forwards' arguments are no longer
+        """The cost budget's last shed (:mod:`trackdiag.session.budget_policy`): the training forwards' arguments are no longer
         kept (no call slot, nothing per forward call). A step given ``batch=...`` is still replayed (the user's
         loss, else ``model(inputs)``); a step without one says why nothing of it was held."""
         self._unwatch()
@@ -381,7 +381,7 @@ class NanReplayProbe(Probe):
         return bool((self._ring.get(step) or {}).get("guessed"))
 
     def enrich(self, ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> list[tuple[Any, Alert]]:
-        """``alerts`` with the culprit in ``where`` (see :func:`trackdiag.replay_report.enrich`)."""
+        """``alerts`` with the culprit in ``where`` (see :func:`trackdiag.probes._replay_report.enrich`)."""
         return enrich(self, ctx, alerts)
 
 
@@ -389,3 +389,14 @@ def _device_of(module: nn.Module) -> str:
     """The device type of a model built on the meta device and materialised after the session began."""
     dev = next((p.device.type for p in module.parameters()), "cpu")
     return "cpu" if dev == "meta" else dev
+
+
+def enrich_alerts(probes: list[Probe], ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> list[tuple[Any, Alert]]:
+    """Let an enabled ``nan_replay`` probe add its findings to ``alerts``; never raises."""
+    for p in probes:
+        if p.enabled and isinstance(p, NanReplayProbe) and any(a.kind in TRIGGERS for _, a in alerts):
+            try:
+                return p.enrich(ctx, alerts)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("trackdiag: NaN replay failed: %s", brief(exc))
+    return alerts

@@ -33,11 +33,11 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from trackdiag.context import ProbeContext, StepInputs
-from trackdiag.errors import ConfigError
-from trackdiag.norms import bin_counts
+from trackdiag.capture.context import ProbeContext, StepInputs
+from trackdiag.core.errors import ConfigError
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe, take_pending
-from trackdiag.record import Record
+from trackdiag.util.norms import bin_counts
 
 _MAX_DEPTH = 4
 _PAIR_ROWS = 64  # rows for the pairwise distances (64 x 64 distances)

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from trackdiag.context import Component, ProbeContext
+from trackdiag.capture.context import Component, ProbeContext
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe, take_pending
 from trackdiag.probes.grads import first_bad_layer, publish_layers
-from trackdiag.record import Record
 
 
 class ParamProbe(Probe):

@@ -19,11 +19,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from trackdiag.context import ProbeContext, StepInputs
-from trackdiag.errors import ConfigError
+from trackdiag.capture.context import ProbeContext, StepInputs
+from trackdiag.core.errors import ConfigError
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.record import Record
-from trackdiag.schedule import Never
+from trackdiag.util.schedule import Never
 
 log = logging.getLogger("trackdiag")
 

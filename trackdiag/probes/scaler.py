@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trackdiag.context import ProbeContext, StepInputs
+from trackdiag.capture.context import ProbeContext, StepInputs
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.record import Record
 
 
 class ScalerProbe(Probe):

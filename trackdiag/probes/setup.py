@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from trackdiag.context import Component, ProbeContext, StepInputs
-from trackdiag.layers import layer_of
+from trackdiag.capture.context import Component, ProbeContext, StepInputs
+from trackdiag.capture.layers import layer_of
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.record import Record
 
 
 def frozen(comp: Component) -> dict[str, float]:
@@ -65,7 +65,7 @@ class SetupProbe(Probe):
         self._graded: dict[str, set[int]] = {}  # parameters holding a gradient at the first optimizer step
 
     def bind(self, default_every: int) -> None:
-        from trackdiag.schedule import Never
+        from trackdiag.util.schedule import Never
 
         self.schedule = Never()  # never the reason for a logging step
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from trackdiag.context import ProbeContext, StepInputs
+from trackdiag.capture.context import ProbeContext, StepInputs
 from trackdiag.probes.base import Probe
 
 

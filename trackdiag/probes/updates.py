@@ -40,12 +40,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from trackdiag.context import Component, ProbeContext, StepInputs
-from trackdiag.norms import tensor_norms
+from trackdiag.capture.context import Component, ProbeContext, StepInputs
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe, take_pending
 from trackdiag.probes.grads import publish_layers
-from trackdiag.record import Record
-from trackdiag.schedule import EarlyThenEvery
+from trackdiag.util.norms import tensor_norms
+from trackdiag.util.schedule import EarlyThenEvery
 
 KEEP_BYTES = 256 * 2**20  # CPU parameters up to this size keep their copy buffers between due steps
 

@@ -1,6 +1,6 @@
 """Zero-grad probe: were the gradients reset when they should be, and only then?
 
-Made from what the gradient tap's sentinel saw (see :mod:`trackdiag.gradtap`): for each backward
+Made from what the gradient tap's sentinel saw (see :mod:`trackdiag.capture.gradtap`): for each backward
 pass, whether one chosen parameter's gradient had been reset (``None``, or all zero) before the pass
 accumulated into it, and that parameter's version counter (it changes when the optimizer updates
 the parameters in place). Two verdicts per step, for every step and every loop style:
@@ -16,7 +16,7 @@ the parameters in place). Two verdicts per step, for every step and every loop s
   every pass but the last was thrown away (``model.zero_grad()`` inside accelerate's
   ``accumulate``, instead of the prepared optimizer's). Passes separated by a parameter update
   (LBFGS line search, SAM's two passes) are not counted together. A step whose model was fed an
-  input that asks for its own gradient (adversarial training, saliency: :mod:`trackdiag.input_grads`)
+  input that asks for its own gradient (adversarial training, saliency: :mod:`trackdiag.capture.input_grads`)
   is marked ``input_grad`` in the table: its extra pass was for that input, and the rule says so
   as an ``info`` finding. Seen through the model's call slot (the first call of each step; the
   graph walk only on a step with several passes). A loop that ran ``WATCH_STEPS`` (20) steps with
@@ -41,14 +41,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from trackdiag.context import Component, ProbeContext
-from trackdiag.errors import ConfigError
-from trackdiag.forward_watch import FORWARD, may_watch
-from trackdiag.grad_records import GradView, Pass
-from trackdiag.input_grads import grad_inputs, wanted
-from trackdiag.norms import stack_scalars
+from trackdiag.capture.context import Component, ProbeContext
+from trackdiag.capture.forward_watch import FORWARD, may_watch
+from trackdiag.capture.grad_records import GradView, Pass
+from trackdiag.capture.input_grads import grad_inputs, wanted
+from trackdiag.core.errors import ConfigError
+from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.record import Record
+from trackdiag.util.norms import stack_scalars
 
 Flag = bool | torch.Tensor
 #: a loop with one backward pass per step for this many steps stops having its model inputs watched

@@ -36,7 +36,7 @@ import math
 import statistics
 from typing import NamedTuple, Sequence
 
-from trackdiag.record import Record
+from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent, above
 
 #: steps after a jump with the data-change signature at which it is judged; without a logged learning rate (a loop

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from trackdiag.record import Record
+from trackdiag.core.record import Record
 from trackdiag.rules.base import layer_values
 
 

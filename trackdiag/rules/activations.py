@@ -4,12 +4,12 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.record import Record
-from trackdiag.modnames import layer_label
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
 from trackdiag.rules._streak import Streaks
 from trackdiag.rules.base import Rule, layer_values
+from trackdiag.util.modnames import layer_label
 
 _FAMILIES = {"dead": "never activate (output <= 0)", "saturated": "sit saturated on the flat tails"}
 

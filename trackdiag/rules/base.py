@@ -5,16 +5,16 @@ import math
 import weakref
 from typing import Any, ClassVar, Sequence
 
-from trackdiag import policy
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.objectives import Objectives
-from trackdiag.record import Record
+from trackdiag.alerts.objectives import Objectives
+from trackdiag.capture.context import Component
+from trackdiag.core import policy
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
 
 
 class Rule:
     """Turns each logging step's record into findings: what crossed which line, since when, and the
-    evidence that it matters for training (:mod:`trackdiag.policy` turns the evidence into the
+    evidence that it matters for training (:mod:`trackdiag.core.policy` turns the evidence into the
     severity; the rule never picks it).
 
     ``check`` sees the new record, the recent history (oldest first) and the components; it
@@ -79,7 +79,7 @@ class Rule:
 
 def phase_start(record: Record) -> int:
     """The step a new training phase began at within ``record``'s window (an optimizer stepping for
-    the first time, parameters joining training: see :mod:`trackdiag.session_steps`), or -1. Rules
+    the first time, parameters joining training: see :mod:`trackdiag.session.steps`), or -1. Rules
     that judge a series against its own history start that history again there."""
     return int(record.tables.get("diag/phase", {}).get("start", -1))
 

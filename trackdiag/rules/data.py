@@ -4,12 +4,11 @@ They read the keys of the ``data_finite``, ``data_labels`` and ``data_wait`` pro
 from __future__ import annotations
 
 import math
-
 from typing import Any, Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.record import Record
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
 from trackdiag.rules.base import Rule, loss_series
 
 

@@ -3,7 +3,7 @@
 No absolute number decides by default: a VAE whose loss is a per-batch sum has healthy gradient
 norms in the thousands, a fine-tuned model's in the thousandths. A jump is measured against the
 run's own recent norms (:class:`~trackdiag.rules._spike.SpikeDetector`), and how loud it is comes
-from what followed it (:mod:`trackdiag.policy`): a one-step spike after which the loss and the
+from what followed it (:mod:`trackdiag.core.policy`): a one-step spike after which the loss and the
 norms are back where they were is an ``info`` finding; one that persists, moves the loss or the
 weights is a warning or critical. ``threshold`` / ``layer_threshold`` add the user's own absolute lines.
 A component whose objective is not minimised (a GAN's generator and discriminator, an RL agent) moves its
@@ -17,15 +17,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.modnames import layer_label
-from trackdiag.record import Record
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent, reacted
 from trackdiag.rules._shift import Shift, after_shift, lr_raised, recovered, told
 from trackdiag.rules._spike import SpikeDetector
 from trackdiag.rules._weights import weights_moved
 from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
+from trackdiag.util.modnames import layer_label
 
 
 def loss_points(record: Record, comp: Component) -> list[tuple[int, float]]:

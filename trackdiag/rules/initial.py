@@ -5,16 +5,16 @@ import math
 import statistics
 from typing import Any, Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.record import Record
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
 from trackdiag.rules.base import Rule, loss_series, loss_where, where_of
 
 
 class InitialLoss(Rule):
     """The first losses far above chance level, once the task is shown to be a classification of
     that loss (``diag/task/kind`` = 1: the loss equals the outputs' cross-entropy against the targets,
-    see :mod:`trackdiag.task`): a well-initialised classifier starts near ln(C) (``diag/task/chance_loss``,
+    see :mod:`trackdiag.alerts.task`): a well-initialised classifier starts near ln(C) (``diag/task/chance_loss``,
     scaled for a summed loss). The first loss above ``unambiguous`` (10) x chance is ``unambiguous``
     (logits that large at step 0 are a broken init or a missing scale); the median of the first
     ``steps`` (3) above ``factor`` (3) x chance is a ``loss`` finding. ``where`` is the loss."""

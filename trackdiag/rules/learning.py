@@ -6,7 +6,7 @@ is over (``warmup`` steps, 100, counted from the last step the learning rate sti
 long warm-up schedule is waited for), on the medians of the first ``start_steps`` (20) and the last
 ``recent_steps`` (50) losses:
 
-- **at chance** (``loss``): the task is shown (:mod:`trackdiag.task`), the recent loss is within
+- **at chance** (``loss``): the task is shown (:mod:`trackdiag.alerts.task`), the recent loss is within
   ``margin`` (5%) of the chance level (or above it and flat since the start: a loss that fell far from a bad
   initialisation and is still above chance is learning, slowly) and stalled there (it fell less than ``min_fall``, 2%, over the
   last 100 steps, or the last 200 when it fell from its start first: a language model may rest at
@@ -27,9 +27,9 @@ import math
 import statistics
 from typing import Any, Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.record import Record
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._streak import Streaks
 from trackdiag.rules.base import Rule, loss_series, loss_where, phase_start, where_of

@@ -2,9 +2,9 @@
 
 The loss going up is only half a story: a GAN generator's loss rises by design, an actor-critic's
 summed loss grows as the agent gets better, a VAE's loss rises while its KL weight anneals. So a
-rise is a finding; warning and critical need more (:mod:`trackdiag.policy`): the rise persists
+rise is a finding; warning and critical need more (:mod:`trackdiag.core.policy`): the rise persists
 and the gradients or the weights went unstable with it. Losses whose objective is not minimised
-(:mod:`trackdiag.objectives`) are not judged here at all.
+(:mod:`trackdiag.alerts.objectives`) are not judged here at all.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import math
 import statistics
 from typing import Any, Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.record import Record
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._shift import Shift, after_shift, recovered, told
 from trackdiag.rules._spike import SpikeDetector

@@ -4,11 +4,11 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.record import Record
-from trackdiag.modnames import layer_label
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
 from trackdiag.rules.base import Rule, loss_series, loss_where, where_of
+from trackdiag.util.modnames import layer_label
 
 
 class NonfiniteLoss(Rule):

@@ -1,4 +1,4 @@
-"""``preflight``: the sanity pre-flight's alerts (see :mod:`trackdiag.preflight`).
+"""``preflight``: the sanity pre-flight's alerts (see :mod:`trackdiag.forensics.preflight`).
 
 This rule judges no record: it carries the options, the action and the cooldown of the alerts that
 ``Diagnostics.preflight()`` emits, and ``auto`` (run the pre-flight on the first ``step()``'s batch)."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trackdiag.registry import resolve
+from trackdiag.core.registry import resolve
 from trackdiag.rules.base import Rule
 
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.record import Record
-from trackdiag.modnames import layers_named
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
 from trackdiag.rules.base import Rule
+from trackdiag.util.modnames import layers_named
 
 
 class ParamNotOptimized(Rule):

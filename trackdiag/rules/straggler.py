@@ -4,13 +4,13 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.errors import ConfigError
-from trackdiag.record import Record
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.errors import ConfigError
+from trackdiag.core.record import Record
 from trackdiag.rules.base import Rule
 
-#: per-rank mean step time since the last log, written by the cross-rank reduction (trackdiag.distributed)
+#: per-rank mean step time since the last log, written by the cross-rank reduction (trackdiag.session.distributed)
 PER_RANK = "diag/dist/per_rank/step_time_ms"
 
 

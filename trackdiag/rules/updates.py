@@ -7,14 +7,14 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.record import Record
-from trackdiag.modnames import layer_label, layers_named
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent, reacted
 from trackdiag.rules._streak import Streaks
 from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
 from trackdiag.rules.gradients import loss_points
+from trackdiag.util.modnames import layer_label, layers_named
 
 
 def qualified(comp: Component, layer: str) -> str:

@@ -6,15 +6,15 @@ import math
 import statistics
 from typing import Any, Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.modnames import layer_label
-from trackdiag.record import Record
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._streak import Streaks
-from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
 from trackdiag.rules._weights import weights_moved
+from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
 from trackdiag.rules.gradients import loss_points
+from trackdiag.util.modnames import layer_label
 
 
 class GradVanishing(Rule):

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.context import Component
-from trackdiag.record import Record
-from trackdiag.probes.zerograd import NEAR
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
 from trackdiag.rules.base import Rule
+
+#: the probe's "near" distance in steps (``trackdiag.probes.zerograd.NEAR``: rules do not import probes)
+NEAR = 2
 
 
 class Flagged(NamedTuple):

@@ -7,10 +7,10 @@ import threading
 import time
 from typing import Any, ClassVar, Sequence
 
-from trackdiag.alert import Alert
-from trackdiag.errors import brief
-from trackdiag.record import Record
-from trackdiag.runinfo import RunInfo
+from trackdiag.core.alert import Alert
+from trackdiag.core.errors import brief
+from trackdiag.core.record import Record
+from trackdiag.core.runinfo import RunInfo
 
 log = logging.getLogger("trackdiag")
 

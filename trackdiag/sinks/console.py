@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-from trackdiag.runinfo import RunInfo
+from trackdiag.core.runinfo import RunInfo
 from trackdiag.sinks.base import Sink
 
 NOTE_ABOVE = 0.05  # overhead fraction above which the summary says how to cut it
@@ -63,7 +63,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def budget_lines(summary: dict[str, Any]) -> list[str]:
-    """What the cost budget shed (:mod:`trackdiag.budget`), and whether the run is still above it."""
+    """What the cost budget shed (:mod:`trackdiag.session.budget_policy`), and whether the run is still above it."""
     budget = summary.get("budget") or {}
     lines = [f"  within the {100 * budget['share']:.0f}% cost budget from step {shed['step']}: {shed.get('what', shed['shed'])}"
              for shed in budget.get("shed", ())]

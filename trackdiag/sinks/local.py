@@ -4,7 +4,7 @@ Writes into the run's output dir: ``records.jsonl`` (one :class:`Record` per lin
 ``alerts.jsonl`` (as they happen), ``alerts.json`` and ``summary.json`` (at close), ``run.json``
 (name, level, config, hyperparameters, status, sanitising notes); at close it stamps the final
 health and status into ``report.html`` (drawn while the run closes, before they are known). Config and hyperparameters
-arrive sanitised and redacted (:class:`~trackdiag.runinfo.RunInfo`). If the output dir cannot be
+arrive sanitised and redacted (:class:`~trackdiag.core.runinfo.RunInfo`). If the output dir cannot be
 written at open, the record goes to a temporary dir instead (one warning saying where; the
 run's ``output_dir`` is updated, so sinks opened after this one and ``summary()`` follow it).
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
-from trackdiag.alert import Alert
-from trackdiag.record import Record
-from trackdiag.runinfo import RunInfo, fallback_dir
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
+from trackdiag.core.runinfo import RunInfo, fallback_dir
 from trackdiag.sinks.base import Sink
 
 
@@ -92,15 +92,3 @@ class LocalSink(Sink):
         tmp = self.dir / f".{name}.tmp"
         tmp.write_text(json.dumps(obj, indent=2, default=str), encoding="utf-8")
         tmp.replace(self.dir / name)
-
-
-def read_records(run_dir: str | Path) -> Iterator[Record]:
-    """The records of a local run directory, in order (a torn last line is skipped)."""
-    path = Path(run_dir) / "records.jsonl"
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    yield Record.from_json(line)
-                except json.JSONDecodeError:
-                    continue

@@ -25,13 +25,22 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from trackdiag.alert import Alert
-from trackdiag.errors import TrackdiagError
-from trackdiag.record import Record
-from trackdiag.runinfo import RunInfo
+from trackdiag.core.alert import Alert
+from trackdiag.core.errors import TrackdiagError
+from trackdiag.core.record import Record
+from trackdiag.core.runinfo import RunInfo
 from trackdiag.sinks.base import Sink
-from trackdiag.sinks.wandb_util import (ALERT_LEVELS, SECRET_WORDS, SEVERITY_RANK, check_credentials,
-                                        fit_histogram, redact, resolve_mode, summary_policy, sweep_group)
+from trackdiag.sinks.wandb_util import (
+    ALERT_LEVELS,
+    SECRET_WORDS,
+    SEVERITY_RANK,
+    check_credentials,
+    fit_histogram,
+    redact,
+    resolve_mode,
+    summary_policy,
+    sweep_group,
+)
 
 log = logging.getLogger("trackdiag")
 STEP = "diag/step"

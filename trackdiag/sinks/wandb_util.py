@@ -1,5 +1,5 @@
 """Helpers of the W&B sink that need no ``wandb`` import: secret redaction (the shared
-:mod:`trackdiag.redact` policy), summary policies, sweep group names, histogram fitting, credential
+:mod:`trackdiag.util.redact` policy), summary policies, sweep group names, histogram fitting, credential
 checks and alert levels."""
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from trackdiag.errors import TrackdiagError
-from trackdiag.redact import DEFAULT_POLICY, MASK, RedactPolicy
+from trackdiag.core.errors import TrackdiagError
+from trackdiag.util.redact import DEFAULT_POLICY, MASK, RedactPolicy
 
 #: Extra key words the W&B sink hides on top of the shared policy (its ``redact`` option); none by
-#: default: the run's hyperparameters reach the sink already redacted by :class:`~trackdiag.runinfo.RunInfo`.
+#: default: the run's hyperparameters reach the sink already redacted by :class:`~trackdiag.core.runinfo.RunInfo`.
 SECRET_WORDS: tuple[str, ...] = ()
 REDACTED = MASK
 #: trackdiag severity -> ``wandb.AlertLevel`` value.

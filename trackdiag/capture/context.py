@@ -1,0 +1,106 @@
+"""What probes see of the session: the components, the step, the schedule."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+from trackdiag.capture.layers import LayerIndex
+
+
+@dataclass
+class Component:
+    """One named model with the optimizer(s) that step it (``name == ""`` for a single model).
+
+    ``optimizer``: the first optimizer that really steps it (found behind wrappers; for the LR and
+    the set-up checks), or None. ``optimizers``: every such optimizer (hookable ones: torch's step
+    hooks run for them). ``given``: what the user passed (wrappers included). ``generation`` grows
+    each time ``index`` is rebuilt (param groups added, layers unfrozen).
+    """
+
+    name: str
+    model: nn.Module | None
+    optimizer: Any
+    index: LayerIndex
+    given: list[Any] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    generation: int = 0
+    signature: tuple[Any, ...] = ()
+    groups: tuple[Any, ...] = ()
+    #: the model as the user passed it (a DDP or ``torch.compile`` wrapper included): forward calls
+    #: are watched on it, while ``model`` is the module inside
+    outer: Any = None
+    #: the step at which the optimizers' param groups were last compared with ``groups`` (once per step is enough)
+    refreshed: int = -1
+
+    def key(self, suffix: str) -> str:
+        """The metric key of ``suffix`` for this component: ``diag/[<name>/]<suffix>``."""
+        return f"diag/{self.name}/{suffix}" if self.name else f"diag/{suffix}"
+
+    def add_optimizer(self, opt: Any) -> bool:
+        """Adopt ``opt`` (or the optimizer it wraps); True if it is new to this component."""
+        from trackdiag.capture.optimizers import param_groups, real_optimizer
+
+        if all(opt is not g for g in self.given):
+            self.given.append(opt)
+        real = real_optimizer(opt)
+        new = real is not None and all(real is not o for o in self.optimizers)
+        if new:
+            self.optimizers.append(real)
+        self.optimizer = self.optimizers[0] if self.optimizers else next((g for g in self.given if param_groups(g)), None)
+        return new
+
+    def owns(self, opt: Any) -> bool:
+        """True when ``opt`` is one of this component's (real) optimizers."""
+        return any(opt is o for o in self.optimizers)
+
+
+@dataclass
+class StepInputs:
+    """What the user passed to ``Diagnostics.step``; losses and outputs keyed by component."""
+
+    losses: Mapping[str, Any]
+    outputs: Any = None
+    batch: Any = None
+    batch_size: int | None = None
+
+
+@dataclass
+class ProbeContext:
+    """Shared, mutable view of the session the probes read. ``step`` is the optimizer step in
+    progress; ``is_due(schedule)`` answers whether a schedule fires at it (anomaly windows included)."""
+
+    components: list[Component]
+    every: int
+    layer_budget: int
+    scaler: Any = None
+    output_dir: Path | None = None
+    step: int = 0
+    anomaly_until: int = -1
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: seconds spent in trackdiag's forward/backward hooks since the last logging step (they run inside
+    #: the user's forward/backward, so the session's own clock does not see them)
+    hook_seconds: float = 0.0
+    #: components whose optimizer stepped in the step being recorded (set at ``Diagnostics.step``)
+    stepped: set[str] = field(default_factory=set)
+    #: components some backward pass reached in that step
+    backward_seen: set[str] = field(default_factory=set)
+    #: backward passes per component in that step (> 1: gradient accumulation, or micro-batches merged)
+    passes: dict[str, int] = field(default_factory=dict)
+    #: some part of a model is compiled (``torch.compile``): no module hooks, replays run eager
+    compiled: bool = False
+    #: what a probe cannot measure in this loop, once each (``summary()["notes"]``)
+    notes: dict[str, str] = field(default_factory=dict)
+    #: training phases so far (0: the first) and the step the newest began (see ``session_steps``)
+    phase: int = 0
+    phase_start: int = 0
+    #: the user's loss computation, ``loss_fn(batch) -> loss`` (:mod:`trackdiag.capture.user_loss`), or None
+    loss_fn: Callable[[Any], Any] | None = None
+    #: ``() -> [(Component, Tap)]``: the measurements of backward passes not handed to the probes yet (the other
+    #: components a pass reached, whose optimizers step later): a check made at one component's step can read them too
+    waiting: Callable[[], list[tuple[Component, Any]]] | None = None
+
+    def is_due(self, schedule: Callable[[int], bool]) -> bool:
+        return schedule(self.step) or (self.step <= self.anomaly_until and getattr(schedule, "anomaly", True))

@@ -1,0 +1,2 @@
+"""Diagnostics configs: presets merged with overrides and validated in one pass (one ``ConfigError``).
+"""

@@ -1,0 +1,136 @@
+"""The text of a ``crash`` finding: the exception, where in the model it was raised, the last steps of
+the every-step series, and the remedies that fit.
+
+Host work only, at the end of a run that died (nothing here runs per step): a walk of the
+exception's traceback (or of the frame SIGTERM interrupted) for the innermost ``forward`` of one of
+the session's modules, and a read of the records already in memory.
+"""
+from __future__ import annotations
+
+import math
+import os
+from types import FrameType, TracebackType
+from typing import Iterable
+
+from torch import nn
+
+from trackdiag.core.record import Record
+
+SERIES = (("loss", "loss"), ("grad/global_norm", "grad norm"))  # every-step series a crash finding shows
+
+
+def tb_frames(tb: TracebackType | None) -> list[FrameType]:
+    """The frames of a traceback, outermost first."""
+    out = []
+    while tb is not None:
+        out.append(tb.tb_frame)
+        tb = tb.tb_next
+    return out
+
+
+def stack_frames(frame: FrameType | None, limit: int = 200) -> list[FrameType]:
+    """``frame`` and its callers, outermost first."""
+    out = []
+    while frame is not None and len(out) < limit:
+        out.append(frame)
+        frame = frame.f_back
+    return out[::-1]
+
+
+def module_in(frames: list[FrameType], names: dict[int, tuple[str, str]]) -> tuple[str, str, nn.Module] | None:
+    """``(component, module name, module)`` of the innermost frame running the ``forward`` of one of
+    the session's modules (``names``: id(module) -> (component, name)), or None."""
+    for frame in reversed(frames):
+        if frame.f_code.co_name not in ("forward", "_call_impl", "__call__"):
+            continue
+        obj = frame.f_locals.get("self")
+        key = names.get(id(obj)) if isinstance(obj, nn.Module) else None
+        if key is not None:
+            return key[0], key[1], obj  # type: ignore[return-value]
+    return None
+
+
+def user_line(frames: list[FrameType]) -> str:
+    """``train.py:42 in main``: the innermost frame of the user's code (not torch, not trackdiag, not
+    a library under site-packages), or ""."""
+    for frame in reversed(frames):
+        path = frame.f_code.co_filename
+        norm = path.replace(os.sep, "/")
+        if "site-packages/" in norm or "/torch/" in norm or "/trackdiag/" in norm or norm.startswith("<"):
+            continue
+        return f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return ""
+
+
+def last_points(history: Iterable[Record], last: int) -> dict[str, list[tuple[int, float]]]:
+    """Per every-step series (``diag/[<c>/]loss``, ``diag/[<c>/]grad/global_norm``), its last ``last``
+    points over the records in memory."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for record in history:
+        for key, pts in record.series.items():
+            if any(key.endswith(f"/{suffix}") for suffix, _ in SERIES):
+                out.setdefault(key, []).extend(pts)
+    return {k: sorted(dict(v).items())[-last:] for k, v in out.items()}
+
+
+def series_text(points: dict[str, list[tuple[int, float]]]) -> str:
+    """``loss at steps 40-49: 2.31 2.30 ... nan; grad norm at steps 40-49: 1.2 ...``."""
+    parts = []
+    rank = lambda k: (next(i for i, (suf, _) in enumerate(SERIES) if k.endswith(f"/{suf}")), k)  # noqa: E731
+    for key, pts in sorted(points.items(), key=lambda kv: rank(kv[0])):
+        if not pts:
+            continue
+        suffix, label = next((suf, lab) for suf, lab in SERIES if key.endswith(f"/{suf}"))
+        comp = key[len("diag/"):-len(suffix)].rstrip("/") if key.startswith("diag/") else ""
+        values = " ".join(f"{v:.4g}" if math.isfinite(v) else str(v) for _, v in pts)
+        steps = f"{pts[0][0]}-{pts[-1][0]}" if len(pts) > 1 else f"{pts[0][0]}"
+        parts.append(f"{comp + ' ' if comp else ''}{label} at steps {steps}: {values}")
+    return "; ".join(parts)
+
+
+def tables_of(points: dict[str, list[tuple[int, float]]]) -> dict[str, dict[str, float]]:
+    """The series as record tables ``crash/<series key>`` -> {step: value} (kept in the local record
+    and the trackers' tables file)."""
+    return {f"crash/{k[len('diag/'):]}": {str(s): v for s, v in pts} for k, pts in points.items() if pts}
+
+
+def nonfinite_text(exc: BaseException | None) -> bool:
+    """Whether the exception talks about non-finite values (NaN/Inf or a distribution's constraint)."""
+    text = f"{type(exc).__name__} {exc}".lower() if exc is not None else ""
+    return any(w in text for w in ("nan", " inf", "infinite", "non-finite", "nonfinite", "constraint", "between 0 and 1"))
+
+
+def no_replay(exc: BaseException | None) -> str:
+    """Why a crash must not be replayed (out of memory, a broken CUDA context), or ""."""
+    if exc is None:
+        return ""
+    name, text = type(exc).__name__, str(exc)
+    if "OutOfMemory" in name or "out of memory" in text.lower():
+        return "out of memory"
+    if "CUDA error" in text or "AcceleratorError" in name or "device-side assert" in text:
+        return "a CUDA error"
+    return ""
+
+
+def crash_hint(exc: BaseException | None, signalled: bool, watched: bool) -> str:
+    """Remedies for a crash whose cause is not a located non-finite value (see :mod:`trackdiag.session.flight`)."""
+    if signalled:
+        return ("The process was killed by SIGTERM (a scheduler's time limit or pre-emption, or a kill): nothing in "
+                "training need be wrong. Resume from the last checkpoint; checkpoint more often or ask for more time.")
+    reason = no_replay(exc)
+    if reason == "out of memory":
+        return ("Out of memory: a smaller batch with gradient accumulation, activation checkpointing, bf16/fp16 "
+                "autocast; if memory grew over the run (diag/mem/*), something keeps tensors alive (a loss kept "
+                "without .item(), a graph retained).")
+    if nonfinite_text(exc) and watched:
+        return ("The exception is about non-finite values, but no module output of the step's forward held one: the "
+                "NaN/Inf arose in the backward pass (an exception from autograd names the backward function: add an "
+                "eps to sqrt/log/div, see the torch.where gradient trap) or outside the modules (functional ops in the "
+                "loop, the loss, the data): check the batch and the ops between the model and this call.")
+    if nonfinite_text(exc):
+        return ("The exception is about non-finite values, and nothing watched the step's module outputs (this preset "
+                "has no NaN replay and no per-module flags): rerun with level='advanced' (a replay of the step at the "
+                "crash) or diag.probes.flight.modules=true to have the module named; check the batch and the ops "
+                "between the model and this call.")
+    return ("Not a non-finite fault: see the traceback. The last steps' loss and gradient norm (in this message and "
+            "in the record) show whether training was healthy up to the crash.")

@@ -1,0 +1,242 @@
+"""MLflow calls in a child process, so their Python work never competes with training for the GIL.
+
+With a local SQLite store, ``log_batch`` of 1000 metrics is ~0.15-0.3 s of SQLAlchemy work;
+run on a thread of the training process it slows a Python-bound training loop by about that
+much per logged step. :class:`ProcessRunner` has the :class:`~trackdiag.sinks.mlflow.run.Runner`
+interface but forwards each group of ops as a length-prefixed pickle to ``python -m
+trackdiag.sinks.mlflow.worker`` and reads the reply the same way: the parent pays a
+``pickle.dumps`` (~0.05 ms per 1000 points) and a pipe write per group. Only this package's two
+ends speak the protocol. The child starts through :func:`child_command` (trackdiag's modules
+without its package ``__init__``, so no torch import), in a session of its own and ignoring SIGINT:
+a terminal's Ctrl-C (SIGINT to the whole foreground process group) stops training, never the
+delivery of what training logged; the worker finishes when the session closes its stdin, or
+exits when its parent dies. A parent that dies without saying goodbye (``{"bye": true}``, sent by
+:meth:`ProcessRunner.close`) was killed (SIGKILL, the OOM killer): the child then ends the run
+KILLED (``Runner.abandon``) before it exits, so a killed job's run does not stay RUNNING on the
+server. Its own logs (and MLflow's prints) go to stderr; MLflow's own "View run at" line is
+switched off (trackdiag prints the run's link in the model-training view). It imports MLflow and
+(for a new store) creates its tables at normal priority, then lowers its priority (``nice`` +5)
+once the run exists: a worker niced from its start got ~10 % of a core on a busy machine and had
+not made its first call when training ended.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from trackdiag.sinks.mlflow.ops import is_permanent
+from trackdiag.sinks.mlflow.run import NoRun
+
+
+class WorkerError(RuntimeError):
+    """An error raised in the worker process; ``permanent`` and ``error_code`` as classified there."""
+
+    def __init__(self, message: str, permanent: bool, error_code: str | None) -> None:
+        super().__init__(message)
+        self.permanent, self.error_code = permanent, error_code
+
+
+class ProcessRunner:
+    """Executes ops in a child process. Raises ``ConnectionError`` if the child is gone."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[3])  # the child imports this same trackdiag
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        # MLflow's own HTTP retries default to ~4 min per call; the deliverer has its own backoff and
+        # spool, so fail fast here (unless the user tuned these for their server).
+        env.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        env.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        env.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+        # trackdiag prints the run's link itself, in the UI's model-training view (``_mlflow_note``)
+        env.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+        self.calls = 0  # MLflow calls the worker made so far
+        # its own session: a terminal's Ctrl-C reaches the training process only (see the module doc)
+        self._proc = subprocess.Popen(child_command("trackdiag.sinks.mlflow.worker"), stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=env, start_new_session=True)
+        self._call({"init": state})
+
+    @property
+    def dead(self) -> bool:
+        return self._proc.poll() is not None
+
+    def run(self, op: dict[str, Any]) -> None:
+        if self._call({"ops": [op]}):
+            raise FileNotFoundError(f"artifact {op.get('path')} no longer exists")
+
+    def run_many(self, ops: list[dict[str, Any]]) -> dict[int, str]:
+        """One round trip for a whole group (see ``Runner.run_many``); the ops skipped."""
+        return self._call({"ops": ops})
+
+    def _call(self, msg: dict[str, Any]) -> dict[int, str]:
+        try:
+            _send(self._proc.stdin, msg)  # type: ignore[arg-type]
+            reply = _receive(self._proc.stdout)  # type: ignore[arg-type]
+        except (OSError, ValueError, EOFError) as exc:
+            raise ConnectionError(f"MLflow worker process gone ({type(exc).__name__}: {exc}; "
+                                  f"exit code {self._proc.poll()})") from None
+        self.state.update(reply.get("state") or {})
+        self.calls = int(reply.get("calls") or 0)
+        if "error" in reply:
+            if reply.get("no_run"):
+                raise NoRun(reply["error"])
+            raise WorkerError(reply["error"], bool(reply.get("permanent")), reply.get("error_code"))
+        return dict(reply.get("refused") or {})
+
+    def close(self, wait: float = 0.0) -> None:
+        """End the child: close its stdin (it exits on EOF: MLflow's own shutdown takes ~1 s, nobody
+        waits for that); with ``wait``, kill it if it has not exited after that many seconds."""
+        try:
+            _send(self._proc.stdin, {"bye": True})  # type: ignore[arg-type]  # a goodbye: not killed
+        except (OSError, ValueError):
+            pass
+        try:
+            self._proc.stdin.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+        if wait:
+            try:
+                self._proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5)
+
+
+_BOOT = ("import importlib, sys, types; pkg = types.ModuleType('trackdiag'); pkg.__path__ = [sys.argv[1]]; "
+         "sys.modules['trackdiag'] = pkg; sys.argv = sys.argv[2:]; importlib.import_module(sys.argv[0]).main()")
+
+
+def child_command(module: str, *args: str) -> list[str]:
+    """The command line that runs ``module.main()`` of this trackdiag in a child Python without
+    executing ``trackdiag/__init__.py``: that imports torch (~2 s of CPU), which a delivery child
+    never needs (it was a third of the worker's start-up on a busy machine)."""
+    package = Path(__file__).resolve().parents[2]  # trackdiag/sinks/mlflow/worker.py -> trackdiag/
+    return [sys.executable, "-c", _BOOT, str(package), module, *args]
+
+
+def _send(stream: IO[bytes], msg: Any) -> None:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<I", len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream: IO[bytes]) -> Any:
+    head = stream.read(4)
+    if len(head) < 4:
+        raise EOFError("pipe closed")
+    (size,) = struct.unpack("<I", head)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("pipe closed mid-message")
+    return pickle.loads(data)
+
+
+_abandon_lock = threading.Lock()
+_abandoned: list[bool] = []
+
+
+def _abandon(runner: Any) -> None:
+    """The parent died without a goodbye: end its run KILLED (once; best effort, one line on failure)."""
+    with _abandon_lock:
+        if _abandoned or runner is None:
+            return
+        _abandoned.append(True)
+        try:
+            if runner.abandon():
+                logging.getLogger("trackdiag").warning(
+                    "trackdiag: the training process died without ending MLflow run %s; ended it KILLED",
+                    runner.state.get("run_id"))
+        except Exception as exc:  # the store does not answer: the sweep's end (or sync) does it later
+            logging.getLogger("trackdiag").warning("trackdiag: could not end the killed run: %s", exc)
+
+
+def _watch_parent(ppid: int, holder: list[Any]) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != ppid:  # orphaned: the training process is gone (forked children may keep stdin open)
+            _abandon(holder[0] if holder else None)
+            os._exit(0)
+
+
+def main() -> None:
+    """The worker loop: one request per framed message on stdin, one reply on stdout. SIGINT is
+    ignored (a Ctrl-C meant for training, e.g. ``kill -INT -<pgid>``): the parent ends the worker by
+    closing its stdin once delivery is done.
+
+    On the way out the heap is frozen: Python's final garbage collections over MLflow's and
+    SQLAlchemy's objects took ~1 s here (~3 s on a busy 2-core machine), and the worker writes to
+    the training process's stderr, so anything reading that to its end (``python train.py | tee
+    log``, a CI job capturing output) waited that long after training had exited. Objects are
+    still freed by reference count; every call was answered before this point."""
+    try:
+        _serve()
+    finally:
+        gc.freeze()
+
+
+def _serve() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    proto = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # MLflow prints ("View run at ...") must not corrupt the protocol
+    sys.stdout = sys.stderr
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("urllib3").setLevel(logging.ERROR)  # outages: the parent warns once, not per retry
+    ppid = os.getppid()
+    holder: list[Any] = []
+    threading.Thread(target=_watch_parent, args=(ppid, holder), daemon=True).start()
+    from trackdiag.sinks.mlflow.run import Runner
+
+    runner: Runner | None = None
+    niced = False
+    while True:
+        try:
+            msg = _receive(sys.stdin.buffer)
+        except EOFError:  # no goodbye: the parent died (a parent alive here closed us without one: not killed)
+            time.sleep(0.2)
+            if os.getppid() != ppid:
+                _abandon(runner)
+            return
+        if msg.get("bye"):
+            return
+        if os.getppid() != ppid:  # the parent died with requests still in the pipe: make no new run for it
+            _abandon(runner)
+            return
+        try:
+            if "init" in msg:
+                runner = Runner(msg["init"])
+                holder[:] = [runner]
+            elif runner is None:
+                raise NoRun("worker not initialised")
+            refused = runner.run_many(msg["ops"]) if "ops" in msg else {}
+            reply: dict[str, Any] = {"state": runner.state if runner else {}, "calls": runner.calls if runner else 0,
+                                     "refused": refused}
+            if not niced and runner is not None and runner.state.get("run_id") and hasattr(os, "nice"):
+                niced = True
+                os.nice(5)  # set up: from now on training gets the CPU first (never undone: needs privileges)
+        except Exception as exc:
+            code = getattr(exc, "error_code", None)
+            reply = {"error": f"{type(exc).__name__}: {exc}"[:4000], "permanent": is_permanent(exc),
+                     "no_run": isinstance(exc, NoRun), "error_code": code if isinstance(code, str) else None,
+                     "state": runner.state if runner else {}, "calls": runner.calls if runner else 0}
+        try:
+            _send(proto, reply)
+        except OSError:  # the parent is gone mid-request (killed): nobody reads the reply
+            time.sleep(0.2)
+            if os.getppid() != ppid:
+                _abandon(runner)
+            return
+
+
+if __name__ == "__main__":
+    main()
