@@ -8,10 +8,12 @@ PY=${PYTHON:-python3}
 VPY=.venv/bin/python
 $VPY -m pip install -q --upgrade pip >/dev/null
 $VPY -c "import torch" 2>/dev/null || $VPY -m pip install -q "torch==2.13.0"
-$VPY -m pip install -q ".[all,test,sweeps,accelerate,lightning,transformers]"
+$VPY -m pip install -q ".[all,test,sweeps,ray,accelerate,lightning,transformers]"
 # a regular (non-editable) install of the current tree, so Hydra apps anywhere use the package as users get it
 $VPY -m pip install -q --no-deps --force-reinstall .
-# headless Chromium for the browser tests (apt-get, as root; they are skipped with a reason without it)
+# headless Chromium for the browser tests (apt-get, as root; they are skipped with a reason without it).
+# Playwright (the test extra) drives this system Chromium (scripts/browser.py: executable_path): no
+# `playwright install`, which downloads a browser build of its own and fails without internet.
 command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
   || echo "bootstrap: could not apt-get install chromium (not root?): the browser tests will be skipped" >&2
 # .venv-oldest: the oldest transformers/accelerate/lightning trackdiag claims, over .venv's torch (~1 min the first time)

@@ -11,10 +11,10 @@ What it trains (seeded; 40 s to 2 min on two CPU cores, depending on what else r
 - **sweep**: ``examples/train.py -m +diag=basic optimizer.lr=...`` (four jobs), then
   ``trackdiag compare SWEEP --out`` for the comparison page and its plots.
 
-With headless Chromium (``scripts/browser.py``) it also screenshots ``report.html`` and ``comparison.html``, and
-an MLflow run page: a real ``mlflow server`` on 127.0.0.1 (a free port, its own process group, its store in the
+With headless Chromium (Playwright, ``scripts/browser.py``) it also screenshots ``report.html``, ``comparison.html``
+and an MLflow run page: a real ``mlflow server`` on 127.0.0.1 (a free port, its own process group, its store in the
 temporary directory, killed with its group at the end) to which the explosion run delivers (tests/_mlflow_util.py).
-Without Chromium one line says so and the matplotlib PNGs are still written. Nothing reaches the network.
+Without Chromium or Playwright one line says so and the matplotlib PNGs are still written. Nothing reaches the network.
 Every PNG is at most 1200 px wide (screenshots are downscaled) and under ~300 KB (a 256-colour palette if needed).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "scripts"), str(REPO / "tests"), str(REPO / "examples")]
 
-from browser import Browser, chromium_path  # noqa: E402
+from browser import Browser, unavailable  # noqa: E402
 
 EXPERIMENT = "gallery"
 SWEEP_LRS = "0.001,0.03,0.3,1.0"
@@ -217,15 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=Path, default=None, help="train in this dir and keep the runs (default: a temp dir)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
-    browser = None if args.no_browser else chromium_path()
-    if browser is None:
-        why = "--no-browser" if args.no_browser else "headless Chromium not found (chromium_path() is None)"
+    why = "--no-browser" if args.no_browser else unavailable()
+    browser = why is None
+    if not browser:
         print(f"gallery: {why}: skipping the report, comparison and MLflow screenshots; matplotlib PNGs only")
     with tempfile.TemporaryDirectory(prefix="trackdiag-gallery-") as tmp:
         root = args.keep.resolve() if args.keep else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         server = None
-        if browser is not None:
+        if browser:
             from _mlflow_util import MlflowServer  # tests/_mlflow_util.py: own process group, killed whole
 
             (root / "server").mkdir(exist_ok=True)
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                         "nan_loss_alerts": nan / "plots" / "loss_alerts.png",
                         "explosion_loss_alerts": explosion / "plots" / "loss_alerts.png",
                         "sweep_loss_curves": compare_dir / "loss_curves.png"}
-            if browser is not None and uri is not None:
+            if browser and uri is not None:
                 pictures.update(page_shots(shots, healthy, nan, compare_dir))
                 pictures.update(mlflow_shots(shots, uri, "explosion"))
             written = [check(keep(src, args.out / f"{name}.png")) for name, src in pictures.items()]

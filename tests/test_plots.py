@@ -3,9 +3,7 @@ the HTML report, the model summary and the environment report, and lists them as
 image is a real, non-blank PNG; the report opens in headless Chromium without console errors."""
 from __future__ import annotations
 
-import shutil
-import subprocess
-import tempfile
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -144,47 +142,45 @@ def test_memory_snapshot_is_a_noop_without_cuda(tmp_path: Path) -> None:
     assert not (tmp_path / "snap.pickle").exists()
 
 
-# ---------------------------------------------------------------- headless Chromium
+# ---------------------------------------------------------------- headless Chromium (Playwright: scripts/browser.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from browser import Browser, unavailable  # noqa: E402
+
+needs_browser = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
 _TRAP = ("<script>window.__errs=[];addEventListener('error',function(e){__errs.push(String(e.message||"
          "(e.target&&(e.target.src||e.target.href))||'error'))},true);addEventListener('unhandledrejection',"
          "function(){__errs.push('rejection')});addEventListener('load',function(){document.body.setAttribute("
          "'data-errors',__errs.length?__errs.join('|'):'none')});</script>")
 
 
-def _chromium(*args: str) -> subprocess.CompletedProcess[str]:
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        pytest.skip("headless Chromium is not installed (scripts/bootstrap.sh installs the Debian package 'chromium')")
-    with tempfile.TemporaryDirectory() as profile:
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0"]
-        return subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=90)
-
-
-def _page_errors(page: Path, scratch: Path) -> list[str]:
-    """Console messages and error events (script errors, failed resources) of ``page`` in Chromium
+def _page_errors(b: Browser, page: Path, scratch: Path) -> list[str]:
+    """Console messages, uncaught script errors and error events (failed resources) of ``page`` in ``b``
     (a copy with an error trap, written next to the images the page refers to, if any, is loaded)."""
     trapped = scratch / (page.stem + ".trap.html")
     trapped.write_text(page.read_text(encoding="utf-8").replace("<head>", "<head>" + _TRAP, 1), encoding="utf-8")
-    proc = _chromium("--dump-dom", trapped.as_uri())
-    console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
-    marker = proc.stdout.split('data-errors="', 1)
-    assert len(marker) == 2, f"page did not finish loading: {proc.stderr[-2000:]}"
-    trapped_errors = marker[1].split('"', 1)[0]
-    return console + ([] if trapped_errors == "none" else [trapped_errors])
+    seen: list[str] = []
+    b.page.on("console", lambda m: seen.append(f"CONSOLE {m.type}: {m.text}"))
+    b.page.on("pageerror", lambda e: seen.append(f"Uncaught {e}"))
+    b.goto(trapped.as_uri(), settle=0)
+    assert b.wait("document.body.hasAttribute('data-errors')", 60), f"page did not finish loading: {seen}"
+    trapped_errors = b.eval("document.body.getAttribute('data-errors')")
+    return seen + ([] if trapped_errors == "none" else [trapped_errors])
 
 
+@needs_browser
 def test_error_detection_works(tmp_path: Path) -> None:
     bad = tmp_path / "bad.html"
     bad.write_text('<!doctype html><html><head></head><body><img src="missing.png"><script>nope();</script></body></html>')
-    errors = _page_errors(bad, tmp_path)
+    with Browser(1280, 1000) as b:
+        errors = _page_errors(b, bad, tmp_path)
     assert any("nope" in e for e in errors) and any("missing.png" in e for e in errors), errors
 
 
+@needs_browser
 def test_report_opens_without_console_errors_and_renders(run_dir: Path, tmp_path: Path) -> None:
-    assert _page_errors(run_dir / "report.html", tmp_path) == []  # self-contained: loads nothing
-    shot = tmp_path / "report.png"
-    proc = _chromium(f"--screenshot={shot}", "--window-size=1280,2000", (run_dir / "report.html").as_uri())
-    assert shot.exists(), proc.stderr[-2000:]
+    with Browser(1280, 2000) as b:
+        assert _page_errors(b, run_dir / "report.html", tmp_path) == []  # self-contained: loads nothing
+        b.goto((run_dir / "report.html").as_uri(), settle=0.3)
+        shot = b.screenshot(tmp_path / "report.png")
+    assert shot.exists()
     _check_png(shot)

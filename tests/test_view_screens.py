@@ -1,4 +1,4 @@
-"""What a user sees, in headless Chromium driven over DevTools (``scripts/browser.py``): the run report
+"""What a user sees, in headless Chromium driven by Playwright (``scripts/browser.py``): the run report
 of a NaN run, the comparison page of a sweep, and a run page served by a real ``mlflow server``
 (the experiment's kind, the run's Source, the per-step histogram images).
 
@@ -22,10 +22,9 @@ from conftest import batches, make_mlp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from browser import Browser, chromium_path  # noqa: E402
+from browser import Browser, unavailable  # noqa: E402
 
-pytestmark = pytest.mark.skipif(chromium_path() is None, reason="headless Chromium is not installed "
-                                "(scripts/bootstrap.sh installs the Debian package 'chromium')")
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
 IMAGES_JS = "Array.from(document.images).map(i => [i.alt || i.src.slice(0, 80), i.naturalWidth, i.naturalHeight])"
 
 

@@ -1,5 +1,5 @@
 """The MLflow run page a user opens first, in headless Chromium with a fresh profile each time
-(``scripts/browser.py``): the example app with an exploding learning rate, delivered to a real
+(Playwright: ``scripts/browser.py``): the example app with an exploding learning rate, delivered to a real
 ``mlflow server``, opened through the link trackdiag prints at the end.
 
 - the link opens the run itself in the UI's "Model training" view (a fresh browser otherwise
@@ -26,11 +26,10 @@ pytest.importorskip("mlflow")
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from browser import Browser, chromium_path  # noqa: E402
+from browser import Browser, unavailable  # noqa: E402
 from test_view_screens import _nonblank  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(chromium_path() is None, reason=(
-    "headless Chromium is not installed (scripts/bootstrap.sh installs the Debian package 'chromium')"))]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")]
 HEALTH = "Array.from(document.querySelectorAll('strong')).find(e => e.innerText.startsWith('trackdiag: health'))"
 
 
@@ -169,8 +168,7 @@ def test_runs_table_shows_health_from_the_tag_the_readme_names(story: dict[str, 
         menu = b.eval("document.body.innerText")
         b.eval("Array.from(document.querySelectorAll('*')).filter(e => e.children.length === 0 && "
                "e.innerText === 'trackdiag.health').pop().click()")
-        b.call("Input.dispatchKeyEvent", type="keyDown", key="Escape", code="Escape", windowsVirtualKeyCode=27)
-        b.call("Input.dispatchKeyEvent", type="keyUp", key="Escape", code="Escape", windowsVirtualKeyCode=27)
+        b.press("Escape")
         shown = b.wait("Array.from(document.querySelectorAll('[role=columnheader], th')).some(h => "
                        "h.innerText.includes('trackdiag.health')) && document.body.innerText.includes('critical')", 30)
         shot = b.screenshot(tmp_path / "runs_table.png")
