@@ -15,14 +15,10 @@ import os
 import pwd
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
-from typing import Any
 
-from _procs import kill_group
+from _mlflow_util import MlflowServer, free_port
 
 PG_ROOT = Path("/usr/lib/postgresql")
 
@@ -53,14 +49,6 @@ def skip_reason() -> str | None:
     except ImportError:
         return "psycopg is not installed (pip install 'psycopg[binary]')"
     return None
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Postgres:
@@ -113,54 +101,9 @@ class Postgres:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-class PgMlflowServer:
+class PgMlflowServer(MlflowServer):
     """``mlflow server`` with a PostgreSQL backend store and proxied artifacts (``--serve-artifacts``),
     in its own process group. ``uri`` is its ``http://127.0.0.1:<port>``."""
 
     def __init__(self, root: Path, store_uri: str, port: int | None = None, workers: int = 4) -> None:
-        self.root, self.store_uri, self.workers = root, store_uri, workers
-        self.port = port or free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: Any = None
-        root.mkdir(parents=True, exist_ok=True)
-
-    def start(self) -> None:
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        env.pop("MLFLOW_TRACKING_URI", None)
-        self._log = open(self.root / "mlflow-server.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.store_uri, "--serve-artifacts",
-             "--artifacts-destination", str(self.root / "server_artifacts"), "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", str(self.workers)],
-            cwd=self.root, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def wait(self, timeout: float = 180.0) -> float:
-        """Seconds until ``/health`` answers; raises if the server exits or ``timeout`` passes."""
-        t0 = time.monotonic()
-        while not self.healthy():
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited ({self.proc.returncode}): {self.log_tail()}")
-            if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"mlflow server not healthy after {timeout}s: {self.log_tail()}")
-            time.sleep(0.3)
-        return time.monotonic() - t0
-
-    def log_tail(self, n: int = 3000) -> str:
-        path = self.root / "mlflow-server.log"
-        return path.read_text(errors="replace")[-n:] if path.exists() else ""
-
-    def stop(self) -> None:
-        """Kill the server's whole process group."""
-        kill_group(self.proc)
-        self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        super().__init__(root, port, store_uri=store_uri, workers=workers, serve_artifacts=True)
