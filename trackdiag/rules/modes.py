@@ -16,9 +16,11 @@ class EvalMode(Rule):
     dropout is off and the normalisation statistics are frozen while the weights train. No healthy
     run does this on purpose with the whole model (``unambiguous``); BatchNorm layers put in eval
     inside a model in train mode (a fine-tuned backbone's frozen statistics) are a choice and are
-    not reported. A model with no such module is an ``info`` finding (only a forward that reads
-    ``self.training`` itself, a functional dropout, would behave differently). ``step`` is that step,
-    ``where`` the modules."""
+    not reported, nor is a model kept in eval with nothing there to train (the probe emits nothing when
+    no module in eval mode holds a parameter that requires a gradient and that the optimizer steps: a
+    frozen feature extractor, alone or under a trainable head in train mode). A model with no such
+    module is an ``info`` finding (only a forward that reads ``self.training`` itself, a functional
+    dropout, would behave differently). ``step`` is that step, ``where`` the modules."""
 
     kind = "eval_mode"
     hint = ("Call model.train() before the training loop and again after every validation pass (model.eval() "
