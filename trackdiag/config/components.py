@@ -3,7 +3,8 @@
 :func:`component_problems` checks one ``probes.<name>`` / ``rules.<name>`` / ``sink.<name>`` entry:
 its ``_target_`` (an importable class of the right family, nothing else is called), unknown
 options, types, known enums, ``loss_fn`` targets, ranges and ordered pairs
-(:mod:`trackdiag.config.checks`); an enabled built-in component with no static problem is then
+(:mod:`trackdiag.config.checks`), the W&B sink's ``settings`` against ``wandb.Settings``
+(:mod:`trackdiag.config.wandb_settings`); an enabled built-in component with no static problem is then
 built once on trial, so whatever its constructor refuses is reported too. Returns problem lines,
 never raises. Cost: one signature read and, for enabled built-ins, one cheap construction.
 """
@@ -21,6 +22,7 @@ from trackdiag.config.checks import (
     target_problem,
     type_problem,
 )
+from trackdiag.config.wandb_settings import settings_problems
 from trackdiag.core.alert import ACTIONS, SEVERITIES
 from trackdiag.core.errors import ConfigError
 from trackdiag.core.registry import resolve as resolve_target
@@ -76,6 +78,8 @@ def component_problems(path: str, family: str, registry: dict[str, type], name: 
         elif (msg := range_problem(key, value, defaults.get(key), name)) is not None:
             problems.append(f"{path}.{key}: {msg}")
     problems += order_problems(path, entry, defaults)
+    if family == "sink" and name == "wandb" and active and "_target_" not in entry:
+        problems += settings_problems(f"{path}.settings", entry.get("settings"), entry.get("mode"))
     if not problems and active and "_target_" not in entry:
         problems += _trial_build(path, cls, entry)
     return problems

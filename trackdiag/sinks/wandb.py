@@ -6,10 +6,11 @@ Emits, on the sink thread:
     rows in step order, one ``run.log`` per distinct step;
   ``wandb.Histogram`` per ``record.histograms`` entry, ``wandb.Image`` per PNG in ``record.artifacts``
     (under ``diag/images/<file stem>``; other files go to the run's files with ``run.save``);
-  per alert: ``run.alert`` (INFO/WARN/ERROR, at or above ``notify``), the metric ``diag/alerts/<kind>``
-    (running count) and summary keys ``trackdiag/alerts/<kind>/count``, ``.../first_step``,
-    ``trackdiag/health`` (ok|warning|critical; failed|killed for a run that did not finish without worse
-    alerts) and ``trackdiag/status``, rewritten from the session summary at close;
+  per alert: ``run.alert`` (INFO/WARN/ERROR, at or above ``notify``); ``diag/alerts/<kind>``, a running
+    count on ``diag/step`` over the loss's step range (:class:`~trackdiag.sinks.wandb_util.AlertSteps`);
+    summary keys ``trackdiag/alerts/<kind>/count``, ``.../first_step``, ``trackdiag/health`` (ok|warning|
+    critical; failed|killed for a run that did not finish without worse alerts) and ``trackdiag/status``,
+    rewritten from the session summary at close;
   summaries: ``min`` of losses, ``max`` of gradient norms, beside the last value.
 Config: the run's hyperparameters with secrets redacted, plus a ``trackdiag`` section.
 Cost: ``wandb.init`` (~0.5-0.8 s and a ``wandb-core`` child, the first time in a process) on the
@@ -34,6 +35,7 @@ from trackdiag.sinks.wandb_util import (
     ALERT_LEVELS,
     SECRET_WORDS,
     SEVERITY_RANK,
+    AlertSteps,
     check_credentials,
     fit_histogram,
     redact,
@@ -93,6 +95,7 @@ class WandbSink(Sink):
         self._rows: dict[int, dict[str, Any]] = {}
         self._defined: set[str] = set()
         self._alerts: dict[str, dict[str, Any]] = {}
+        self._series = AlertSteps()
 
     # ------------------------------------------------------------------ lifecycle
     def open(self, run: RunInfo) -> None:
@@ -149,6 +152,8 @@ class WandbSink(Sink):
         than ~0.5 s one console line says so, with elapsed time on a terminal."""
         if self.run is None:
             return
+        for step, key, count in self._series.closing():
+            self._row(step)[key] = count
         self.flush()
         from trackdiag.sinks.console import DeliveryProgress, display_health
 
@@ -176,8 +181,10 @@ class WandbSink(Sink):
         """Buffer the record's points, histograms and images as rows keyed by step."""
         if self.run is None:
             return
+        self._series.saw(int(record.step))
         for key, step, value in record.points():
             self._define(key)
+            self._series.saw(int(step))
             self._row(step)[key] = value
         for key, hist in record.histograms.items():
             fitted = fit_histogram(hist.edges, hist.counts)
@@ -192,13 +199,15 @@ class WandbSink(Sink):
                 self.run.save(str(path), base_path=str(path.parent), policy="now")
 
     def alert(self, alert: Alert) -> None:
-        """Notify (``run.alert``), count (``diag/alerts/<kind>``) and summarise one alert."""
+        """Notify (``run.alert``), count (``diag/alerts/<kind>``: step-shaped points) and summarise one alert."""
         if self.run is None:
             return
         a = self._alerts.setdefault(alert.kind, {"count": 0, "first_step": alert.step})
         a["count"] += 1
         a["first_step"] = min(a["first_step"], alert.step)
-        self._row(alert.step)[f"diag/alerts/{alert.kind}"] = a["count"]
+        for step, key, count in self._series.add(alert.kind, int(alert.step)):
+            self._define(key)
+            self._row(step)[key] = count
         a["severity"] = max(a.get("severity", "info"), alert.severity, key=lambda s: SEVERITY_RANK.get(s, 0))
         ranks = [SEVERITY_RANK.get(x["severity"], 0) for x in self._alerts.values()]
         health = "critical" if max(ranks) >= 2 else "warning" if max(ranks) == 1 else "ok"
@@ -230,10 +239,13 @@ class WandbSink(Sink):
         return self._rows.setdefault(int(step), {})
 
     def _define(self, key: str) -> None:
-        """Explicit metric definitions for keys whose summary keeps min/max (first sight only)."""
+        """Explicit metric definitions (first sight only) for keys whose summary keeps min/max, and for
+        ``diag/alerts/<kind>``: on ``diag/step`` by name, not only through the ``diag/*`` glob."""
         if key in self._defined:
             return
         self._defined.add(key)
         policy = summary_policy(key)
         if policy is not None:
             self.run.define_metric(key, step_metric=STEP, summary=policy)
+        elif key.startswith("diag/alerts/"):
+            self.run.define_metric(key, step_metric=STEP)

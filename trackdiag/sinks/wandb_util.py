@@ -1,6 +1,6 @@
 """Helpers of the W&B sink that need no ``wandb`` import: secret redaction (the shared
 :mod:`trackdiag.util.redact` policy), summary policies, sweep group names, histogram fitting, credential
-checks and alert levels."""
+checks, alert levels and the alert series' shape (:class:`AlertSteps`)."""
 from __future__ import annotations
 
 import hashlib
@@ -23,6 +23,8 @@ SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
 MODES = ("online", "offline", "disabled", "shared")
 MAX_BINS = 512  # wandb.Histogram.MAX_LENGTH
 MAX_GROUP = 128  # W&B rejects longer group names
+ALERT_PREFIX = "diag/alerts/"
+Point = tuple[int, str, int]  # (training step, key, running count)
 
 
 def redact(obj: Any, words: Sequence[str] = SECRET_WORDS, policy: RedactPolicy = DEFAULT_POLICY) -> Any:
@@ -97,3 +99,48 @@ def check_credentials(settings: Mapping[str, Any]) -> None:
         raise TrackdiagError(
             f"W&B online mode needs an API key for {host} and none is configured: run `wandb login`, "
             "set WANDB_API_KEY, or log offline with diag.sink.wandb.mode=offline (WANDB_MODE=offline)")
+
+
+class AlertSteps:
+    """``diag/alerts/<kind>`` running counts as step-shaped series over the run's steps, as the MLflow
+    sink draws them, so a W&B chart of a kind spans the loss's x range on ``diag/step``.
+
+    A count logged only at each alert's step is a chart that starts at the kind's first alert and
+    cannot be read against the loss. The points: 0 at the run's first step, the previous count one
+    step before each alert (W&B draws straight lines between points: without it a count seems to ramp
+    up over the steps before an alert), the new count at the alert's step, and the final count at the
+    run's last step (:meth:`closing`). Cost: O(1) per step seen, at most 3 points per alert.
+    """
+
+    def __init__(self) -> None:
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+        self.counts: dict[str, int] = {}
+        self._last: dict[str, int] = {}  # kind -> step of its latest point
+
+    def saw(self, step: int) -> None:
+        """Widen the run's step range by one metric point's step."""
+        self.first_step = step if self.first_step is None else min(self.first_step, step)
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
+
+    def add(self, kind: str, step: int) -> list[Point]:
+        """Count one alert of ``kind`` at ``step``; returns the points to log."""
+        key, before = f"{ALERT_PREFIX}{kind}", self.counts.get(kind, 0)
+        self.counts[kind] = before + 1
+        points: list[Point] = []
+        last = self._last.get(kind)
+        if last is None and self.first_step is not None and step > self.first_step:
+            points.append((self.first_step, key, 0))  # the series starts where the loss does
+            last = self.first_step
+        if last is not None and step - 1 > last:
+            points.append((step - 1, key, before))  # flat until the alert's step
+        points.append((step, key, before + 1))
+        self._last[kind] = max(step, last if last is not None else step)
+        return points
+
+    def closing(self) -> list[Point]:
+        """Every kind's final count at the run's last step (where the loss ends)."""
+        if self.last_step is None:
+            return []
+        return [(self.last_step, f"{ALERT_PREFIX}{kind}", n) for kind, n in self.counts.items()
+                if self.last_step > self._last.get(kind, self.last_step)]
