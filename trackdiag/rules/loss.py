@@ -16,6 +16,7 @@ from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent
+from trackdiag.rules._signed import signed_rise
 from trackdiag.rules._shift import Shift, after_shift, recovered, told
 from trackdiag.rules._spike import SpikeDetector
 from trackdiag.rules._weights import weights_moved
@@ -42,7 +43,13 @@ class LossSpike(Rule):
     ``persistent`` when at least 3 of them stay above 3x the old level; ``corroborated`` when the
     gradient norm stays above 5x its level in at least 3 of them (at the spike step itself a high
     gradient is the same odd batch, not a second signal); over ``unambiguous`` (1000) x the level,
-    ``unambiguous``. A lone spike the run shrugged off is an ``info`` finding."""
+    ``unambiguous``. A lone spike the run shrugged off is an ``info`` finding.
+
+    A *signed* loss (one that has been negative: a policy-gradient or actor-critic loss, whose sum over an
+    episode grows as episodes lengthen, its gradient norm with it) rising that way is a change of scale, not
+    instability: its ``persistent`` / ``corroborated`` evidence counts only when the weights confirm it (an
+    update ratio above 1 measured from the spike to the verdict) or the loss went non-finite; otherwise it is
+    an ``info`` finding. Its hint names ``objective="rl"``. Host work on the logging step only."""
 
     kind = "loss_spike"
     hint = ("Lower the learning rate or add warm-up, clip gradients, inspect the samples of this step's "
@@ -58,6 +65,7 @@ class LossSpike(Rule):
         self._pending: dict[str, list[tuple[int, float, float]]] = {}
         self._episode: dict[str, float] = {}  # the level before the jump being followed (0: none)
         self._shifted: dict[tuple[str, int], Shift | None] = {}  # (series, pending step) -> its data-change signature
+        self._negative: dict[str, int] = {}  # series -> the first step its loss was negative (a signed loss)
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         return self._judge(record, history, final=False)
@@ -82,6 +90,8 @@ class LossSpike(Rule):
             ser.grad.extend(p for p in record.series.get(grad_key(key), []) if p[0] >= ps)
             pend = self._pending.setdefault(key, [])
             for step, v in points:
+                if v < 0 and key not in self._negative and math.isfinite(v):
+                    self._negative[key] = step
                 spike, ref = det.feed(v, level=False)
                 level = self._episode.get(key, 0.0)
                 if level > 0 and math.isfinite(v) and v < 3 * level:
@@ -90,7 +100,7 @@ class LossSpike(Rule):
                     self._episode[key] = ref
                     pend.append((step, v, ref))
             while pend and (final or self._ready(key, ser, pend[0][0], [*history, record])):
-                out.append(self._verdict(key, ser, *pend.pop(0)))
+                out.append(self._verdict(key, ser, *pend.pop(0), records=[*history, record]))
         self.follow_until = max((p[0] + self.settle for k, pend in self._pending.items() for p in pend
                                  if (k, p[0]) not in self._shifted), default=-1)
         return out
@@ -106,7 +116,12 @@ class LossSpike(Rule):
         sh = self._shifted[(key, step)]
         return sh is None or sh.step + sh.horizon <= last
 
-    def _verdict(self, key: str, ser: _Series, step: int, v: float, ref: float) -> Alert:
+    def _verdict(self, key: str, ser: _Series, step: int, v: float, ref: float, records: Sequence[Record] = ()) -> Alert:
+        neg = self._negative.get(key, -1)
+        return signed_rise(self._judged(key, ser, step, v, ref, records, neg), neg)
+
+    def _judged(self, key: str, ser: _Series, step: int, v: float, ref: float, records: Sequence[Record],
+                neg: int) -> Alert:
         sh = self._shifted.pop((key, step), None)
         if sh is not None and (fell := recovered(ser.loss, ser.grad, sh.step, sh.horizon)) is not None:
             at = sh.step
@@ -131,7 +146,13 @@ class LossSpike(Rule):
                 "unambiguous": f"over {self.unambiguous:g}x"}
         how = ("; " + ", ".join(tail[e] for e in evidence)) if evidence else (
             f"; the next {self.settle} steps were back to normal" if after else " at the run's last steps")
-        msg = f"loss {v:.4g} is {v / ref:.1f}x its recent average {ref:.4g}{how}."
+        rescaled = ""
+        if neg >= 0 and evidence and "unambiguous" not in evidence and all(map(math.isfinite, after + g_after)) \
+                and not weights_moved(records, where_of(key), step, step + self.settle):
+            evidence = []  # a signed loss whose scale grew: a rise to record, not instability (see class docstring)
+            rescaled = (f" A signed loss (negative at step {neg}), no update above the weights' size, all finite: an "
+                        "RL loss summed over longer episodes? objective=\"rl\" judges it as one.")
+        msg = f"loss {v:.4g} is {v / ref:.1f}x its recent average {ref:.4g}{how}.{rescaled}"
         return self.make(step, msg, v, self.factor * ref, loss_where(key), evidence)
 
     def incident_key(self, alert: Alert) -> str:
@@ -175,6 +196,7 @@ class LossDivergence(Rule):
         self._state: dict[str, dict[str, Any]] = {}
         self._grad: dict[str, Recent] = {}
         self._loss: dict[str, Recent] = {}
+        self._negative: dict[str, int] = {}  # series -> the first step its loss was negative (the hint names objective="rl")
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
@@ -189,11 +211,15 @@ class LossDivergence(Rule):
             grad, loss = self._grad.setdefault(key, Recent(1024)), self._loss.setdefault(key, Recent(1024))
             grad.extend(p for p in record.series.get(grad_key(key), []) if p[0] >= ps)
             loss.extend(points)
+            neg = next((p[0] for p in points if p[1] < 0), -1)
+            if neg >= 0:
+                self._negative.setdefault(key, neg)
             st = self._state.setdefault(key, {"recent": [], "start": math.nan, "best": math.inf, "best_step": -1,
                                               "first": [], "since": -1})
             found = self._scan(st, points)
             if found is not None:
-                out.append(self._verdict(key, comp, st, found, grad, [*history, record]))
+                out.append(signed_rise(self._verdict(key, comp, st, found, grad, [*history, record]),
+                                       self._negative.get(key, -1)))
         return out
 
     def _scan(self, st: dict[str, Any], points: list[tuple[int, float]]) -> tuple[str, int, float, float] | None:
