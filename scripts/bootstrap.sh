@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 VPY=.venv/bin/python
 $VPY -m pip install -q --upgrade pip >/dev/null
 $VPY -c "import torch" 2>/dev/null || $VPY -m pip install -q "torch==2.13.0"
-$VPY -m pip install -q ".[all,test,sweeps,ray,accelerate,lightning,transformers]"
+$VPY -m pip install -q ".[all,test,sweeps,ray,optuna,accelerate,lightning,transformers]"
 # a regular (non-editable) install of the current tree, so Hydra apps anywhere use the package as users get it
 $VPY -m pip install -q --no-deps --force-reinstall .
 # headless Chromium for the browser tests (apt-get, as root; they are skipped with a reason without it).

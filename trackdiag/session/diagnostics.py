@@ -17,6 +17,7 @@ from trackdiag.capture.components import batch_size_of, build_components
 from trackdiag.capture.context import Component, ProbeContext, StepInputs
 from trackdiag.capture.forward_watch import compiled_parts
 from trackdiag.config.load import resolve, to_plain
+from trackdiag.core import watchers
 from trackdiag.core.alert import Alert
 from trackdiag.core.errors import AlertRaised
 from trackdiag.core.record import Record
@@ -175,6 +176,7 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards, 
             exit_status.track(self)
             self._hub.open(self.run)
             atexit.register(self.close)
+            watchers.opened(self)  # e.g. an Optuna trial's stopper (integrations/optuna.py)
 
     def step(self, loss: Any = None, *, outputs: Any = None, batch: Any = None, batch_size: int | None = None) -> bool:
         """Record one optimizer step. Call once per optimizer step, after it.
