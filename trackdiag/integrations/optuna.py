@@ -172,7 +172,7 @@ class TrialStopper:
         if not every or step < 0 or step % every or loss is None or isinstance(loss, dict) or self.stopped:
             return
         try:
-            value = float(loss)  # one host read, at a step the session logs anyway (default cadence)
+            value = float(loss.detach() if hasattr(loss, "detach") else loss)  # one host read, at a step the session logs anyway (default cadence)
         except (TypeError, ValueError, RuntimeError):
             return
         if not math.isfinite(value):
