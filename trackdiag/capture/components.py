@@ -120,6 +120,16 @@ def attachable(comp: Component, opt: Any) -> bool:
     return any(id(p) in ids for p in comp.index.params)
 
 
+def stepped_inputs(comp: Component) -> list[Any]:
+    """The tensors ``comp``'s optimizers step when none of them is a parameter of its model (an input
+    optimised: style transfer, adversarial examples, feature visualisation step an image while the model
+    is held fixed); ``[]`` in an ordinary loop. Host only: one pass over the model's parameter ids."""
+    if comp.model is None or not comp.optimizers or not comp.index.params:
+        return []
+    owned = {id(p) for p in comp.model.parameters()}
+    return [] if any(id(p) in owned for p in comp.index.params) else list(comp.index.params)
+
+
 def batch_size_of(batch: Any) -> int | None:
     """Leading dimension of the first tensor in ``batch`` (tensor, sequence or mapping); host only."""
     if batch is None:
@@ -134,4 +144,4 @@ def batch_size_of(batch: Any) -> int | None:
 
 
 __all__ = ["attachable", "batch_size_of", "build_components", "component_params", "groups_signature",
-           "real_optimizer", "reindex", "unwrap"]
+           "real_optimizer", "reindex", "stepped_inputs", "unwrap"]

@@ -102,7 +102,12 @@ class PreflightReport:
 def _static_checks(model: nn.Module, opts: list[torch.optim.Optimizer], batch: Any) -> list[Check]:
     out = []
     evals = [n for n, m in model.named_modules() if n and not m.training]
-    if not model.training:
+    stepped = {id(q) for o in opts for g in o.param_groups for q in g["params"]}
+    steps_model = any(id(p) in stepped for p in model.parameters())
+    if not model.training and opts and not steps_model:  # an input optimised: the fixed model is meant to be in eval
+        out.append(Check("train_mode", None, "the model is in eval mode; the optimizer steps no parameter of it (an "
+                                             "input optimised), so it is meant to stay fixed."))
+    elif not model.training:
         out.append(Check("train_mode", False, "the model is in eval mode during training: call model.train() "
                                               "(dropout and BatchNorm behave differently in eval mode)."))
     else:
@@ -133,7 +138,11 @@ def _static_checks(model: nn.Module, opts: list[torch.optim.Optimizer], batch: A
     backward_seen = any(p.grad is not None for _, p in named)  # else (called before training) no evidence either way
     missing = [n for n, p in outside if p.grad is not None or not backward_seen]
     frozen = [n for n, p in named if not p.requires_grad and id(p) in in_opt]
-    if missing:
+    if missing and in_opt and not any(id(p) in in_opt for _, p in named):  # it steps an input, not the model
+        out.append(Check("optimizer", None, f"the optimizer steps {len(in_opt)} tensor(s) that are not the model's "
+                                            f"parameters (an input optimised): the model is held fixed; its "
+                                            f"{len(missing)} trainable parameter(s) get gradients that are never used."))
+    elif missing:
         out.append(Check("optimizer", False, f"{len(missing)} trainable parameter(s) are not in the optimizer, "
                                              f"e.g. {missing[0]}: they get gradients but never change.", missing[0]))
     elif outside:

@@ -10,9 +10,18 @@ from trackdiag.core.alert import Alert
 from trackdiag.forensics.replay import Finding
 
 
-def replay_hint(found: Finding, alert: Alert, where: str, data: bool) -> str:
-    """The remedies that fit what the replay found (the rule's generic hint when it found nothing)."""
+#: when the optimizer steps the input itself (style transfer, feature visualisation): NaN in it is the step's doing
+STEPPED_INPUT = ("The optimizer steps the input (not the model's parameters), so the NaN/Inf in it was written by an "
+                 "optimizer step too large, not brought by the data: lower the learning rate, clamp the input after "
+                 "each step, clip its gradient, or give LBFGS line_search_fn='strong_wolfe'.")
+
+
+def replay_hint(found: Finding, alert: Alert, where: str, data: bool, stepped: bool = False) -> str:
+    """The remedies that fit what the replay found (the rule's generic hint when it found nothing);
+    ``stepped``: the optimizer steps an input, which is then no data a lower learning rate cannot help."""
     mod = where.split(" (")[0] or "this module"
+    if stepped and (data or alert.kind == "nonfinite_input" or found.input_finite is False or found.phase == "params"):
+        return STEPPED_INPUT
     if alert.kind == "nonfinite_input":
         return alert.hint
     if data or (found.phase == "params" and found.input_finite is False):

@@ -22,6 +22,7 @@ from trackdiag.capture.context import ProbeContext
 from trackdiag.capture.user_loss import ENABLE, skipped
 from trackdiag.core.alert import Alert
 from trackdiag.forensics.replay import NOT_FOUND, Finding
+from trackdiag.capture.components import stepped_inputs
 from trackdiag.forensics.replay_hints import replay_hint
 from trackdiag.forensics.snapshot import ParamSnapshot
 from trackdiag.util.modnames import module_type, needs_type
@@ -108,6 +109,7 @@ def enrich(probe: Any, ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> li
     then the loss, grad, param alert: the order they are emitted in), as a reference in the others."""
     out = []
     data = any(a.kind == "nonfinite_input" and a.evidence for _, a in alerts)
+    stepped = any(stepped_inputs(c) for c in ctx.components)  # the batch is what the optimizer steps
     for rule, alert in sorted(alerts, key=lambda ra: order(ra[1])):
         # NaN/Inf in the batch that the loop handles (masked labels: no evidence it reached anything) replays nothing
         handled = alert.kind == "nonfinite_input" and not alert.evidence
@@ -128,6 +130,6 @@ def enrich(probe: Any, ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> li
                 account = f"{label} of step {found.step}: see the {told[0]} alert of step {told[1]}."
             alert = dataclasses.replace(
                 alert, where=where if where and alert.kind != "nonfinite_input" else alert.where,
-                message=f"{alert.message} {account}", hint=replay_hint(found, alert, where, data or told[2]))
+                message=f"{alert.message} {account}", hint=replay_hint(found, alert, where, data or told[2], stepped))
         out.append((rule, alert))
     return out

@@ -9,6 +9,9 @@ built, a layer forgotten in a hand-built param group list. A layer frozen on pur
 ``{layer: number of values}`` at the next logging step (only when some are found), and
 ``diag/[<c>/]setup/frozen`` for parameters that are in an optimizer but do not require a gradient
 (frozen by mistake before or after the optimizer was built: they never get one).
+When the component's optimizers step no parameter of its model, only other tensors (an input optimised:
+style transfer, adversarial examples, feature visualisation step an image), it also emits
+``diag/[<c>/]setup/inputs`` = ``{"tensors": n, "values": numel}``: the model is held fixed on purpose.
 Cost: one host pass over the model's parameters at those steps; nothing else.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from trackdiag.capture.components import stepped_inputs
 from trackdiag.capture.context import Component, ProbeContext, StepInputs
 from trackdiag.capture.layers import layer_of
 from trackdiag.core.record import Record
@@ -62,6 +66,7 @@ class SetupProbe(Probe):
         self._due: set[str] = set()
         self._found: dict[str, dict[str, float]] = {}
         self._frozen: dict[str, dict[str, float]] = {}
+        self._inputs: dict[str, dict[str, float]] = {}
         self._graded: dict[str, set[int]] = {}  # parameters holding a gradient at the first optimizer step
 
     def bind(self, default_every: int) -> None:
@@ -88,6 +93,10 @@ class SetupProbe(Probe):
                 found = unoptimized(comp, self._graded.pop(comp.name, None))
                 if found:
                     self._found[comp.name] = found
+                    stepped = stepped_inputs(comp)
+                    if stepped:
+                        self._inputs[comp.name] = {"tensors": float(len(stepped)),
+                                                   "values": float(sum(p.numel() for p in stepped))}
                 cold = frozen(comp)
                 if cold:
                     self._frozen[comp.name] = cold
@@ -100,6 +109,9 @@ class SetupProbe(Probe):
             found = self._found.pop(comp.name, None)
             if found:
                 record.tables[comp.key("setup/unoptimized")] = found
+            stepped = self._inputs.pop(comp.name, None)
+            if stepped:
+                record.tables[comp.key("setup/inputs")] = stepped
             cold = self._frozen.pop(comp.name, None)
             if cold:
                 record.tables[comp.key("setup/frozen")] = cold

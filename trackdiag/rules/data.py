@@ -3,12 +3,15 @@
 They read the keys of the ``data_finite``, ``data_labels`` and ``data_wait`` probes."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Sequence
 
+from trackdiag.capture.components import stepped_inputs
 from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
+from trackdiag.forensics.replay_hints import STEPPED_INPUT
 from trackdiag.rules.base import Rule, loss_series
 
 
@@ -32,6 +35,11 @@ class NonfiniteInput(Rule):
         n = record.scalars.get("diag/data/nonfinite_tensors", 1.0)
         what = "the batch" if entry == "batch" else entry
         msg = f"{what} passed to step() holds NaN/Inf at step {int(first)} ({int(n)} tensor-step(s) with NaN/Inf in this window)."
+        if any(stepped_inputs(c) for c in components):  # style transfer, feature visualisation: the batch is stepped
+            msg += (" The optimizer steps an input, not the model's parameters: a step too large wrote it, "
+                    "the data did not bring it.")
+            return [dataclasses.replace(self.make(int(first), msg, n, 0, f"input {entry}", ["unambiguous"]),
+                                        hint=STEPPED_INPUT)]
         if _handled(record, components, int(first)):
             msg += (" The loss and the gradients stayed finite: the loop masks or imputes them (missing labels marked "
                     "NaN and left out of the loss). Nothing to do if that is intended.")

@@ -1,5 +1,5 @@
-"""Parameter-update rules: ``update_ratio`` (steps far from ~1e-3 of the weights) and
-``stale_params`` (layers that never get a gradient or never change)."""
+"""Parameter-update rule: ``update_ratio`` (steps far from ~1e-3 of the weights). ``stale_params`` (layers
+that never get a gradient or never change) is in :mod:`trackdiag.rules.stale`."""
 from __future__ import annotations
 
 import math
@@ -7,6 +7,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from trackdiag.capture.components import stepped_inputs
 from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
@@ -14,7 +15,7 @@ from trackdiag.rules._recent import Recent, reacted
 from trackdiag.rules._streak import Streaks
 from trackdiag.rules.base import Rule, layer_values, phase_start, points_of
 from trackdiag.rules.gradients import loss_points
-from trackdiag.util.modnames import layer_label, layers_named
+from trackdiag.util.modnames import layer_label
 
 
 def qualified(comp: Component, layer: str) -> str:
@@ -60,6 +61,9 @@ class UpdateRatio(Rule):
       param group with a wrong learning rate, a weight decay that flips the weights. One
       measurement alone is not enough for a layer: parameters initialised at or near zero
       (LayerScale, zero-initialised heads, LoRA's B) grow by more than their size at first;
+    - where the optimizer steps an input, not the model (:func:`~trackdiag.capture.components.stepped_inputs`:
+      style transfer's LBFGS moves the clamped image 10-100x in its first steps), a step above ``high`` is raised
+      only on what followed it (the loss, a non-finite value), and layers above ``high`` are not reported;
     - a layer inside (0, ``low``) (1e-6) for ``patience`` measurements: an ``info`` finding (rarely
       touched embedding rows, an annealed schedule); a run that does not learn is ``not_learning``'s
       business. Not judged while the LR is below ``lr_fraction`` (1%) of its largest.
@@ -113,7 +117,8 @@ class UpdateRatio(Rule):
             if not layers or final:
                 continue
             annealed = self._annealed(record, comp)
-            for direction in ("high", "low"):
+            inputs = bool(stepped_inputs(comp))  # an image stepped and clamped: "each step rewrites it" is no fault
+            for direction in ("low",) if inputs else ("high", "low"):
                 due = [lay for lay, v in layers.items()
                        if self._streaks.bump(f"{comp.name}|{lay}|{direction}", self._off(direction, v, annealed), record.step)]
                 if due:
@@ -154,21 +159,24 @@ class UpdateRatio(Rule):
         loss, grad, s = self._loss.setdefault(comp.name, Recent()), self._grad.setdefault(comp.name, Recent()), p.step
         n = min(now, s + self.SETTLE) - s  # steps after it seen so far: "most of them" is 3 of ``SETTLE``
         why = ""
-        if p.again:
+        inputs = bool(stepped_inputs(comp))  # an input optimised (LBFGS's first steps on an image, then clamped):
+        end = min(now, s + self.SETTLE) if inputs else now  # its size is no weight scale: judged on its own steps
+        if p.again and not inputs:
             why = f"it was still above {self.high:g} at every measurement up to step {p.again[0]} ({p.again[1]:.3g}x)"
-        elif any(not math.isfinite(v) for v in [*loss.between(s + 1, now), *grad.between(s + 1, now)]):
+        elif any(not math.isfinite(v) for v in [*loss.between(s + 1, end), *grad.between(s + 1, end)]):
             why = "the loss or the gradient went non-finite after it"
         elif n >= min(3, self.SETTLE):  # also at the end: fewer steps than that are no evidence
             if self.minimised(comp.name) and reacted(loss, s + 1, n - 1, factor=self.LOSS_FACTOR):
                 why = "the loss rose after it"
             else:
                 why = self._grad_left(loss, grad, s, n, self.minimised(comp.name))
-        if not why and not (final or (n >= self.SETTLE and p.back)):
+        if not why and not (final or (n >= self.SETTLE and (p.back or inputs))):
             return []  # wait for the steps after it and the next measurement
         del self._pending[comp.name]
         if not why:
             return []
-        msg = (f"one optimizer step moved the weights by {p.ratio:.3g}x their own size (update-to-weight ratio of the "
+        what = "the optimised input" if stepped_inputs(comp) else "the weights"
+        msg = (f"one optimizer step moved {what} by {p.ratio:.3g}x their own size (update-to-weight ratio of the "
                f"whole model; largest in {p.where or 'the model'}: {p.largest:.3g}); {why}.")
         return [self.make(s, msg, p.ratio, self.high, p.where, ["unambiguous"])]
 
@@ -229,104 +237,3 @@ class UpdateRatio(Rule):
             self._loss[k].extend((int(s), float(v)) for s, v in r.get("loss", []))
             self._grad[k].extend((int(s), float(v)) for s, v in r.get("grad", []))
 
-
-class StaleParams(Rule):
-    """Parameters that do not train, by phase (``where`` = the layer, ``step`` = when the phase began):
-
-    - **idle optimizer** (warning, ``persistent``): a component's optimizer has not stepped for
-      ``min_steps`` (50) steps while backward passes keep reaching it (``update/idle_steps``: an
-      ``optimizer.step()`` the loop stopped calling; its parameters never change);
-    - **frozen** (info): layers an optimizer holds with ``requires_grad=False`` (``setup/frozen``):
-      a backbone frozen on purpose and handed to the optimizer with the rest, which PyTorch handles;
-    - **waiting** (info): a layer that has never received a gradient after ``min_steps`` steps and
-      ``patience`` (5) measurements: a later phase (greedy layer-wise training), an unused module, or
-      a ``.detach()`` cutting it off;
-    - **stopped** (info): a layer that received gradients and then none (``None`` or exactly zero) or
-      no longer changes (``update/ratio`` = 0) for ``min_steps`` steps and ``patience`` measurements:
-      a phase that ended, or a layer frozen mid-run. A measurement where every layer's gradient is exactly
-      zero (an exactly-zero loss: nothing mined by a triplet or margin loss) is no evidence either way.
-    Layers excluded from the optimizer on purpose are not seen at all."""
-
-    kind = "stale_params"
-    hint = ("Check requires_grad (frozen by mistake?), that the layer is used in forward and its parameters are in "
-            "the optimizer, look for .detach(), .data, .item() or torch.no_grad() cutting the graph, and for a "
-            "param group with lr=0. Unused on purpose: leave it out of the optimizer. An idle optimizer: the loop "
-            "no longer calls its step().")
-
-    def __init__(self, *, patience: int = 5, min_steps: int = 50, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.patience, self.min_steps = patience, min_steps
-        self._streaks = Streaks(patience)
-        self._idle_reported: dict[str, set[int]] = {}
-        self._trained: set[str] = set()  # layers that have had a non-zero gradient
-        self._first: dict[str, int] = {}  # layer -> the step of its first measurement
-
-    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
-        out = self._idle(record, components) + self._frozen(record, components)
-        for comp in components:
-            grads = layer_values(record, comp.key("grad/norm"))
-            ups = layer_values(record, comp.key("update/ratio"))
-            # every layer's gradient exactly zero: the loss gave no signal at this step (a margin or triplet loss
-            # with nothing mined is an exact 0); no layer is singled out, so none is judged by its gradient
-            silent = len(grads) > 1 and not any(grads.values())
-            for layer in dict.fromkeys([*grads, *ups]):
-                key = f"{comp.name}|{layer}"
-                self._first.setdefault(key, record.step)
-                g = grads.get(layer)
-                if g is not None and g > 0:
-                    self._trained.add(key)
-                no_grad, no_change = g == 0.0 and not silent, ups.get(layer) == 0.0
-                if silent and not no_change:
-                    continue  # neither evidence nor counter-evidence: the streak waits
-                if not self._streaks.bump(key, no_grad or no_change, record.step, self.min_steps):
-                    continue
-                where, since = qualified(comp, layer), self._streaks.start(key)
-                if key not in self._trained:
-                    first = self._first.get(key, since)
-                    when = (f"in any of the {record.step - since} steps since its first measurement (step {since})"
-                            if since <= first else f"since step {since} ({record.step - since} steps)")
-                    msg = (f"{where} has not received a gradient {when}: waiting for a later phase, unused in forward, "
-                           f"or cut off by a .detach().")
-                else:
-                    why = "receives no gradient (None or exactly zero)" if no_grad else "no longer changes at the optimizer step"
-                    msg = f"{where} trained earlier but {why} since step {since}: a phase that ended, or frozen mid-run."
-                out.append(self.make(since, msg, 0.0, 0.0, where))
-        return out
-
-    def _frozen(self, record: Record, components: Sequence[Component]) -> list[Alert]:
-        """Parameters an optimizer holds that do not require a gradient (the ``setup`` probe): at once, info."""
-        out = []
-        for comp in components:
-            table = record.tables.get(comp.key("setup/frozen"))
-            if not table:
-                continue
-            where = layers_named(comp, table)
-            msg = (f"{len(table)} layer(s) in the optimizer have requires_grad=False ({where}) at this step: while frozen "
-                   f"they get no gradient. Fine when frozen on purpose (a fine-tuned backbone; a GAN's discriminator "
-                   f"frozen for the generator's step); otherwise unfreeze them.")
-            for lay in table:  # the streak below must not report them again
-                self._streaks.mark(f"{comp.name}|{lay}", record.step)
-            out.append(self.make(record.step, msg, sum(table.values()), 0.0, where))
-        return out
-
-    def _idle(self, record: Record, components: Sequence[Component]) -> list[Alert]:
-        """A component whose optimizer has not stepped for ``min_steps`` steps while it got gradients."""
-        out = []
-        for comp in components:
-            n = record.scalars.get(comp.key("update/idle_steps"), 0.0)
-            since = int(record.tables.get(comp.key("update/idle"), {}).get("since", record.step))
-            if n >= self.min_steps and since not in self._idle_reported.get(comp.name, ()):
-                self._idle_reported.setdefault(comp.name, set()).add(since)
-                what = f"component {comp.name!r}" if comp.name else "the model"
-                msg = (f"the optimizer of {what} has not stepped for {int(n)} steps (since step {since}) although "
-                       f"backward passes keep reaching it: its parameters do not change.")
-                out.append(self.make(since, msg, n, float(self.min_steps), comp.name or "(all layers)", ["persistent"]))
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**self._streaks.state_dict(), "trained": sorted(self._trained), "first": dict(self._first)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._streaks.load_state_dict(state)
-        self._trained = set(state.get("trained", []))
-        self._first = {k: int(v) for k, v in state.get("first", {}).items()}
