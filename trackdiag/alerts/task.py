@@ -8,10 +8,14 @@ the first steps, the loss the user passed equals the cross-entropy of the output
 targets (mean or summed over the targets, padding ignored; the targets shifted by one position as
 a language model does, or not), or the mean squared error against float targets of the output's
 shape (a regression, whose chance level is the targets' variance) and not, closer, their binary
-cross-entropy (per-pixel BCE on 0/1 targets: left unknown).
+cross-entropy; or the binary cross-entropy (on logits, or on probabilities) against 0/1 targets of the
+output's size: a binary or multi-label classification (``binary``), whose chance level is the entropy of
+the label prior, H(p) (ln 2 at p = 0.5), the mean of H(p_j) over the labels of a multi-hot target. The
+targets are ``batch[1]`` (or a target key); for a pair or triplet batch ``(x1, x2, y)`` whose second part
+does not pair with the output, its last part. Integer 0/1 targets count (the loop casts them).
 
-Cost: on the first ``STEPS`` steps only, one cross-entropy (or MSE and BCE) of the step's outputs, on the
-device, kept by reference and read with the logging step's one host copy; nothing afterwards.
+Cost: on the first ``STEPS`` steps only, one cross-entropy (or MSE and two BCEs and the label prior) of the
+step's outputs, on the device, kept by reference and read with the logging step's one host copy; nothing afterwards.
 """
 from __future__ import annotations
 
@@ -31,10 +35,12 @@ TOL_ACCUM = 0.35  # several backward passes in the step: the loss is over micro-
 
 @dataclass
 class Task:
-    """``kind``: ``classification`` | ``regression`` | ``unknown``; ``chance``: the loss a model
-    that ignores its input gets (ln C for C classes, the targets' variance for MSE; times the number
-    of targets for a summed loss); ``classes``; ``reduction`` (``mean`` | ``sum``); ``shift``: the
-    loss compares position t with target t+1 (a causal language model shifting its labels)."""
+    """``kind``: ``classification`` | ``binary`` | ``regression`` | ``unknown``; ``chance``: the loss a
+    model that ignores its input gets (ln C for C classes, ln 2 for BCE, the targets' variance for MSE;
+    times the number of targets for a summed loss); ``classes``; ``reduction`` (``mean`` | ``sum``);
+    ``shift``: the loss compares position t with target t+1 (a causal language model shifting its
+    labels); ``prior`` and ``majority`` (``binary`` only): the entropy of the label prior (mean over
+    labels) and the majority label's mean share, from the step that showed the task."""
 
     kind: str = "unknown"
     chance: float = math.nan
@@ -42,6 +48,8 @@ class Task:
     reduction: str = "mean"
     shift: bool = False
     sequence: bool = False  # one target per position (a language model), not per sample
+    prior: float = math.nan
+    majority: float = math.nan
 
 
 def masked_ce(scores: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,16 +67,20 @@ def masked_ce(scores: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torc
 @torch.no_grad()
 def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
     """Device scalars that tell the task of one step: ``ce`` / ``ce_shift`` (class targets, mean over
-    the non-padding targets) with ``n`` (their count); or ``mse``, ``var`` and ``bce`` (float
-    targets of the output's shape) with ``n``. None when the batch and outputs pair up as neither.
-    Shapes are read on the host; no value is."""
+    the non-padding targets) with ``n`` (their count); or ``mse``, ``var`` (float targets of the output's
+    shape) and the binary terms (:func:`_binary_terms`: ``bce``, ``bce_p``, ``binary``, ``prior``,
+    ``majority``, ``n``; integer targets of the output's size get only these). None when the batch and
+    outputs pair up as neither. Shapes are read on the host; no value is."""
     logits = logits_of(outputs)
-    if logits is None or logits.dim() < 2:
+    if logits is None or logits.numel() < 2:
         return None
     t = targets_of(batch)
     if t is not None:
         dim = class_dim(logits, t)
-        if dim is None or t.numel() == 0:
+        if t.numel() == logits.numel() and (dim is None or logits.shape[dim] == 1):
+            # integer targets of the output's size ((B,) or (B, 1) scores, multi-hot (B, L)): a BCE the loop casts
+            return _binary_terms(logits, t)
+        if dim is None or t.numel() == 0 or logits.dim() < 2:
             return None
         scores = logits.detach().float() if dim == -1 else logits.detach().float().movedim(1, -1)
         ce, n = masked_ce(scores, t)
@@ -76,16 +88,47 @@ def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
         if scores.dim() == 3 and scores.shape[1] > 1:  # (B, T, C): the target of position t is token t+1
             out["ce_shift"] = masked_ce(scores[:, :-1], t[:, 1:])[0]
         return out
-    y = pick(batch, None, TARGET_KEYS, 1)
-    if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel() == logits.numel() > 1 and (
-            y.shape == logits.shape or [d for d in y.shape if d != 1] == [d for d in logits.shape if d != 1]):
+    y = _float_target(batch, logits)
+    if y is not None and not y.is_floating_point():
+        return _binary_terms(logits, y)
+    if y is not None:
         # (B,) targets beside (B, 1) predictions: the loop's MSE squeezes or unsqueezes one of them
         yf, out_f = y.detach().float().reshape(logits.shape), logits.detach().float()
         # and the binary cross-entropy of the same pair: per-pixel BCE on 0/1 targets (a PixelCNN, a binarised VAE)
         # can equal the logits' MSE at one step by chance (0.5648 vs 0.5622 at a PixelCNN's step 1)
-        return {"mse": F.mse_loss(out_f, yf), "var": yf.var(unbiased=False), "n": (yf == yf).sum().float(),
-                "bce": F.binary_cross_entropy_with_logits(out_f, yf)}
+        return {"mse": F.mse_loss(out_f, yf), "var": yf.var(unbiased=False), **_binary_terms(out_f, yf)}
     return None
+
+
+def _float_target(batch: Any, logits: torch.Tensor) -> torch.Tensor | None:
+    """The batch's float targets of the output's size: ``batch[1]`` (or a target key), else the last part
+    of a pair/triplet batch ``(x1, x2, y)`` (float or integer labels); None when neither pairs with the output."""
+    cands = [pick(batch, None, TARGET_KEYS, 1)]
+    if isinstance(batch, (list, tuple)) and len(batch) > 2:
+        cands.append(batch[-1])
+    for i, y in enumerate(cands):
+        if isinstance(y, torch.Tensor) and (y.is_floating_point() or i > 0) and y.numel() == logits.numel() > 1 and (
+                y.shape == logits.shape or [d for d in y.shape if d != 1] == [d for d in logits.shape if d != 1]):
+            return y
+    return None
+
+
+def _binary_terms(logits: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Device scalars of a binary/multi-label reading of ``(logits, y)`` (same size): ``bce`` (on logits),
+    ``bce_p`` (on probabilities, clamped as torch's BCE clamps its logs), ``binary`` (1 when every target is
+    0 or 1), ``prior``: the mean over labels (the target's non-batch positions) of the Miller-Madow entropy of
+    each label's 0/1 frequencies in the batch, ``majority``: the mean majority share, and ``n``."""
+    out_f, yf = logits.detach().float().reshape(-1), y.detach().float().reshape(-1)
+    rows = y.shape[0] if y.dim() >= 1 and y.shape[0] > 1 else yf.numel()
+    cols = yf.reshape(rows, -1)  # (batch, labels); a 1-D target is one label
+    p = cols.mean(0).clamp(0.0, 1.0)
+    h = -(torch.xlogy(p, p) + torch.xlogy(1 - p, 1 - p))
+    h = h + ((p > 0) & (p < 1)).float() / (2 * rows)  # Miller-Madow: one batch's frequencies read low
+    prob = out_f.clamp(1e-7, 1 - 1e-7)
+    return {"bce": F.binary_cross_entropy_with_logits(out_f, yf),
+            "bce_p": -(torch.xlogy(yf, prob) + torch.xlogy(1 - yf, 1 - prob)).mean(),
+            "binary": ((yf == 0) | (yf == 1)).all().float(), "prior": h.mean(),
+            "majority": torch.maximum(p, 1 - p).mean(), "n": (yf == yf).sum().float()}
 
 
 def per_position(batch: Any) -> bool:
@@ -110,6 +153,12 @@ def decide(loss: float, got: dict[str, float], classes: int, accumulated: bool =
                 if _close(loss, ce * scale, tol):
                     return Task("classification", math.log(c) * scale, c, red, shift, sequence)
         return Task()
+    if got.get("binary") == 1.0:
+        for red, scale in (("mean", 1.0), ("sum", n)):
+            mse = got.get("mse", math.nan) * scale
+            for bce in (got["bce"] * scale, got["bce_p"] * scale):
+                if _close(loss, bce, tol) and not abs(loss - mse) < abs(loss - bce):
+                    return Task("binary", math.log(2) * scale, 2, red, prior=got["prior"], majority=got["majority"])
     if "mse" in got:
         for red, scale in (("mean", 1.0), ("sum", n)):
             mse, bce = got["mse"] * scale, got.get("bce", math.nan) * scale
@@ -121,12 +170,14 @@ def decide(loss: float, got: dict[str, float], classes: int, accumulated: bool =
 class Marginal:
     """The class frequencies of the targets over the first ``steps`` (20) steps, accumulated on the
     device (one ``bincount`` of the step's targets per step, then nothing): a model that ignores
-    its input reaches the entropy of these frequencies, not ln C, when classes are imbalanced."""
+    its input reaches the entropy of these frequencies, not ln C, when classes are imbalanced. For 0/1
+    targets of the output's size (a BCE), each label's counts of 0s and 1s."""
 
     def __init__(self, steps: int = 20) -> None:
         self.steps, self.seen = steps, 0
         self.counts: torch.Tensor | None = None
         self.done = False
+        self.binary = False  # the counts are (labels, 2): each label's 0s and 1s
 
     @torch.no_grad()
     def add(self, outputs: Any, batch: Any) -> None:
@@ -134,6 +185,9 @@ class Marginal:
             return
         logits, t = logits_of(outputs), targets_of(batch)
         dim = class_dim(logits, t) if logits is not None and t is not None else None
+        if logits is not None and (dim is None or logits.shape[dim] == 1):
+            self._add_binary(logits, t, batch)
+            return
         if dim is None or t is None or logits is None:
             return
         c = int(logits.shape[dim])
@@ -142,6 +196,23 @@ class Marginal:
         # a scatter into C counts: torch.bincount reads its largest index back (a sync on CUDA)
         counts = torch.zeros(c, dtype=torch.float32, device=flat.device).scatter_add_(0, flat.clamp(0, c - 1), valid)
         if self.counts is None or self.counts.numel() != c:
+            self.counts = counts
+        else:
+            self.counts = self.counts + counts
+        self.seen += 1
+
+    def _add_binary(self, logits: torch.Tensor, t: torch.Tensor | None, batch: Any) -> None:
+        """0/1 targets of the output's size (a BCE): per label, the counts of 0s and 1s, ``(labels, 2)``."""
+        y = t if t is not None and t.numel() == logits.numel() else _float_target(batch, logits)
+        if y is None or y.numel() < 2:
+            return
+        yf = y.detach().float()
+        cols = yf.reshape(yf.shape[0] if yf.dim() >= 1 and yf.shape[0] > 1 else yf.numel(), -1)
+        ok = ((cols == 0) | (cols == 1)).float()  # anything else (soft labels) is left out
+        ones = (cols * ok).sum(0)
+        counts = torch.stack([ok.sum(0) - ones, ones], dim=1)
+        self.binary = True
+        if self.counts is None or self.counts.shape != counts.shape:
             self.counts = counts
         else:
             self.counts = self.counts + counts
@@ -156,9 +227,16 @@ class Marginal:
 
 
 def entropy(counts: Any) -> tuple[float, float]:
-    """The Miller-Madow entropy (nats) of class ``counts`` and the largest class's share."""
+    """The Miller-Madow entropy (nats) of class ``counts`` and the largest class's share; for ``(labels, 2)``
+    counts (a binary or multi-label task), the means over the labels of both."""
     import numpy as np
 
+    if np.ndim(counts) == 2:
+        got = [entropy(row) for row in np.asarray(counts)]
+        got = [g for g in got if math.isfinite(g[0])]
+        if not got:
+            return math.nan, math.nan
+        return float(np.mean([g[0] for g in got])), float(np.mean([g[1] for g in got]))
     n = float(np.sum(counts))
     if n <= 0:
         return math.nan, math.nan

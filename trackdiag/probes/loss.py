@@ -6,9 +6,10 @@ Emits, per loss name (``loss`` or ``<component>/loss``):
   ``diag/[<c>/]loss/nonfinite_steps``: non-finite values in the window since the last log;
   ``diag/data/num_classes`` at the first logging steps, when ``step(outputs=..., batch=...)`` shows a
   classification-shaped output (class scores and integer targets that pair up);
-  ``diag/task/kind`` (1 classification, 2 regression, 0 not shown), ``diag/task/chance_loss`` (the loss
-  of a model that ignores its input: ln C, or the targets' variance for MSE; times the targets for a
-  summed loss) and ``diag/task/shift`` (1: the loss compares position t with target t+1), once the
+  ``diag/task/kind`` (1 classification, 2 regression, 3 binary/multi-label BCE, 0 not shown),
+  ``diag/task/chance_loss`` (the loss of a model that ignores its input: ln C, ln 2 for BCE, or the
+  targets' variance for MSE; times the targets for a summed loss), ``diag/task/marginal_entropy`` and
+  ``diag/task/majority_share`` (the label frequencies' entropy, for BCE the mean H(p_j) of the labels) and ``diag/task/shift`` (1: the loss compares position t with target t+1), once the
   task is shown (see :mod:`trackdiag.alerts.task`): the first steps' loss equals the outputs'
   cross-entropy (or MSE) against the batch's targets. Task-specific rules read these.
 Cost: one ``detach`` per step and loss (a reference is kept, nothing is copied); at the logging
@@ -139,13 +140,16 @@ class LossProbe(Probe):
         self._task_taken = []
         counts = values.pop("\tmarginal", None)
         if counts is not None:
-            self._entropy = entropy(counts.reshape(-1))
-        if self.task.kind == "classification" and self._entropy is not None:  # once: rules keep it
+            self._entropy = entropy(counts.reshape(-1, 2) if self._marginal.binary else counts.reshape(-1))
+        if self.task.kind in ("classification", "binary") and self._entropy is not None:  # once: rules keep it
             record.scalars["diag/task/marginal_entropy"], record.scalars["diag/task/majority_share"] = self._entropy
             self._entropy = None
         if self.task.kind != "unknown" and not self._task_told:
             self._task_told = True
-            record.scalars["diag/task/kind"] = 1.0 if self.task.kind == "classification" else 2.0
+            record.scalars["diag/task/kind"] = {"classification": 1.0, "regression": 2.0, "binary": 3.0}[self.task.kind]
+            if self.task.kind == "binary":  # the label prior's entropy and majority share, from the step that showed it
+                record.scalars["diag/task/marginal_entropy"] = self.task.prior
+                record.scalars["diag/task/majority_share"] = self.task.majority
             record.scalars["diag/task/chance_loss"] = self.task.chance
             record.scalars["diag/task/shift"] = float(self.task.shift)
             record.scalars["diag/task/summed"] = float(self.task.reduction == "sum")

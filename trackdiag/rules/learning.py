@@ -109,24 +109,21 @@ class NotLearning(Rule):
             return None
         start, now = statistics.median(first), statistics.median(recent)
         flat = start - now < self.min_drop * max(abs(start), 1e-12)
-        chance, what = self._chance()
+        chance, what = self._chance(first)
         # at chance and stalled there: a slow learner on its way down is left alone. The loss must have fallen
         # less than ``min_fall`` over the last 100 steps, or 200 when it did fall from its start (a language
         # model learns the token frequencies first and may rest at their entropy for a hundred steps)
         span = 100 if flat else 2 * 100
-        head = [v for v in rec.between(step - span + 1, step - span + 25) if math.isfinite(v)]
-        tail = [v for v in rec.between(step - 24, step) if math.isfinite(v)]
-        stalled = False
-        if len(head) >= 5 and len(tail) >= 5:
-            # a fall within twice the noise of a 25-value median is no fall (noisy losses: small batches, MSE)
-            mid = statistics.median(tail)
-            sigma = 1.4826 * statistics.median(abs(v - mid) for v in tail)
-            noise = 2 * 1.25 * sigma / math.sqrt(len(tail))
-            stalled = statistics.median(head) - mid < max(self.min_fall * abs(now), noise)
+        stalled = self._stalled(rec, step, span, now)
         # at the chance level, or stuck above it without having fallen (a loss that fell 4x from a bad init and
         # still sits above chance is a slow learner: initial_loss told of the init, the hint here would mislead)
         at_chance = (math.isfinite(chance) and now >= (1 - self.margin) * chance and stalled
                      and (now <= (1 + self.margin) * chance or flat))
+        if not at_chance and math.isfinite(chance) and self._sits(rec, step, chance):
+            # however it got there: a miscalibrated start that fell to chance in ten steps and stayed (a label bug),
+            # or a loss that jumped back to it mid-run (labels shuffled): in the band for the last 75 steps and no
+            # fall over the last 50 (a loss passing through the band falls ~5% of it in 50 steps)
+            at_chance = self._stalled(rec, step, 50, now)
         acc = self._acc_at_chance()
         evidence = (["loss"] if at_chance else []) + (["corroborated"] if acc else [])
         if evidence and flat:
@@ -143,8 +140,41 @@ class NotLearning(Rule):
             parts.append(f"validation accuracy {self._acc[-1][1]:.1%} is at chance")
         return self.make(since, ", ".join(parts) + ".", now, chance if at_chance else start, loss_where(key), evidence)
 
-    def _chance(self) -> tuple[float, str]:
+    def _stalled(self, rec: Recent, step: int, span: int, now: float) -> bool:
+        """The loss fell less than ``min_fall`` (or twice the noise of a 25-value median) over the last ``span``
+        steps (the medians of the span's first and last 25 steps)."""
+        head = [v for v in rec.between(step - span + 1, step - span + 25) if math.isfinite(v)]
+        tail = [v for v in rec.between(step - 24, step) if math.isfinite(v)]
+        if len(head) < 5 or len(tail) < 5:
+            return False
+        # a fall within twice the noise of a 25-value median is no fall (noisy losses: small batches, MSE)
+        mid = statistics.median(tail)
+        sigma = 1.4826 * statistics.median(abs(v - mid) for v in tail)
+        noise = 2 * 1.25 * sigma / math.sqrt(len(tail))
+        return statistics.median(head) - mid < max(self.min_fall * abs(now), noise)
+
+    def _sits(self, rec: Recent, step: int, chance: float) -> bool:
+        """Every 25-step median of the last 75 steps within ``margin`` of ``chance`` (a loss passing through
+        chance on its way down is there for one of them, not three)."""
+        band = self.margin * abs(chance)
+        for lo in range(step - 74, step, 25):
+            vals = [v for v in rec.between(lo, lo + 24) if math.isfinite(v)]
+            if len(vals) < 5 or abs(statistics.median(vals) - chance) > band:
+                return False
+        return True
+
+    def _chance(self, first: Sequence[float] = ()) -> tuple[float, str]:
         kind = self._task.get("kind")
+        classes = self._task.get("classes", 0.0)
+        if kind is None and classes >= 2 and len(first) >= 3:
+            # the task not shown (a masked loss: a graph network's training nodes, not every node the output
+            # scores) but the output pairs with C classes by shape and the first losses sat near ln C: a classifier
+            ln_c = math.log(classes)
+            if 0.75 * ln_c <= statistics.median(first[:3]) <= 1.5 * ln_c:
+                return ln_c, f"the chance level ln C of the output's {int(classes)} classes"
+        if kind == 3.0 and not self._task.get("summed"):  # BCE: the label prior is what a bias alone learns
+            h = self._task.get("marginal_entropy", math.nan)
+            return (h, "the entropy of the label prior") if math.isfinite(h) and h > 0 else (math.nan, "")
         if kind == 1.0 and not self._task.get("summed"):
             h, ln_c = self._task.get("marginal_entropy", math.nan), self._task.get("chance_loss", math.nan)
             # the label frequencies are what a model that ignores its input can learn (a bias), unless they

@@ -1,0 +1,157 @@
+"""Issue 45 item 2: a minimised loss falling without bound is said as a loss problem, at once (``loss_runaway``).
+
+The planted fault is the issue's: a VAE (the PyTorch example's, per-batch summed loss) whose KL term flips
+sign, from step 0 and from a step mid-run (a KL weight annealed below zero). Before, the loss went from
+thousands to -1e9 and the only alerts came much later (gradients). The healthy twins: the same VAE with
+its KL added, and a normalizing flow whose NLL starts positive and converges below zero (legitimately
+negative), and a loss handed as a dict of parts with a negative log-likelihood part: none raises it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import trackdiag
+from _zoo_a import one_thread
+from trackdiag.rules.runaway import LossRunaway
+
+OFF = {"report": {"enabled": False}, "histograms": {"enabled": False}, "landscape": {"enabled": False}}
+
+
+class VAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc21, self.fc22 = nn.Linear(64, 128), nn.Linear(128, 8), nn.Linear(128, 8)
+        self.fc3, self.fc4 = nn.Linear(8, 128), nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = F.relu(self.fc1(x))
+        mu, logvar = self.fc21(h), self.fc22(h)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+        return torch.sigmoid(self.fc4(F.relu(self.fc3(z)))), mu, logvar
+
+
+def _vae(tmp_path, onset: int | None, steps: int = 250, parts: bool = False):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    protos = (torch.rand(10, 64, generator=gen) < 0.3).float()
+    model = VAE()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    with one_thread(), trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                             probes=OFF, objective="minimize") as diag:  # parts, not players
+        for step in range(steps):
+            x = (protos[torch.randint(0, 10, (128,), generator=gen)] + 0.1 * torch.rand(128, 64, generator=gen)).clamp(0, 1)
+            recon, mu, logvar = model(x)
+            bce = F.binary_cross_entropy(recon, x, reduction="sum")
+            kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+            beta = -1.0 if onset is not None and step >= onset else 1.0  # the KL's sign flipped
+            loss = bce + beta * kld
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step({"recon": bce, "kl": beta * kld} if parts else loss, outputs=recon, batch=(x,))
+            losses.append(loss.item())
+    return diag, losses
+
+
+def _runaway(diag: trackdiag.Diagnostics) -> list[trackdiag.Alert]:
+    return [a for a in diag.alerts if a.kind == "loss_runaway"]
+
+
+def _loud(diag: trackdiag.Diagnostics) -> list[trackdiag.Alert]:
+    return [a for a in diag.alerts if a.severity != "info"]
+
+
+def test_vae_kl_flipped_from_the_start_is_said(tmp_path) -> None:
+    diag, losses = _vae(tmp_path, onset=0)
+    assert losses[0] > 1000 and min(losses) < -1e5  # the planted runaway: far below zero
+    got = _runaway(diag)
+    assert got and got[0].severity != "info" and got[0].where == "diag/loss", [(a.kind, a.step) for a in diag.alerts]
+    assert got[0].step <= 100 and losses[got[0].step] < 0
+    assert _loud(diag)[0].kind == "loss_runaway"  # said first, as a loss problem
+
+
+def test_vae_kl_flipped_mid_run_is_said(tmp_path) -> None:
+    onset = 120
+    diag, losses = _vae(tmp_path, onset=onset)
+    got = _runaway(diag)
+    assert got and got[0].severity != "info", [(a.kind, a.step) for a in diag.alerts]
+    assert onset <= got[0].step <= onset + 50, got[0].step
+
+
+def test_vae_parts_as_a_dict_names_the_part(tmp_path) -> None:
+    diag, _ = _vae(tmp_path, onset=0, parts=True)
+    got = _runaway(diag)
+    assert [a.where for a in got] == ["diag/kl/loss"] and got[0].step <= 100, [(a.kind, a.where, a.step) for a in diag.alerts]
+
+
+def test_healthy_vae_raises_no_runaway(tmp_path) -> None:
+    diag, losses = _vae(tmp_path, onset=None)
+    assert losses[-1] < 0.8 * losses[0]  # it learned
+    assert _runaway(diag) == [] and _loud(diag) == [], [(a.kind, a.step, a.message) for a in _loud(diag)]
+
+
+class Flow(nn.Module):
+    """Affine couplings on 2-D data with a standard-normal base: loss = the mean negative log-likelihood."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.nets = nn.ModuleList(nn.Sequential(nn.Linear(1, 32), nn.Tanh(), nn.Linear(32, 2)) for _ in range(n))
+
+    def nll(self, x: torch.Tensor) -> torch.Tensor:
+        logdet = torch.zeros(len(x))
+        for i, net in enumerate(self.nets):
+            a, b = (x[:, :1], x[:, 1:]) if i % 2 == 0 else (x[:, 1:], x[:, :1])
+            s, t = net(a).chunk(2, dim=1)
+            s = torch.tanh(s) * 2
+            b = (b - t) * torch.exp(-s)
+            logdet = logdet - s.squeeze(1)
+            x = torch.cat([a, b], 1) if i % 2 == 0 else torch.cat([b, a], 1)
+        return (0.5 * (x ** 2).sum(1) + math.log(2 * math.pi) - logdet).mean()
+
+
+def test_normalizing_flow_negative_nll_is_silent(tmp_path) -> None:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    model = Flow()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    with one_thread(), trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                             probes=OFF) as diag:
+        for _ in range(400):
+            u = torch.rand(256, generator=gen) * math.pi
+            x = torch.stack([torch.cos(u), torch.sin(u)], 1) * 0.05 + 0.01 * torch.randn(256, 2, generator=gen)
+            loss = model.nll(x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss)
+            losses.append(loss.item())
+    assert losses[0] > 0 and sum(losses[-20:]) / 20 < -1.0  # started positive, converged below zero
+    assert _runaway(diag) == [], [(a.step, a.message) for a in _runaway(diag)]
+
+
+def test_runaway_rule_on_series() -> None:
+    """The rule alone: a positive start falling linearly far below zero is said at the step it crossed -10x;
+    the same fall slowing down (converging at -12x) is not; nor is a loss that starts at -1 and converges at -8."""
+    from trackdiag.core.record import Record
+
+    def run(values: list[float]) -> list[trackdiag.Alert]:
+        rule, out = LossRunaway(), []
+        for lo in range(0, len(values), 10):
+            rec = Record(step=lo + 9, scalars={}, series={"diag/loss": list(enumerate(values))[lo:lo + 10]})
+            out += rule.check(rec, [], [])
+        return out
+
+    linear = [10.0] * 40 + [10.0 - 3.0 * i for i in range(160)]
+    got = run(linear)
+    assert [a.step for a in got] == [next(i for i, v in enumerate(linear) if v < -100.0)]
+    assert got[0].severity == "critical"  # below zero and falling without slowing over three windows
+    converging = [10.0] * 10 + [-120.0 + 130.0 * math.exp(-i / 15) for i in range(190)]
+    assert run(converging) == []
+    negative = [-1.0] * 10 + [-8.0 + 7.0 * math.exp(-i / 30) for i in range(190)]
+    assert run(negative) == []
