@@ -389,14 +389,3 @@ def _device_of(module: nn.Module) -> str:
     """The device type of a model built on the meta device and materialised after the session began."""
     dev = next((p.device.type for p in module.parameters()), "cpu")
     return "cpu" if dev == "meta" else dev
-
-
-def enrich_alerts(probes: list[Probe], ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> list[tuple[Any, Alert]]:
-    """Let an enabled ``nan_replay`` probe add its findings to ``alerts``; never raises."""
-    for p in probes:
-        if p.enabled and isinstance(p, NanReplayProbe) and any(a.kind in TRIGGERS for _, a in alerts):
-            try:
-                return p.enrich(ctx, alerts)
-            except Exception as exc:  # noqa: BLE001
-                log.warning("trackdiag: NaN replay failed: %s", brief(exc))
-    return alerts

@@ -24,14 +24,13 @@ from trackdiag.core.record import Record
 from trackdiag.core.registry import PROBES, RULES, SINKS, lookup
 from trackdiag.core.runinfo import RunInfo, resolve_run
 from trackdiag.probes.base import Probe
-from trackdiag.probes.nan_replay import enrich_alerts
 from trackdiag.rules.base import Rule
 from trackdiag.session.budget import CostBudget
 from trackdiag.session.checks import SetupChecks
 from trackdiag.session.close import RunEnd
 from trackdiag.session.distributed import DistSync
 from trackdiag.session.flight import FlightRecorder
-from trackdiag.session.guards import Guards
+from trackdiag.session.guards import Guards, enrich_alerts
 from trackdiag.session.steps import OptimizerEvents
 from trackdiag.sinks.base import Sink, SinkHub
 from trackdiag.util import exit_status

@@ -1,15 +1,19 @@
 """How the session keeps a failing probe or rule from touching training, mixed into
 :class:`trackdiag.Diagnostics`: a probe or rule that raises is switched off with one warning (the reason
 in ``summary()["disabled_probes"]``); a probe's ``collect``/``publish`` first gets a second chance.
-Runs on logging steps and at close only."""
+Runs on logging steps and at close only. :func:`enrich_alerts` lets the NaN replay name its culprit in
+the logging step's alerts, guarded the same way."""
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from trackdiag.capture.context import ProbeContext
 from trackdiag.core.alert import Alert
 from trackdiag.core.errors import brief
+from trackdiag.probes._replay_report import TRIGGERS
 from trackdiag.probes.base import Probe
+from trackdiag.probes.nan_replay import NanReplayProbe
 from trackdiag.rules.base import Rule
 
 log = logging.getLogger("trackdiag")
@@ -71,3 +75,14 @@ class Guards:
     def _distinct_schedules(self) -> list[Any]:
         """The enabled probes' schedules, each once: a step is a logging step if any fires."""
         return list(dict.fromkeys(p.schedule for p in self.probes if p.enabled))
+
+
+def enrich_alerts(probes: list[Probe], ctx: ProbeContext, alerts: list[tuple[Any, Alert]]) -> list[tuple[Any, Alert]]:
+    """Let an enabled ``nan_replay`` probe add its findings to ``alerts``; never raises."""
+    for p in probes:
+        if p.enabled and isinstance(p, NanReplayProbe) and any(a.kind in TRIGGERS for _, a in alerts):
+            try:
+                return p.enrich(ctx, alerts)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("trackdiag: NaN replay failed: %s", brief(exc))
+    return alerts
