@@ -8,7 +8,8 @@ and judges the SAME record, so rules take the same ``stop``/``raise`` decision a
 
 Reductions (``REDUCE_FX``): ``mean`` (default), ``max``, ``min``, ``sum``, ``norm`` (sqrt of the sum
 of squares: shard-local norms under FSDP), ``max_spread`` (max, plus the spread and the per-rank
-values), ``same`` (identical on every rank by construction: not gathered at all). A probe may declare
+values), ``same`` (identical on every rank by construction: not gathered at all), ``per_rank`` (every
+rank's values, rank after rank: the probe compares them itself, e.g. ``rank_sync``). A probe may declare
 ``dist_reduce_fx`` (one name, or ``{key glob: name}``), like torchmetrics' ``add_state``.
 
 Gradient/parameter/update statistics are ``same`` under DDP (read after its all-reduce; replicated
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trackdiag")
 
-REDUCE_FX = ("mean", "max", "min", "sum", "norm", "max_spread", "same")
+REDUCE_FX = ("mean", "max", "min", "sum", "norm", "max_spread", "same", "per_rank")
 #: probes whose values are functions of the (replicated, all-reduced) weights and gradients
 REPLICATED = frozenset({"grads", "params", "updates", "gradflow"})
 #: sharded components: how shard-local values of the replicated probes combine (key glob -> fx)
@@ -148,6 +149,8 @@ class DistSync:
             n = min(r.size for r in rows)
             rows = [r[:n] for r in rows]
         m = np.stack(rows)
+        if fx == "per_rank":
+            return m.reshape(-1)
         if fx == "max_spread":
             name = key.rsplit("/", 1)[-1]
             extra.scalars[f"diag/dist/spread/{name}"] = float(np.max(m[:, 0]) - np.min(m[:, 0]))
