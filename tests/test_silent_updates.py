@@ -1,0 +1,31 @@
+"""Issue 45 item 4: updates that do not land. An optimizer that steps, with gradients reaching the
+model, while the weights do not move at all (a learning rate of 0 here; an optimizer holding only tensors
+the model no longer uses, or a patched step, read the same): ``stale_params`` warning, "the updates do not
+land". Before: ``stale_params`` said each layer "no longer changes" at info only.
+Healthy twins raise nothing of warning or worse: a warm-up from a learning rate of 0 with an EMA copy of
+the model updated by hand (weights moved with no optimizer: not a watched component), and a GAN (two
+components, two optimizers on disjoint parts, the discriminator frozen for the generator's step).
+"""
+from __future__ import annotations
+
+from _silent_loops import loud, run, said
+from _zoo_a import gan
+
+
+def test_lr_zero_updates_do_not_land(tmp_path) -> None:
+    diag, losses = run(tmp_path, "lr0")
+    found = loud(diag, "stale_params")
+    assert len(found) == 1 and found[0].step <= 100, said(diag)
+    assert "do not land" in found[0].message and "learning rate is 0" in found[0].message
+    assert found[0].where == "(all layers)"
+
+
+def test_warmup_from_zero_with_ema_stays_quiet(tmp_path) -> None:
+    diag, losses = run(tmp_path, warmup=20, ema=True)
+    assert sum(losses[-20:]) / 20 < 0.5 * losses[0]
+    assert loud(diag) == [], said(diag)
+
+
+def test_gan_stays_quiet(tmp_path) -> None:
+    diag = gan(tmp_path, steps=150)
+    assert [a for a in diag.alerts if a.kind == "stale_params" and a.severity != "info"] == [], said(diag)
