@@ -1,0 +1,125 @@
+"""``data_repeat``: the training batch that does not change (``next(iter(loader))`` inside the loop).
+
+Fed by the ``batch=`` passed to ``Diagnostics.step``. Emits at every logging step:
+  ``diag/data/repeat_streak``: the longest run, in this window (continued from the window before), of
+  consecutive steps whose batch had the same contents as the step before while being a new tensor (0: none);
+  ``diag/data/repeat_first_step``: the first step that batch was seen at (-1: none);
+  ``diag/data/batch_size``: the first dimension of the last step's fingerprinted tensor.
+A batch that is the very same tensor object as the step before, unchanged in place, is *held* (full-batch
+training: a graph, an in-memory dataset, an L-BFGS closure's data): it never counts as a repeat. What counts is a
+batch rebuilt every step with identical contents, as a loader restarted each step gives.
+
+Cost per step: on the batch's first floating/integer tensor, a float64 sum and a gather of at most ``samples``
+(4096) evenly spaced elements with a position-weighted sum (3 small kernels, no batch-sized temporary), kept by
+reference; a host ``is`` test on the tensor. The window's fingerprints are stacked and copied with everything
+else at the logging step and compared on the host (no per-step sync).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from trackdiag.capture.context import ProbeContext, StepInputs
+from trackdiag.core.record import Record
+from trackdiag.probes.base import Probe
+from trackdiag.util.tensors import inputs_of, iter_tensors
+
+
+def first_tensor(batch: Any) -> torch.Tensor | None:
+    """The model input of ``batch`` when it is a non-empty numeric tensor, else the first such tensor in it."""
+    x = inputs_of(batch)
+    cands = [x] if isinstance(x, torch.Tensor) else []
+    cands += [t for _, t in iter_tensors(batch)]
+    for t in cands:
+        if t.numel() and t.dtype != torch.bool and not t.is_complex() and t.layout == torch.strided:
+            return t
+    return None
+
+
+class DataRepeatProbe(Probe):
+    """See module docstring. Args: ``samples`` elements gathered for the position-weighted sum."""
+
+    name = "data_repeat"
+    always_collect = True
+
+    def __init__(self, *, enabled: bool = True, every: int | None = None, samples: int = 4096) -> None:
+        super().__init__(enabled=enabled, every=every)
+        self.samples = max(1, samples)
+        self._prev: Any = None  # weakref to the previous step's tensor
+        self._prev_version = -1
+        self._index: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._seen: list[tuple[int, tuple[int, ...], bool, torch.Tensor]] = []  # (step, shape, held, fingerprint)
+        self._window: list[tuple[int, tuple[int, ...], bool]] = []
+        self._last: tuple[int, tuple[int, ...], tuple[float, float]] | None = None  # the last judged step
+        self._streak, self._start = 0, -1
+        self._rows = 0
+
+    def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        if inputs.batch is None:
+            return
+        t = first_tensor(inputs.batch)
+        if t is None:
+            return
+        held = self._prev is not None and self._prev() is t and t._version == self._prev_version
+        try:
+            self._prev = weakref.ref(t)
+        except TypeError:
+            self._prev = None
+        self._prev_version = t._version
+        self._rows = int(t.shape[0]) if t.ndim else 1
+        self._seen.append((ctx.step, tuple(t.shape), held, self._fingerprint(t.detach())))
+
+    def _fingerprint(self, t: torch.Tensor) -> torch.Tensor:
+        """``[sum, sum_i w_i x_i]`` over ``samples`` evenly spaced positions (float64, on the tensor's device)."""
+        flat = t.reshape(-1)
+        key = (flat.numel(), str(flat.device))
+        got = self._index.get(key)
+        if got is None:
+            n = flat.numel()
+            idx = torch.linspace(0, n - 1, min(n, self.samples), device=flat.device).round().long()
+            got = self._index[key] = (idx, (idx + 1).double())
+            if len(self._index) > 64:  # variable-length batches: keep the cache small
+                self._index.pop(next(iter(self._index)))
+        idx, w = got
+        return torch.stack([flat.sum(dtype=torch.float64), (flat[idx].double() * w).sum()])
+
+    def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
+        if not self._seen:
+            self._window = []
+            return {}
+        self._window = [(s, shape, held) for s, shape, held, _ in self._seen]
+        out = {"fp": torch.stack([fp for *_, fp in self._seen])}
+        self._seen = []
+        return out
+
+    def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
+        fps = values.get("fp")
+        best, best_start = 0, -1
+        if fps is not None and self._window:
+            fps = fps.reshape(len(self._window), 2)
+            for (step, shape, held), fp in zip(self._window, fps.tolist()):
+                last = self._last
+                same = (last is not None and last[0] == step - 1 and last[1] == shape and last[2] == (fp[0], fp[1])
+                        and not held)
+                if same:
+                    if self._streak == 0:
+                        self._start = step - 1
+                    self._streak += 1
+                else:
+                    self._streak = 0
+                if self._streak > best:
+                    best, best_start = self._streak, self._start
+                self._last = (step, shape, (fp[0], fp[1]))
+        record.scalars["diag/data/repeat_streak"] = float(best)
+        record.scalars["diag/data/repeat_first_step"] = float(best_start)
+        if self._rows:
+            record.scalars["diag/data/batch_size"] = float(self._rows)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streak": self._streak, "start": self._start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._streak, self._start = int(state.get("streak", 0)), int(state.get("start", -1))
