@@ -5,8 +5,10 @@
   recognised (BCE on probabilities with 1-D 0/1 targets, the target the batch's last part) and
   ``not_learning`` only judged a loss that did not fall from its start: no alert.
 - A full-batch graph network (one step per epoch, masked NLL over the training nodes, 7 classes) whose
-  labels are shuffled from step 150: the loss jumps up and sits near ln 7. The task is not shown (the loss
-  covers the training nodes, the output every node) but the output pairs with 7 classes by shape.
+  labels are shuffled from step 150: the loss jumps up and sits near ln 7, said within 50 steps. (Here the
+  masked loss matches the outputs' CE at step 0, so the task is shown and this loop was caught before too;
+  a masked loss whose task is not shown, beside an output that pairs with 7 classes by shape, is the
+  record-level test ``test_task_not_shown_but_classes_by_shape_back_at_ln_c_is_said``, which failed before.)
 - A multi-label classifier (BCE on logits, multi-hot targets) with its targets shuffled: chance is the mean
   over labels of the label prior's entropy.
 Each has its healthy twin (labels aligned), which learns and raises nothing of warning or worse.
@@ -86,7 +88,7 @@ def test_siamese_aligned_pairs_raise_nothing(tmp_path) -> None:
 
 def _graph(gen: torch.Generator, n: int = 700, c: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     y = torch.randint(0, c, (n,), generator=gen)
-    x = 0.6 * torch.randn(c, 32, generator=gen)[y] + torch.randn(n, 32, generator=gen)
+    x = 3 * (0.6 * torch.randn(c, 32, generator=gen)[y] + torch.randn(n, 32, generator=gen))  # raw, unnormalised features
     same = (y[:, None] == y[None, :]).float()
     a = (torch.rand(n, n, generator=gen) < 0.02 * same + 0.002).float()
     a = ((a + a.T + torch.eye(n)) > 0).float()
@@ -193,3 +195,24 @@ def test_binary_chance_is_the_label_prior() -> None:
     got = {k: float(v) for k, v in terms(probs, (torch.randn(4, 3), torch.randn(4, 3), y[:, 0])).items()}
     assert decide(h, got, -1).kind == "binary"
     assert decide(0.3, got, -1).kind == "unknown"
+
+
+def test_task_not_shown_but_classes_by_shape_back_at_ln_c_is_said() -> None:
+    """A masked loss whose task was not shown (no ``diag/task/*``), beside an output that pairs with 7 classes by
+    shape: a loss that learned, then jumped back to ln 7 at step 150 and sits there is at chance (before: the
+    chance level was unknown and only an info finding could come)."""
+    import random
+
+    from trackdiag.core.record import Record
+    from trackdiag.rules.learning import NotLearning
+
+    rnd = random.Random(0)
+    ln7 = math.log(7)
+    values = [ln7 * (0.4 + 0.6 * math.exp(-i / 30)) if i < 150 else ln7 for i in range(300)]
+    values = [v + rnd.gauss(0, 0.01) for v in values]
+    rule, found = NotLearning(), []
+    for lo in range(0, 300, 10):
+        scalars = {"diag/data/num_classes": 7.0} if lo == 0 else {}
+        rec = Record(step=lo + 9, scalars=scalars, series={"diag/loss": list(enumerate(values))[lo:lo + 10]})
+        found += [a for a in rule.check(rec, [], []) if a.severity != "info"]
+    assert found and 150 <= found[0].step <= 200 and "7 classes" in found[0].message, [(a.step, a.message) for a in found]
