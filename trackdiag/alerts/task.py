@@ -89,7 +89,9 @@ def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
             out["ce_shift"] = masked_ce(scores[:, :-1], t[:, 1:])[0]
         return out
     y = _float_target(batch, logits)
-    if y is not None and not y.is_floating_point():
+    if y is not None and (not y.is_floating_point() or y is not pick(batch, None, TARGET_KEYS, 1)):
+        # a pair/triplet batch's last part: read as a BCE's labels only (an MSE on it, a click model's, shows
+        # a regression whose chance, the clicks' variance, a slow SGD run sits near for 100 steps and learns)
         return _binary_terms(logits, y)
     if y is not None:
         # (B,) targets beside (B, 1) predictions: the loop's MSE squeezes or unsqueezes one of them
