@@ -108,6 +108,10 @@ DETECTION: dict[str, tuple[str, int, list[str]]] = {
                                      "normalizing_flow", "word2vec_sgns"]),
     # labels shuffled within each batch: after the 100-step warm-up, at chance and stalled
     "shuffled_labels": ("not_learning", 130, ["finetune_frozen", "full_batch", "amp_bf16"]),
+    # the loader restarted every step from step 40 (next(iter(loader)) in the loop): one batch 9 steps in a row
+    "same_batch": ("same_batch", 10, ["checkpointed_warmup", "distillation", "finetune_frozen", "moe_top1",
+                                      "regression_mse", "multitask", "vae_sum", "triplet_metric", "word2vec_sgns",
+                                      "hf_causal_lm", "amp_bf16"]),
 }
 DETECTION_CASES = [(s, f) for f, (_, _, styles) in DETECTION.items() for s in styles]
 

@@ -14,6 +14,8 @@ Each style module exposes ``NAME``, ``DESCRIPTION``, ``FAULTS`` and
   (``clip_grad_norm_(..., max_norm=0)``).
 - ``tiny_subset``: one or two batches trained on from step 0 (overfitting), ``log_eval`` every 20.
 - ``crash_nan``: a NaN from ``onset`` that makes the script itself raise before ``diag.step``.
+- ``same_batch``: from ``onset`` the loader is restarted every step (``next(iter(loader))`` in the loop on an
+  unshuffled loader): every step gets fresh copies of the same batch (``restart_loader``).
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ SEVERITY = {"info": 0, "warning": 1, "critical": 2}
 #: faults that are present from step 0 (their onset is 0 whatever ``onset`` says)
 START_FAULTS = frozenset({"lr_start", "shuffled_labels", "eval_mode", "tiny_subset"})
 ALL_FAULTS = ("nan", "lr1000", "no_zero", "lr_start", "shuffled_labels", "eval_mode", "wiped_grads",
-              "tiny_subset", "crash_nan")
+              "tiny_subset", "crash_nan", "same_batch")
+SAME_BATCH = "the loader restarted every step from onset (next(iter(loader)) in the loop): one batch, fresh copies"
 
 
 @dataclasses.dataclass
@@ -204,6 +207,31 @@ def batches(x: torch.Tensor, y: torch.Tensor, bsz: int, gen: torch.Generator) ->
         for i in range(0, len(x) - bsz + 1, bsz):
             idx = perm[i : i + bsz]
             yield x[idx], y[idx]
+
+
+def restart_loader(loader: Iterator[Any], fault: str | None, onset: int, per_step: int = 1) -> Iterator[Any]:
+    """The ``same_batch`` fault around a style's endless ``loader`` (``per_step`` draws a step): its batches until
+    ``onset``, then the ``per_step`` batches drawn at ``onset`` again and again, each time a fresh copy, as a
+    DataLoader restarted every step collates them anew. Any other fault: the loader itself."""
+    if fault != "same_batch":
+        yield from loader
+        return
+    for _ in range(onset * per_step):
+        yield next(loader)
+    first = [next(loader) for _ in range(per_step)]
+    while True:
+        for batch in first:
+            yield _fresh(batch)
+
+
+def _fresh(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _fresh(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fresh(v) for v in obj)
+    return obj
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, check_fault, crash_guard, digits,
-                      fault_onset, one_thread, session, shuffle, wipe_grads)
+                      fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader)
 
 NAME = "amp_bf16"
 DESCRIPTION = "nanoGPT train.py loop: bf16 autocast, 2-step accumulation, clip 1.0, AdamW groups, warm-up+cosine"
@@ -30,6 +30,7 @@ FAULTS = {
     "no_zero": "optimizer.zero_grad(set_to_none=True) dropped from onset",
     "shuffled_labels": "targets shuffled within each micro-batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) instead of 1.0 from onset",
+    "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two micro-batches; evaluation every 20 iterations",
 }
 GRAD_ACCUM, MICRO_BATCH, LR, WARMUP = 2, 16, 3e-3, 20
@@ -84,6 +85,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     if fault == "tiny_subset":
         xtr, ytr = xtr[: 2 * MICRO_BATCH], ytr[: 2 * MICRO_BATCH]
     loader = batches(xtr, ytr, MICRO_BATCH, gen)
+    loader = restart_loader(loader, fault, onset, per_step=GRAD_ACCUM)
     accs: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:

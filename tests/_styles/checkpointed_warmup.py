@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, one_thread, session)
+                      digits, fault_onset, one_thread, session, SAME_BATCH, restart_loader)
 
 NAME = "checkpointed_warmup"
 DESCRIPTION = "HF-style: blocks under torch.utils.checkpoint (forward replayed in backward), warmup from lr 0, clip 1.0"
@@ -31,6 +31,7 @@ FAULTS = {
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "eval_mode": "model.eval() left on (dropout off, no checkpointing: the model checkpoints in training mode only)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) instead of 1.0 from onset",
+    "same_batch": SAME_BATCH,
 }
 WARMUP = 30
 
@@ -87,6 +88,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     if fault == "lr_start":
         bump_lr(optimizer, 1000.0, scheduler)
     loader = batches(xtr, ytr, 32, gen)
+    loader = restart_loader(loader, fault, onset)
     accs: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, one_thread, session, shuffle, wipe_grads)
+                      digits, fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader)
 
 NAME = "distillation"
 DESCRIPTION = "PyTorch knowledge-distillation tutorial: frozen teacher, KL(T=2)*T^2 + CE, student Adam 1e-3"
@@ -32,6 +32,7 @@ FAULTS = {
     "eval_mode": "student.eval() left on (Dropout off)",
     "shuffled_labels": "labels shuffled within each batch (the teacher's targets stay right)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
+    "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; validation every 20 steps",
 }
 T, SOFT_WEIGHT, CE_WEIGHT = 2.0, 0.25, 0.75
@@ -82,6 +83,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
     loader = batches(xtr, ytr, 32, gen)
+    loader = restart_loader(loader, fault, onset)
     accs: list[float] = []
     diag = session(student, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:

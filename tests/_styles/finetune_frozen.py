@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, one_thread, session, shuffle, wipe_grads)
+                      digits, fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader)
 
 NAME = "finetune_frozen"
 DESCRIPTION = "fine-tuning tutorials: backbone.requires_grad_(False) before AdamW(model.parameters()); head trains"
@@ -31,6 +31,7 @@ FAULTS = {
     "eval_mode": "model.eval() left on (BatchNorm frozen, Dropout off)",
     "shuffled_labels": "targets shuffled within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
+    "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; validation every 20 steps",
 }
 
@@ -87,6 +88,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
     loader = batches(xtr, ytr, 32, gen)
+    loader = restart_loader(loader, fault, onset)
     accs: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:

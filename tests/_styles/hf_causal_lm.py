@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
-                      mean, one_thread, session, wipe_grads)
+                      mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader)
 
 NAME = "hf_causal_lm"
 DESCRIPTION = "transformers run_clm_no_trainer.py: tiny GPT2LMHeadModel, model(**batch).loss with labels=input_ids"
@@ -28,6 +28,7 @@ FAULTS = {
     "lr_start": "AdamW lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
+    "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two fixed batches; evaluation every 20 steps",
 }
 BLOCK, BSZ = 32, 4
@@ -78,6 +79,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
                                  num_training_steps=steps)
     loader = dataloader(blocks, gen)
     fixed = [next(loader) for _ in range(2)]
+    loader = restart_loader(loader, fault, onset)
     eval_batch = {"input_ids": val_blocks[:32], "labels": val_blocks[:32]}
     losses: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard, digits,
-                      fault_onset, one_thread, session, shuffle, wipe_grads)
+                      fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader)
 
 NAME = "moe_top1"
 DESCRIPTION = "Switch-style mixture of experts: top-1 routing, only chosen experts run, load-balancing loss, Adam"
@@ -28,6 +28,7 @@ FAULTS = {
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "shuffled_labels": "targets shuffled within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
+    "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; validation every 20 steps",
 }
 
@@ -67,6 +68,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
     loader = batches(xtr, ytr, 32, gen)
+    loader = restart_loader(loader, fault, onset)
     accs: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, one_thread, session, wipe_grads)
+                      digits, fault_onset, one_thread, session, wipe_grads, SAME_BATCH, restart_loader)
 
 NAME = "multitask"
 DESCRIPTION = "hard-parameter-sharing tutorials: shared trunk, 3 heads (CE, BCE, MSE), dict outputs, weighted sum"
@@ -30,6 +30,7 @@ FAULTS = {
     "eval_mode": "model.eval() left on (Dropout off)",
     "shuffled_labels": "every task's targets shuffled (together) within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
+    "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; validation every 20 steps",
 }
 WEIGHTS = {"digit": 1.0, "parity": 0.5, "ink": 10.0}
@@ -70,6 +71,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
     loader = batches(xtr, ytr, 32, gen)
+    loader = restart_loader(loader, fault, onset)
     val_targets = make_targets(xva, yva)
     accs: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      fault_onset, one_thread, session, shuffle, sk_table, wipe_grads)
+                      fault_onset, one_thread, session, shuffle, sk_table, wipe_grads, SAME_BATCH, restart_loader)
 
 NAME = "regression_mse"
 DESCRIPTION = "tutorial tabular regression: diabetes, raw-unit targets, Sequential MLP, MSELoss, Adam 1e-2"
@@ -28,6 +28,7 @@ FAULTS = {
     "eval_mode": "model.eval() left on (Dropout off)",
     "shuffled_labels": "targets shuffled within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
+    "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; validation every 20 steps",
 }
 
@@ -50,6 +51,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
     loader = batches(xtr, ytr, 32, gen)
+    loader = restart_loader(loader, fault, onset)
     scores: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, digits,
-                      fault_onset, one_thread, session, wipe_grads)
+                      fault_onset, one_thread, session, wipe_grads, SAME_BATCH, restart_loader)
 
 NAME = "triplet_metric"
 DESCRIPTION = "siamese-triplet tutorials: TripletMarginLoss(margin=1) on (anchor, positive, negative), Adam, batch 8"
@@ -28,6 +28,7 @@ FAULTS = {
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "shuffled_labels": "triplets drawn with shuffled class labels (positives are random images)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
+    "same_batch": SAME_BATCH,
     "tiny_subset": "the triplets come from 32 images; validation every 20 steps",
 }
 BSZ = 8
@@ -81,6 +82,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     labels = ytr[torch.randperm(len(ytr), generator=gen)] if fault == "shuffled_labels" else ytr
     tx, ty = (xtr[:32], labels[:32]) if fault == "tiny_subset" else (xtr, labels)
     loader = triplets(tx, ty, gen)
+    loader = restart_loader(loader, fault, onset)
     val_triplets = next(triplets(xva, yva, torch.Generator().manual_seed(5), bsz=256))
     accs: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, mean, one_thread, session, wipe_grads)
+                      digits, fault_onset, mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader)
 
 NAME = "vae_sum"
 DESCRIPTION = "pytorch/examples vae/main.py: BCE(sum)+KL per batch on digits, Adam, unused labels in batch"
@@ -29,6 +29,7 @@ FAULTS = {
     "lr_start": "Adam lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
+    "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; test loss every 20 steps",
 }
 
@@ -80,6 +81,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     epoch = len(xtr) // bsz
     eval_every = 20 if fault == "tiny_subset" else epoch
     loader = batches(xtr, ytr, bsz, gen)
+    loader = restart_loader(loader, fault, onset)
     losses: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
-                      mean, one_thread, session, wipe_grads)
+                      mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader)
 
 NAME = "word2vec_sgns"
 DESCRIPTION = "word2vec-pytorch SkipGramModel: two sparse embeddings (context at 0), forward returns the loss, SparseAdam"
@@ -30,6 +30,7 @@ FAULTS = {
     "lr_start": "SparseAdam lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "wiped_grads": "sparse gradients scaled to 0 between backward and step from onset",
+    "same_batch": SAME_BATCH,
 }
 VOCAB, DIM, WINDOW, NEG, BSZ = 2000, 32, 2, 5, 64
 
@@ -79,6 +80,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     optimizer = torch.optim.SparseAdam(list(model.parameters()), lr=1e-2 * (1000 if fault == "lr_start" else 1))
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     loader = pair_batches(data, ntok, gen)
+    loader = restart_loader(loader, fault, onset)
     losses: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
