@@ -88,3 +88,47 @@ def loud(diag: trackdiag.Diagnostics, kind: str | None = None) -> list[trackdiag
 
 def said(diag: trackdiag.Diagnostics) -> list[tuple[str, int, str, str]]:
     return [(a.kind, a.step, a.severity, a.message[:120]) for a in diag.alerts]
+
+
+class Policy(nn.Module):
+    """A small policy: tanh trunk, logits over 4 actions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+        self.pi = nn.Linear(64, 4)
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        return self.pi(self.trunk(s))
+
+
+def on_policy(out: Any, *, steps: int = 300, onset: int | None = None, level: str = "advanced") -> tuple[trackdiag.Diagnostics, list[float]]:
+    """An on-policy policy gradient on a contextual bandit: the rewarded action is the argmax of a hidden
+    linear map of the state; ``-log_prob * normalised return`` with an entropy bonus, Adam 3e-4,
+    ``clip_grad_norm_(0.5)``; from ``onset`` on every learning rate x1000. Returns the session and mean rewards."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(8, 4, generator=gen)
+    model = Policy()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-4)
+    rewards: list[float] = []
+    with one_thread(), trackdiag.Diagnostics(model, opt, level=level, sinks=["local"], output_dir=str(out),
+                                             probes=OFF, objective="rl") as diag:
+        for step in range(steps):
+            if onset is not None and step == onset:
+                for g in opt.param_groups:
+                    g["lr"] *= 1000.0
+            s = torch.randn(128, 8, generator=gen)
+            logits = model(s)
+            dist = torch.distributions.Categorical(logits=logits)
+            a = dist.sample()
+            r = (a == (s @ hidden).argmax(1)).float() + 0.1 * torch.randn(128, generator=gen)
+            adv = (r - r.mean()) / (r.std() + 1e-8)  # normalised returns
+            loss = -(dist.log_prob(a) * adv).mean() - 0.01 * dist.entropy().mean()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            diag.step(loss)
+            rewards.append(float(r.mean()))
+    return diag, rewards

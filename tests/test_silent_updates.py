@@ -29,3 +29,24 @@ def test_warmup_from_zero_with_ema_stays_quiet(tmp_path) -> None:
 def test_gan_stays_quiet(tmp_path) -> None:
     diag = gan(tmp_path, steps=150)
     assert [a for a in diag.alerts if a.kind == "stale_params" and a.severity != "info"] == [], said(diag)
+
+
+def test_lr_blowup_under_adam_and_clipping_is_said_by_the_update(tmp_path) -> None:
+    """An on-policy policy gradient, Adam + clip_grad_norm_(0.5), every learning rate x1000 at step 120: the
+    gradient is clipped to its usual size; the step of the weights jumps. Before: no update_scale (no rule);
+    update_ratio stays quiet (the step is far below the weights' size)."""
+    from _silent_loops import on_policy
+
+    diag, _ = on_policy(tmp_path, onset=120)
+    found = loud(diag, "update_scale")
+    assert found and 120 <= found[0].step <= 170, said(diag)
+    assert "learning rate rose" in found[0].message
+    assert not [a for a in diag.alerts if a.kind == "update_ratio"]
+
+
+def test_on_policy_healthy_stays_quiet(tmp_path) -> None:
+    from _silent_loops import on_policy
+
+    diag, rewards = on_policy(tmp_path)
+    assert sum(rewards[-20:]) > sum(rewards[:20]) + 5  # it learns
+    assert loud(diag) == [], said(diag)

@@ -1,0 +1,91 @@
+"""``update_scale``: the optimizer's steps jumped out of scale while the gradient looks ordinary."""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Sequence
+
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
+from trackdiag.rules.base import Rule, latest, phase_start
+
+
+class UpdateScale(Rule):
+    """The whole model's step (``update/step_size``: ||dw|| / ||w|| over the parameters not born zero) at a
+    measurement is ``jump`` (10) x or more above the largest of this phase's earlier measurements (at least
+    ``history`` (5) of them), or ``WITH_LR`` (3) x above their median where the learning rate also rose ``jump`` x or more
+    since the previous measurement (the weights a blown-up rate inflates shrink the ratio within steps), while the pre-clip gradient norm there is no more than ``GRAD_FACTOR`` (3) x its
+    median over those measurements: the update, not the gradient, changed. Under Adam (which normalises the
+    gradient) or clipping, a learning rate blown up shows nowhere else at first: the loss may only double and
+    the gradient stays clipped to its usual size, while the weights are rewritten until units saturate.
+    Evidence ``weights`` (warning); ``corroborated`` (critical) when the learning rate rose with it. A linear warm-up raises the step ~5x between the first ten steps and
+    step 50, a warm restart back to its earlier size: neither is a jump. A new phase (``diag/phase``) starts the
+    history again. ``step`` is the measurement; ``where`` the component. Host work on logging steps only."""
+
+    kind = "update_scale"
+    hint = ("Check the learning rate (a schedule or a manual change that multiplied it, a param group's lr, a "
+            "scaled lr for a larger batch), a reset or replaced optimizer state, and a patched optimizer step. "
+            "Adam and gradient clipping hide a learning rate blow-up from the gradient: the update carries it.")
+
+    GRAD_FACTOR, WITH_LR = 3.0, 3.0
+
+    def __init__(self, *, jump: float = 10.0, history: int = 5, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.jump, self.history = jump, history
+        self._sizes: dict[str, list[float]] = {}  # component -> this phase's step sizes
+        self._grads: dict[str, list[float]] = {}  # component -> the gradient norm at those measurements
+        self._lr: dict[str, float] = {}  # component -> its largest learning rate at the previous measurement
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        if phase_start(record) >= 0:
+            self._sizes.clear()
+            self._grads.clear()
+        for comp in components:
+            size = record.scalars.get(comp.key("update/step_size"))
+            grad = latest(record, comp.key("grad/global_norm"))
+            if size is None or grad is None or not (math.isfinite(size) and math.isfinite(grad)):
+                continue
+            lr = self._top_lr(record, comp)
+            sizes, grads = self._sizes.setdefault(comp.name, []), self._grads.setdefault(comp.name, [])
+            before, prev_lr = (max(sizes) if sizes else math.nan), self._lr.get(comp.name, math.nan)
+            raised = prev_lr > 0 and lr >= self.jump * prev_lr
+            usual = statistics.median(sizes) if sizes else math.nan
+            if (len(sizes) >= self.history and usual > 0 and grad <= self.GRAD_FACTOR * statistics.median(grads)
+                    and (size >= self.jump * before or (raised and size >= self.WITH_LR * usual))):
+                out.append(self._finding(record.step, comp, size, before, usual, grad, statistics.median(grads), lr,
+                                         prev_lr))
+                sizes.clear()  # judged against its new scale from here on: said once
+                grads.clear()
+            sizes.append(size)
+            grads.append(grad)
+            if math.isfinite(lr):
+                self._lr[comp.name] = lr
+        return out
+
+    @staticmethod
+    def _top_lr(record: Record, comp: Component) -> float:
+        key = comp.key("opt/lr")
+        lrs = [v for k, v in record.scalars.items() if (k == key or k.startswith(key + "/")) and math.isfinite(v)]
+        return max(lrs) if lrs else math.nan
+
+    def _finding(self, step: int, comp: Component, size: float, before: float, usual: float, grad: float, level: float,
+                 lr: float, prev_lr: float) -> Alert:
+        """The finding (see class doc) at measurement ``step``."""
+        raised = prev_lr > 0 and lr >= self.jump * prev_lr
+        why = (f"; the learning rate rose from {prev_lr:.3g} to {lr:.3g}" if raised else
+               "; the learning rate did not change: a reset optimizer state or a patched step?" if lr == prev_lr else "")
+        msg = (f"one optimizer step moved the weights by {size:.3g} of their size, {size / usual:.0f}x the usual step "
+               f"({usual:.3g}; the largest so far {before:.3g}), while the gradient norm stayed ordinary ({grad:.3g}, its median "
+               f"{level:.3g}): the update, not the gradient, changed{why}.")
+        return self.make(step, msg, size, (self.WITH_LR * usual) if raised else self.jump * before, comp.name or "(all layers)",
+                         ["weights", "corroborated"] if raised else ["weights"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sizes": self._sizes, "grads": self._grads, "lr": self._lr}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._sizes = {k: [float(x) for x in v] for k, v in state.get("sizes", {}).items()}
+        self._grads = {k: [float(x) for x in v] for k, v in state.get("grads", {}).items()}
+        self._lr = {k: float(v) for k, v in state.get("lr", {}).items()}
