@@ -8,8 +8,11 @@ from trackdiag.core.errors import AlertRaised, ConfigError, TrackdiagError
 from trackdiag.core.record import Histogram, Record
 from trackdiag.core.version import __version__
 from trackdiag.forensics.preflight import PreflightReport
+from trackdiag.integrations import optuna_sweep as _optuna_sweep
 from trackdiag.session.diagnostics import Diagnostics
 from trackdiag.session.disabled import DisabledDiagnostics
 
 __all__ = ["Alert", "AlertRaised", "ConfigError", "Diagnostics", "DisabledDiagnostics", "Histogram", "PreflightReport", "Record",
            "TrackdiagError", "__version__"]
+
+_optuna_sweep.install()  # a Hydra job that is an Optuna trial stops on alerts when diag.sweep.stop_on asks

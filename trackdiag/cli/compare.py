@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``compare`` subcommand."""
     p = sub.add_parser("compare", help="compare the anomalies of the runs of a sweep",
                        description="Compare the health, alerts, first-anomaly step and losses of a sweep's runs.")
-    p.add_argument("source", help="Hydra multirun dir / dir of runs, mlflow:<experiment>, or wandb:<entity>/<project>[/<group>]")
+    p.add_argument("source", help="Hydra multirun dir / dir of runs, mlflow:<experiment>, wandb:<entity>/<project>[/<group>], "
+                                  "or optuna:<storage-url>#<study> (the study's trials beside their runs' health)")
     p.add_argument("--format", choices=("table", "csv", "json"), default="table", help="stdout format (default: table)")
     p.add_argument("--out", type=Path, default=None,
                    help="also write comparison.{csv,json,html} and the plots (PNG) into this dir")

@@ -3,7 +3,8 @@
 ``compare(source)`` returns a :class:`Comparison`; ``write_outputs(comparison, out_dir)`` writes
 ``comparison.csv``, ``comparison.json``, ``comparison.html`` and (unless ``plots=False``) the PNG
 plots. Sources: a local dir (Hydra multirun dir or any tree of run dirs), ``mlflow:<experiment>``,
-``wandb:<entity>/<project>[/<group>]``.
+``wandb:<entity>/<project>[/<group>]``, ``optuna:<storage-url>#<study>`` (the study's trials joined
+to their runs' local records).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 from trackdiag.compare.risk import ParamRisk, headline, param_risk, risk_lines
 from trackdiag.compare.runs import CompareError, Progress, RunSummary, alert_kinds, swept_params
+from trackdiag.compare.trials import stop_totals
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +47,28 @@ class Comparison:
         """``optimizer.lr=0.1: 4/4 runs anomalous (loss_divergence)`` ..., decisive parameters first."""
         return risk_lines(self.risks)
 
+    @property
+    def has_trials(self) -> bool:
+        """Whether any run is an Optuna trial (the table then has the trial columns)."""
+        return any(r.trial for r in self.runs)
+
+    @property
+    def stops(self) -> dict[str, Any]:
+        """``{trials, stopped, steps_saved, seconds_saved}``: what trackdiag's stops saved the study."""
+        return stop_totals(self.runs)
+
+    @property
+    def stop_line(self) -> str:
+        """``8 trials: 2 stopped by trackdiag, 64 steps (3.1 s) saved``."""
+        s = self.stops
+        return (f"{s['trials']} trials: {s['stopped']} stopped by trackdiag, {s['steps_saved']} steps "
+                f"({s['seconds_saved']:.1f} s) saved")
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form of everything."""
+        """JSON-able form of everything (``stops`` when any run is an Optuna trial)."""
         return {"source": self.source, "headline": self.headline, "swept": self.swept, "kinds": self.kinds,
                 "runs": [r.to_dict() for r in self.runs], "risk": [p.to_dict() for p in self.risks],
-                "risk_lines": self.risk_lines}
+                "risk_lines": self.risk_lines, **({"stops": self.stops} if self.has_trials else {})}
 
 
 def load_runs(source: str | Path, *, tracking_uri: str | None = None, parent: str | None = None,
@@ -63,6 +82,10 @@ def load_runs(source: str | Path, *, tracking_uri: str | None = None, parent: st
 
         return load_mlflow(text[len("mlflow:"):], tracking_uri=tracking_uri, parent=parent, sweep=sweep,
                            progress=progress)
+    if text.startswith("optuna:"):
+        from trackdiag.compare.optuna_source import load_optuna
+
+        return load_optuna(text[len("optuna:"):], progress=progress)
     if text.startswith("wandb:"):
         from trackdiag.compare.wandb_source import load_wandb
 

@@ -34,7 +34,7 @@ _TITLES = {"anomalies_by_param": "Anomalous runs per hyperparameter value",
 def render_html(comparison: "Comparison", images: dict[str, bytes] | None = None) -> str:
     """The whole page as a string: headline, table, risk summary, images, notes."""
     images = images or {}
-    head = headers(comparison.swept, comparison.kinds)
+    head = headers(comparison.swept, comparison.kinds, comparison.has_trials)
     left = {"run", "status", "health"}
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>trackdiag compare</title>",
@@ -47,7 +47,7 @@ def render_html(comparison: "Comparison", images: dict[str, bytes] | None = None
         "</tr></thead><tbody>",
     ]
     for r in comparison.runs:
-        row = cells(r, comparison.swept, comparison.kinds)
+        row = cells(r, comparison.swept, comparison.kinds, comparison.has_trials)
         tds = []
         for i, (h, c) in enumerate(zip(head, row)):
             cls = "l h" if h == "health" else ("l" if h in left else "")
@@ -56,6 +56,8 @@ def render_html(comparison: "Comparison", images: dict[str, bytes] | None = None
         css = "none" if not r.diagnosed else r.display_health  # "no trackdiag": one class name
         parts.append(f"<tr class='{escape(css)}'>{''.join(tds)}</tr>")
     parts.append("</tbody></table>")
+    if comparison.has_trials:
+        parts.append(f"<p class='stops'>{escape(comparison.stop_line)}</p>")
     if comparison.risk_lines:
         parts.append("<h2>Anomaly rate per swept value</h2><ul class='risk'>")
         parts += [f"<li>{escape(line)}</li>" for line in comparison.risk_lines]

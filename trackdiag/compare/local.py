@@ -39,6 +39,7 @@ from trackdiag.compare.safe_read import (
     normalise_summary,
     read_json,
 )
+from trackdiag.compare.trials import read_trial_file
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def read_run_dir(path: Path) -> RunSummary:
         first_steps=firsts, severities=sevs, first_anomaly=first_anomaly(firsts, sevs), steps=steps,
         final_loss=final, best_loss=best, best_eval_loss=best_finite(evals), loss_curve=curve,
         job_num=as_int(meta.get("job_num"), "run.json: job_num"), group=as_str(meta.get("group"), "run.json: group"),
-        note=note,
+        note=note, trial=read_trial_file(path),
     )
 
 

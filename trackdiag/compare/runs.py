@@ -71,6 +71,8 @@ class RunSummary:
     first_anomaly: first step of any warning or critical alert, else None.
     final_loss / best_loss: last and lowest finite train loss (``diag/loss``); best_eval_loss:
         lowest finite ``diag/eval/loss``. loss_curve: ``[(step, loss), ...]``, downsampled.
+    trial: the Optuna trial the run was (``trial.json`` / the study): trial (its number), state, value, stopped,
+        stop_step, steps_saved, seconds_saved, reason; None outside a study.
     """
 
     name: str
@@ -93,6 +95,7 @@ class RunSummary:
     group: str | None = None
     note: str = ""
     diagnosed: bool = True
+    trial: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # cut every text early (whatever the source): tables, plots and risk lines stay linear and small

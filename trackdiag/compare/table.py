@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from trackdiag.compare.runs import MISSING, NO_TRACKDIAG, RunSummary, finite_or_none, format_value
 from trackdiag.compare.safe_read import clip
+from trackdiag.compare import trials as trial_cols
 
 if TYPE_CHECKING:
     from trackdiag.compare.comparison import Comparison
@@ -22,10 +23,13 @@ HEALTH_STYLE = {"critical": "bold red", "warning": "yellow", "failed": "magenta"
 
 
 def rows(runs: list[RunSummary], swept: list[str], kinds: list[str]) -> list[dict[str, Any]]:
-    """One flat dict per run (already sorted): the CSV columns, in order."""
+    """One flat dict per run (already sorted): the CSV columns, in order (the trial columns when any
+    run is an Optuna trial)."""
     out = []
+    with_trials = any(r.trial for r in runs)
     for r in runs:
         row: dict[str, Any] = {"run": r.label, "status": r.status, "health": r.display_health}
+        row.update(trial_cols.row(r.trial) if with_trials else {})
         row.update({p: r.hparams.get(p) for p in swept})
         for k in kinds:
             row[f"{k}.count"] = r.alert_counts.get(k, 0)
@@ -56,9 +60,10 @@ def to_json(comparison: "Comparison") -> str:
     return json.dumps(comparison.to_dict(), indent=2, default=str, allow_nan=False)
 
 
-def cells(r: RunSummary, swept: list[str], kinds: list[str]) -> list[str]:
-    """Display cells for one run: alert kinds read ``count @first_step``; blanks for none."""
-    out = [r.label, r.status, r.display_health]
+def cells(r: RunSummary, swept: list[str], kinds: list[str], trials: bool = False) -> list[str]:
+    """Display cells for one run: alert kinds read ``count @first_step``; blanks for none; with
+    ``trials``, the Optuna trial's columns (:data:`trackdiag.compare.trials.COLUMNS`) after health."""
+    out = [r.label, r.status, r.display_health, *(trial_cols.cells(r.trial) if trials else [])]
     out += [clip(format_value(r.hparams.get(p, MISSING)), MAX_CELL) for p in swept]
     for k in kinds:
         n = r.alert_counts.get(k, 0)
@@ -68,9 +73,9 @@ def cells(r: RunSummary, swept: list[str], kinds: list[str]) -> list[str]:
     return out
 
 
-def headers(swept: list[str], kinds: list[str]) -> list[str]:
+def headers(swept: list[str], kinds: list[str], trials: bool = False) -> list[str]:
     """Column titles matching :func:`cells`."""
-    return ["run", "status", "health", *swept, *kinds, "first anomaly", "final loss", "best loss", "best eval"]
+    return ["run", "status", "health", *(trial_cols.COLUMNS if trials else ()), *swept, *kinds, "first anomaly", "final loss", "best loss", "best eval"]
 
 
 def rich_renderables(comparison: "Comparison") -> list[Any]:
@@ -79,13 +84,15 @@ def rich_renderables(comparison: "Comparison") -> list[Any]:
     from rich.text import Text
 
     table = Table(title=f"trackdiag compare — {comparison.headline}", caption=comparison.source)
-    for h in headers(comparison.swept, comparison.kinds):
+    for h in headers(comparison.swept, comparison.kinds, comparison.has_trials):
         table.add_column(h, justify="left" if h in ("run", "status", "health") else "right", no_wrap=True)
     for r in comparison.runs:
-        row: list[Any] = list(cells(r, comparison.swept, comparison.kinds))
+        row: list[Any] = list(cells(r, comparison.swept, comparison.kinds, comparison.has_trials))
         row[2] = Text(row[2], style=HEALTH_STYLE.get(r.display_health, ""))
         table.add_row(*row)
     out: list[Any] = [table]
+    if comparison.has_trials:
+        out.append(Text(comparison.stop_line, style="bold"))
     if comparison.risk_lines:
         out.append(Text("Anomaly rate per swept value", style="bold"))
         out += [Text(f"  {line}") for line in comparison.risk_lines]
@@ -94,11 +101,13 @@ def rich_renderables(comparison: "Comparison") -> list[Any]:
 
 def render_text(comparison: "Comparison") -> str:
     """A plain fixed-width table plus the risk summary."""
-    head = headers(comparison.swept, comparison.kinds)
-    body = [cells(r, comparison.swept, comparison.kinds) for r in comparison.runs]
+    head = headers(comparison.swept, comparison.kinds, comparison.has_trials)
+    body = [cells(r, comparison.swept, comparison.kinds, comparison.has_trials) for r in comparison.runs]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     lines = [f"trackdiag compare — {comparison.headline}", "  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in body]
+    if comparison.has_trials:
+        lines += ["", comparison.stop_line]
     if comparison.risk_lines:
         lines += ["", "Anomaly rate per swept value:"] + [f"  {x}" for x in comparison.risk_lines]
     return "\n".join(lines)

@@ -24,13 +24,16 @@ _TOP: dict[str, Any] = {
     "level": str, "enabled": bool, "every": int, "max_layer_metrics": int, "history": int,
     "anomaly_window": int, "max_alerts_per_rule": int, "output_dir": str | None, "run_name": str | None,
     "sinks": list[str], "probes": dict, "rules": dict, "sink": dict, "redact": dict | None,
-    "objective": str | dict | None, "budget": Any,
+    "objective": str | dict | None, "budget": Any, "sweep": dict | None,
 }
 #: what a component's loss is for (see README, "Objectives"): ``minimize`` (the default), ``adversarial``
 #: (a GAN's generator/discriminator pair), ``rl`` (a policy-gradient / actor-critic objective)
 OBJECTIVES = ("minimize", "adversarial", "rl", "auto")
 #: The ``redact`` section (see :mod:`trackdiag.util.redact`).
 _REDACT: dict[str, Any] = {"enabled": bool, "keys": list[str] | None, "patterns": list[str] | None}
+#: The ``sweep`` section: an Optuna trial stopped on alerts (see :mod:`trackdiag.integrations.optuna_sweep`).
+_SWEEP: dict[str, Any] = {"stop_on": list[str] | None, "on_stop": str, "planned_steps": int | None}
+SWEEP_ON_STOP = ("prune", "fail")
 
 
 def to_plain(cfg: Any) -> Any:
@@ -89,6 +92,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
             active_sinks.append(name)
     problems += _redact_problems(cfg.get("redact"))
     problems += objective_problems(cfg.get("objective"))
+    problems += sweep_problems(cfg.get("sweep"))
     if not isinstance(cfg.get("budget"), Unresolved):
         problems += budget_problems(cfg.get("budget"))
     for family, registry in (("probes", PROBES), ("rules", RULES), ("sink", SINKS)):
@@ -115,6 +119,27 @@ def objective_problems(value: Any) -> list[str]:
         if not isinstance(v, str) or v not in OBJECTIVES:
             path = "diag.objective" + (f".{name}" if name is not None else "")
             out.append(f"{path}: {show_value(v)} is not one of {', '.join(OBJECTIVES)}")
+    return out
+
+
+def sweep_problems(section: Any) -> list[str]:
+    """Problems of ``diag.sweep``: unknown options, types, ``on_stop`` not prune/fail, an empty
+    ``stop_on`` entry, ``planned_steps`` < 1."""
+    if not isinstance(section, Mapping):
+        return []  # absent: off; wrong type: reported by the type check
+    out = [f"diag.sweep.{k}: unknown option; accepted: {', '.join(_SWEEP)}" for k in section if k not in _SWEEP]
+    out += [f"diag.sweep.{k}: {msg}" for k, t in _SWEEP.items()
+            if k in section and (msg := type_problem(section[k], t)) is not None]
+    on_stop = section.get("on_stop", "prune")
+    if isinstance(on_stop, str) and on_stop not in SWEEP_ON_STOP:
+        out.append(f"diag.sweep.on_stop: {show_value(on_stop)} is not one of {', '.join(SWEEP_ON_STOP)}")
+    stop_on = section.get("stop_on")
+    if isinstance(stop_on, list) and any(isinstance(s, str) and not s.strip() for s in stop_on):
+        out.append(f"diag.sweep.stop_on: {show_value(stop_on)} has an empty entry; give severities "
+                   "(info, warning, critical) and/or alert kinds")
+    steps = section.get("planned_steps")
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps < 1:
+        out.append(f"diag.sweep.planned_steps: {steps} is not a step count >= 1 (or null)")
     return out
 
 

@@ -71,10 +71,13 @@ def _finish(sweep: Path, config: DictConfig, p: ledger.Progress, *, plots: bool,
     log.info("trackdiag: sweep comparison (%s) -> %s", comparison.headline, written["html"])
     for line in comparison.risk_lines:
         log.info("trackdiag:   %s", line)
+    if comparison.has_trials:
+        log.info("trackdiag: %s", comparison.stop_line)
     if settled is not None:
         client, parent, statuses = settled
         try:
-            sweep_mlflow.publish(client, parent, statuses, [written["html"], written["csv"], written["json"]])
+            sweep_mlflow.publish(client, parent, statuses, [written["html"], written["csv"], written["json"]],
+                                 comparison.stops if comparison.has_trials else None)
         except Exception as e:
             log.warning("trackdiag: sweep comparison not logged to MLflow (%s: %s)", type(e).__name__, e)
 

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -196,11 +197,24 @@ def settle(uri: str, experiment: str, sweep: Path, dead: list[int]) -> tuple[Any
     return client, parent, statuses
 
 
-def publish(client: Any, parent: str, statuses: dict[str, str], files: list[Path]) -> str:
+def publish(client: Any, parent: str, statuses: dict[str, str], files: list[Path],
+            stops: dict[str, Any] | None = None) -> str:
     """Log ``files`` to the parent run under ``trackdiag/``, then end it with the sweep's status (the
-    jobs' statuses: FAILED > KILLED > FINISHED), also as tag ``trackdiag.status``. Returns the status."""
+    jobs' statuses: FAILED > KILLED > FINISHED), also as tag ``trackdiag.status``. Returns the status.
+    ``stops`` (an Optuna sweep's :func:`~trackdiag.compare.trials.stop_totals`): logged as tags
+    ``trackdiag.trials_stopped``/``steps_saved``/``seconds_saved`` and metrics ``trackdiag/trials``,
+    ``trackdiag/trials_stopped``, ``trackdiag/steps_saved``, ``trackdiag/seconds_saved`` (one batch)."""
     from trackdiag.sinks.mlflow.sweep import STATUS_TAG, sweep_status
 
+    if stops:
+        from mlflow.entities import Metric, RunTag
+
+        now = int(time.time() * 1000)
+        client.log_batch(parent, metrics=[Metric(f"trackdiag/{k}", float(stops[k]), now, 0) for k in
+                                          ("trials", "stopped", "steps_saved", "seconds_saved")],
+                         tags=[RunTag("trackdiag.trials_stopped", str(stops["stopped"])),
+                               RunTag("trackdiag.steps_saved", str(stops["steps_saved"])),
+                               RunTag("trackdiag.seconds_saved", str(stops["seconds_saved"]))], synchronous=True)
     for f in files:
         client.log_artifact(parent, str(f), artifact_path="trackdiag")
     status = sweep_status(list(statuses.values()))

@@ -23,7 +23,8 @@ is reported to the trial every ``report_every`` steps (default: the session's ``
 own pruners work; ``use_pruner=True`` stops the trial when ``trial.should_prune()`` says so.
 
 Costs: a Python wrapper around ``step()``; one host read of the loss at reporting steps (those are
-the session's logging steps by default, which read it anyway); a look at the alert list per step.
+the session's logging steps by default, which read it anyway); a look at the alert list per step; one
+storage write per session (``trackdiag.run_dir``: the run's local record, for ``trackdiag compare optuna:``).
 The run's local record gets ``trial.json`` (the study, trial number, params, and the stop), which
 ``trackdiag compare`` shows next to the run's health.
 """
@@ -34,6 +35,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Iterable
 
 from trackdiag.core import watchers
@@ -44,6 +46,7 @@ log = logging.getLogger("trackdiag")
 SEVERITIES = ("info", "warning", "critical")
 ON_STOP = ("prune", "fail")
 TRIAL_FILE = "trial.json"
+RUN_DIR_ATTR = "trackdiag.run_dir"  # the trial's user attribute naming its run's local record
 
 
 class TrialStopped(TrackdiagError):
@@ -139,6 +142,9 @@ class TrialStopper:
 
         diag.step, diag.log_eval = watched_step, watched_eval
         self._write(diag)
+        run = getattr(diag, "run", None)
+        if run is not None:  # so `trackdiag compare optuna:<storage>#<study>` finds the trial's record
+            self.trial.set_user_attr(RUN_DIR_ATTR, str(Path(run.output_dir).resolve()))
         return diag
 
     def __enter__(self) -> "TrialStopper":
