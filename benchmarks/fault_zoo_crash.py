@@ -2,7 +2,8 @@
 issues 27 (#6, #7) and 30 planted in loops of several styles (tests/_zoo_crash.py, _zoo_styles.py),
 at one preset, logging every 10 steps, onset at step 43 (between two logging steps). A cell: the first alert of warning or worse,
 its ``where``, and steps from the onset to the step the alert names / to the logging step (or the
-crash) that raised it.
+crash) that raised it; for a ``crash`` finding, the evidence it leads with (what the session held or saw
+before the crash: :mod:`trackdiag.forensics.crash_evidence`), "–" when none.
 
 Usage: python benchmarks/fault_zoo_crash.py [--level advanced] [--markdown]
 """
@@ -28,6 +29,9 @@ FLAGS = {"flight": {"modules": True}}
 CASES: list[tuple[str, str, Callable[..., Any], dict[str, Any]]] = [
     ("NaN forward, then the loss raises", "vae", crash.vae, {"onset": ONSET}),
     ("NaN forward, then Categorical raises", "rl", crash.rl, {"onset": ONSET}),
+    ("LR x1000 between logging steps, the next forward overflows, BCE raises", "vae", crash.vae,
+     {"lr": 1e-2, "lr_jump_at": ONSET}),
+    ("LR x1000 at an update-ratio step (50), the next forward overflows", "vae", crash.vae, {"lr": 1e-2, "lr_jump_at": 50}),
     ("unrelated RuntimeError", "rl", crash.rl, {"raise_at": ONSET}),
     ("NaN once (transient), flags on", "mlp", crash.mlp, {"transient_at": ONSET, "probes": FLAGS}),
     ("NaN once (transient), flags on", "gru", crash.gru, {"transient_at": ONSET, "probes": FLAGS}),
@@ -67,8 +71,10 @@ def run(level: str, fn: Callable[..., Any], kw: dict[str, Any]) -> dict[str, Any
         trackdiag.Diagnostics.__init__ = real  # type: ignore[method-assign]
     if first is None:
         return {"cell": "no alert"}
+    lead = next((a.message.split(":")[0][len("Before the crash, "):] for a in alerts
+                 if a.kind == "crash" and a.message.startswith("Before the crash, ")), "–")
     return {"cell": f"`{first.kind}` +{first.step - ONSET} / +{(raised if raised is not None else first.step) - ONSET}",
-            "where": first.where or "–", "plain": "could not be found" in first.message}
+            "where": first.where or "–", "plain": "could not be found" in first.message, "lead": lead}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,14 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     logging.getLogger("trackdiag").setLevel(logging.ERROR)
-    print(f"| fault ({args.level}, every 10, onset {ONSET}) | script | first alert, +steps (named / raised) | where |")
-    print("|---|---|---|---|")
+    print(f"| fault ({args.level}, every 10, onset {ONSET}) | script | first alert, +steps (named / raised) | where "
+          "| crash finding leads with |")
+    print("|---|---|---|---|---|")
     for label, script, fn, kw in CASES:
         got = run(args.level, fn, kw)
         where = got.get("where", "")
         if got.get("plain"):
             where += " (\"the culprit could not be found\")"
-        print(f"| {label} | {script} | {got['cell']} | {where} |", flush=True)
+        print(f"| {label} | {script} | {got['cell']} | {where} | {got.get('lead', '–')} |", flush=True)
     return 0
 
 

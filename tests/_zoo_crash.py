@@ -98,17 +98,22 @@ class VAE(nn.Module):
         return self.dec(z), mu, logvar
 
 
-def vae(level: str, out: Any, onset: int | None = None, steps: int = 30, use_with: bool = True, **kw: Any) -> trackdiag.Diagnostics:
-    """The VAE example's loop; from ``onset`` its decoder's ``dec.2`` outputs NaN and BCE raises."""
+def vae(level: str, out: Any, onset: int | None = None, steps: int = 30, use_with: bool = True, lr: float = 1e-3,
+        lr_jump_at: int | None = None, **kw: Any) -> trackdiag.Diagnostics:
+    """The VAE example's loop; from ``onset`` its decoder's ``dec.2`` outputs NaN and BCE raises. ``lr_jump_at``:
+    the loop multiplies the LR by 1000 at that step instead (at ``lr=1e-2`` the next forward's ``exp(0.5 * logvar)``
+    overflows and BCE raises)."""
     torch.manual_seed(0)
     model = VAE()
-    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr)
     diag = session(model, opt, out, level, **kw)
     x_all = digits()[0]
     with one_thread(), (diag if use_with else contextlib.nullcontext()):
         for step in range(steps):
             x = x_all[step * 32 % 1500:][:32]
             model.dec[2].fault.fill_(1.0 if onset is not None and step >= onset else 0.0)
+            for g in opt.param_groups if step == lr_jump_at else ():
+                g["lr"] *= 1000
             recon, mu, logvar = model(x)
             bce = F.binary_cross_entropy(recon, x, reduction="sum") / len(x)
             kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp()) / len(x)

@@ -86,6 +86,7 @@ class UpdateRatio(Rule):
         self._streaks = Streaks(patience)
         self._above: set[str] = set()  # components whose global ratio is above ``high`` since a step already taken up
         self._pending: dict[str, _Pending] = {}
+        self._judged: dict[str, tuple[_Pending, str]] = {}  # the last held step confirmed or cut short by the end
         self._loss: dict[str, Recent] = {}
         self._grad: dict[str, Recent] = {}
         self._max_lr: dict[str, float] = {}
@@ -173,12 +174,22 @@ class UpdateRatio(Rule):
         if not why and not (final or (n >= self.SETTLE and (p.back or inputs))):
             return []  # wait for the steps after it and the next measurement
         del self._pending[comp.name]
+        if why or final:  # kept for the crash finding (a run that died while it was held: cut short, why "")
+            self._judged[comp.name] = (p, why)
         if not why:
             return []
         what = "the optimised input" if stepped_inputs(comp) else "the weights"
         msg = (f"one optimizer step moved {what} by {p.ratio:.3g}x their own size (update-to-weight ratio of the "
                f"whole model; largest in {p.where or 'the model'}: {p.largest:.3g}); {why}.")
         return [self.make(s, msg, p.ratio, self.high, p.where, ["unambiguous"])]
+
+    def held(self) -> list[tuple[str, int, float, str, str]]:
+        """``(component, step, ratio, where, verdict)`` of the whole-model steps above ``high`` still held, or
+        confirmed (``verdict``: what followed) or cut short by the run's end (``verdict`` ""): the crash finding's
+        strongest evidence. A dict read, crash path only."""
+        last = {k: (p, why) for k, (p, why) in self._judged.items()}
+        last.update({k: (p, "") for k, p in self._pending.items()})
+        return [(k, p.step, p.ratio, p.where, why) for k, (p, why) in last.items()]
 
     def _grad_left(self, loss: Recent, grad: Recent, s: int, n: int, minimised: bool) -> str:
         """How the gradient norm left its range in most of the ``n`` steps after ``s``: below 1/``GRAD_FACTOR`` of

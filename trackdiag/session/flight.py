@@ -26,11 +26,13 @@ from trackdiag.capture.user_loss import checked
 from trackdiag.core.alert import Alert
 from trackdiag.core.errors import AlertRaised, brief
 from trackdiag.core.record import Record
+from trackdiag.forensics import crash_evidence
 from trackdiag.forensics.crash import (
     crash_hint,
     last_points,
     module_in,
     no_replay,
+    nonfinite_text,
     series_text,
     stack_frames,
     tables_of,
@@ -41,6 +43,8 @@ from trackdiag.forensics.replay import Finding
 from trackdiag.forensics.replay_hints import replay_hint
 from trackdiag.probes._replay_report import input_note
 from trackdiag.probes.flight import FlightProbe
+from trackdiag.probes.lr import LrProbe
+from trackdiag.rules.updates import UpdateRatio
 from trackdiag.util import exit_status
 from trackdiag.util.modnames import module_type
 
@@ -106,7 +110,10 @@ class FlightRecorder:
         multi = len(comps) > 1
         model = next((c.model for c in comps if c.name == comp), None)
         head = "killed by SIGTERM" if signalled else brief(exc) if exc is not None else "ended"
-        parts = [f"The run stopped at step {step}: {head}."]
+        points = last_points(self._history, probe.last)  # type: ignore[attr-defined]
+        evidence = [] if signalled or no_replay(exc) == "out of memory" else self._evidence(step, points, probe.last, multi)
+        parts = [crash_evidence.lead(evidence)] if evidence else []
+        parts.append(f"The run stopped at step {step}: {head}.")
         where = ""
         if found is not None and found.located:
             where = found.where(comp if multi else "", module_type(model, found.module))
@@ -123,7 +130,6 @@ class FlightRecorder:
         line = user_line(frames)
         if line:
             parts.append(f"Last line of the training script: {line}.")
-        points = last_points(self._history, probe.last)  # type: ignore[attr-defined]
         series = series_text(points)
         parts.append(f"Last steps: {series}." if series else "No step of the every-step series was recorded yet.")
         if found is not None and found.located:
@@ -132,7 +138,25 @@ class FlightRecorder:
                     + replay_hint(found, probe_alert, where, data=False))
         else:
             hint = crash_hint(exc, signalled, finite_seen)
+        if evidence and ((found is not None and found.located) or nonfinite_text(exc)):  # the weights blew up
+            hint = crash_evidence.hint(evidence, where, hint)
         return Alert("crash", step, "critical", " ".join(parts), where=where, hint=hint), tables_of(points)
+
+    def _evidence(self, step: int, points: dict[str, list[tuple[int, float]]], last: int,
+                  multi: bool) -> list[crash_evidence.Evidence]:
+        """What the session held or saw before the crash (:mod:`trackdiag.forensics.crash_evidence`): update_ratio's
+        held step, the learning rates logged and in ``param_groups`` now (a few Python reads), the every-step series.
+        Never raises: no evidence rather than no finding."""
+        try:
+            window = max(last, 10)
+            held = [h for r in self.rules if r.enabled and isinstance(r, UpdateRatio) for h in r.held()]  # type: ignore[attr-defined]
+            now = {k: float(v) for k, v in LrProbe().collect(self._ctx).items()}  # type: ignore[attr-defined]
+            return (crash_evidence.updates(held, step, window, multi)
+                    + crash_evidence.lr_jumps(self._history, now, step, window)  # type: ignore[attr-defined]
+                    + crash_evidence.series(points))
+        except Exception as err:  # noqa: BLE001 - a broken device or optimizer must not cost the finding
+            log.debug("trackdiag: no crash evidence: %s", brief(err))
+            return []
 
     def _nonfinite(self, probe: FlightProbe, exc: BaseException | None,
                    signalled: bool) -> tuple[str, Finding | None, bool]:

@@ -1,0 +1,162 @@
+"""Crash forensics with what was held (issue 45 item 7): when a run dies, the ``crash`` finding leads with the
+strongest evidence the session held or saw in the steps before (update_ratio's held out-of-scale update, a
+learning-rate jump, a gradient-norm explosion, a loss spike), then the module; the hint says lower the LR
+when the weights blew up. A crash without such evidence keeps its wording. Real loops, a real local record."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import trackdiag
+from trackdiag.core.record import Record
+from trackdiag.forensics import crash_evidence
+from trackdiag.util import exit_status
+
+import _zoo_crash as zoo
+from _zoo_b import digits
+
+
+@pytest.fixture(autouse=True)
+def _fresh_exit_status():
+    exit_status._reset_for_tests()
+    yield
+    exit_status._reset_for_tests()
+
+
+class VAE(nn.Module):
+    """The PyTorch VAE example's shape (digits: 64 -> 8 latent dims), BCE on a sigmoid output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 16))
+        self.dec = nn.Sequential(nn.Linear(8, 48), nn.ReLU(), nn.Linear(48, 64), nn.Sigmoid())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mu, logvar = self.enc(x).chunk(2, dim=1)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+        return self.dec(z), mu, logvar
+
+
+def vae(level: str, out: Path, jump_at: int | None = None, raise_at: int | None = None, steps: int = 80) -> list[Any]:
+    """Adam at 1e-2; at ``jump_at`` the loop multiplies the LR by 1000 (one optimizer step at 10): the next
+    forward's ``exp(0.5 * logvar)`` overflows and ``binary_cross_entropy`` raises. ``raise_at``: a plain bug
+    (ValueError) at that step instead. Returns the session's alerts."""
+    torch.manual_seed(0)
+    model = VAE()
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    diag = trackdiag.Diagnostics(model, opt, level=level, every=10, sinks=["local"], output_dir=str(out),
+                                 probes={"report": {"enabled": False}})
+    x_all = digits()[0]
+    try:
+        with zoo.one_thread(), diag:
+            for step in range(steps):
+                if step == jump_at:
+                    for g in opt.param_groups:
+                        g["lr"] *= 1000
+                if step == raise_at:
+                    raise ValueError(f"bad sample id {step} in the manifest")
+                x = x_all[step * 32 % 1500:][:32]
+                recon, mu, logvar = model(x)
+                bce = F.binary_cross_entropy(recon, x, reduction="sum") / len(x)
+                kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp()) / len(x)
+                loss = bce + kld
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                diag.step(loss, batch=x)
+    except (RuntimeError, ValueError) as exc:
+        return [diag.alerts, exc]
+    raise AssertionError("the loop was meant to crash")
+
+
+@pytest.mark.parametrize("level", ["advanced", "extreme"])
+def test_a_crash_after_an_out_of_scale_update_leads_with_it(tmp_path, level):
+    """LR x1000 at step 50 (an update-ratio measurement: every 50 at advanced, 10 at extreme): BCE raises at 51."""
+    alerts, exc = vae(level, tmp_path, jump_at=50)
+    assert "between 0 and 1" in str(exc)
+    crash = alerts[-1]
+    assert (crash.kind, crash.step) == ("crash", 51)
+    assert crash.message.startswith("Before the crash, an out-of-scale update at step 50: one optimizer step moved "
+                                    "the weights by "), crash.message
+    ratio = float(crash.message.split("moved the weights by ")[1].split("x")[0])
+    assert ratio > 1, crash.message  # above update_ratio's ``high``: Adam at lr 10 moves every weight by ~10
+    assert "update_ratio was holding it for confirmation" in crash.message
+    assert "a learning-rate jump: the learning rate rose 1e+03x (0.01 at step 40 -> 10 logged at step 50)" in crash.message
+    # then the exception and the module, as before
+    assert crash.message.index("The run stopped at step 51: RuntimeError") > crash.message.index("learning-rate jump")
+    assert crash.where.startswith("dec.0 (Linear"), crash.where  # the module whose input was non-finite
+    assert "lower the learning rate" in crash.hint and "one optimizer step at step 50" in crash.hint
+    assert "dec.0 (Linear" in crash.hint and "log/div/sqrt" not in crash.hint, crash.hint
+    stored = json.loads((tmp_path / "alerts.json").read_text())[-1]
+    assert stored["kind"] == "crash" and stored["message"] == crash.message
+
+
+@pytest.mark.parametrize("level", ["basic", "advanced"])
+def test_a_learning_rate_jump_between_logging_steps_leads_when_nothing_measured_the_update(tmp_path, level):
+    """LR x1000 at step 43 (no update measurement; the LR last logged at 40): the LR read at the crash says it."""
+    alerts, _ = vae(level, tmp_path, jump_at=43)
+    crash = alerts[-1]
+    assert (crash.kind, crash.step) == ("crash", 44)
+    assert crash.message.startswith("Before the crash, a learning-rate jump: the learning rate rose 1e+03x (0.01 at "
+                                    "step 40 -> 10 read at the crash)."), crash.message
+    assert "out-of-scale update" not in crash.message
+    assert crash.hint.startswith("The weights blew up before the crash (the learning rate jumped): lower the learning rate")
+
+
+def _old_wording(crash: Any) -> None:
+    assert crash.message.startswith(f"The run stopped at step {crash.step}: "), crash.message
+    assert "Before the crash" not in crash.message and "blew up" not in crash.hint
+
+
+@pytest.mark.parametrize("level", ["basic", "advanced"])
+def test_a_plain_bug_gets_no_invented_evidence(tmp_path, level):
+    alerts, _ = vae(level, tmp_path, raise_at=37)
+    (crash,) = [a for a in alerts if a.kind == "crash"]
+    assert crash.step == 37 and "ValueError: bad sample id 37" in crash.message
+    _old_wording(crash)
+    assert crash.hint.startswith("Not a non-finite fault")
+
+
+def test_a_nan_from_log0_in_a_healthy_module_keeps_its_wording(tmp_path, monkeypatch):
+    """tests/_zoo_crash.py's VAE: dec.2 computes log(0) from step 12, the weights are healthy."""
+    made: list[Any] = []
+    real = trackdiag.Diagnostics.__init__
+    monkeypatch.setattr(trackdiag.Diagnostics, "__init__", lambda self, *a, **k: (real(self, *a, **k), made.append(self))[0])
+    with pytest.raises(RuntimeError):
+        zoo.vae("advanced", tmp_path, onset=12)
+    (crash,) = made[0].alerts
+    _old_wording(crash)
+    assert crash.where.startswith("dec.2 (NanGate, input finite)") and "guard the log/div/sqrt/exp" in crash.hint
+
+
+def _records(lrs: list[tuple[int, float]]) -> list[Record]:
+    return [Record(step=s, time=0.0, scalars={"diag/opt/lr": v}) for s, v in lrs]
+
+
+def test_schedules_are_no_learning_rate_jump():
+    """A linear warm-up logged every 10 steps, a cosine restart back to its top: no jump; 1000x: one."""
+    warm = _records([(s, 1e-3 * (s + 1) / 500) for s in range(0, 60, 10)])
+    assert crash_evidence.lr_jumps(warm, {"diag/opt/lr": 1e-3 * 61 / 500}, 61, 10) == []
+    cosine = [(s, 1e-3 * 0.5 * (1 + math.cos(math.pi * (s % 100) / 100)) + 1e-6) for s in range(0, 210, 10)]
+    assert crash_evidence.lr_jumps(_records(cosine), {"diag/opt/lr": 1e-3}, 201, 10) == []
+    (jump,) = crash_evidence.lr_jumps(_records(cosine), {"diag/opt/lr": 1.0}, 205, 10)
+    assert jump.rank == crash_evidence.LR and jump.step == 205 and "read at the crash" in jump.text
+
+
+def test_series_evidence_and_its_order():
+    """A gradient norm 50x its median, a loss 4x its median: both found; the lead is the stronger (gradient)."""
+    grad = [(s, 1.0 + 0.1 * (s % 3)) for s in range(10)] + [(10, 55.0)]
+    loss = [(s, 2.0 - 0.01 * s) for s in range(10)] + [(10, 8.0)]
+    ev = crash_evidence.series({"diag/grad/global_norm": grad, "diag/loss": loss})
+    assert sorted(e.rank for e in ev) == [crash_evidence.GRAD, crash_evidence.LOSS]
+    lead = crash_evidence.lead(ev)
+    assert lead.startswith("Before the crash, a gradient-norm explosion at step 10") and "a loss spike at step 10" in lead
+    noisy = [(s, 1.0 + (s % 4)) for s in range(11)]  # 1-4x its level: an RL-like noisy norm is no evidence
+    assert crash_evidence.series({"diag/grad/global_norm": noisy, "diag/loss": noisy}) == []
