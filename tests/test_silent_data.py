@@ -81,7 +81,8 @@ def test_next_iter_in_loop_from_step_60(tmp_path):
     # it was raised (its logging step) within 50 steps of the onset
     from trackdiag.core.record import read_records
 
-    raised_at = [r.step for r in read_records(diag.summary()["output_dir"]) if any(a.kind == "same_batch" for a in r.alerts)]
+    raised_at = [r.step for r in read_records(diag.summary()["output_dir"])
+                 if any(a.kind == "same_batch" for a in r.alerts)]
     assert raised_at and raised_at[0] - 60 <= 50
 
 
@@ -98,8 +99,8 @@ def test_full_batch_held_tensors_are_silent(tmp_path):
     xtr, ytr, xva, yva = digits()
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=5e-4)
-    with one_thread(), trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path / "a"),
-                                             probes=quiet_probes()) as diag:
+    with one_thread(), trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"],
+                                             output_dir=str(tmp_path / "a"), probes=quiet_probes()) as diag:
         for _ in range(150):
             model.train()
             target = ytr.clone()
@@ -117,8 +118,8 @@ def test_full_batch_held_tensors_are_silent(tmp_path):
 
     model = _model()
     lbfgs = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=3, history_size=10, line_search_fn="strong_wolfe")
-    with one_thread(), trackdiag.Diagnostics(model, lbfgs, level="advanced", sinks=["local"], output_dir=str(tmp_path / "b"),
-                                             probes=quiet_probes()) as diag:
+    with one_thread(), trackdiag.Diagnostics(model, lbfgs, level="advanced", sinks=["local"],
+                                             output_dir=str(tmp_path / "b"), probes=quiet_probes()) as diag:
         for _ in range(60):
             def closure() -> torch.Tensor:
                 lbfgs.zero_grad()
@@ -152,5 +153,6 @@ def test_probe_counts_rewritten_buffer_not_held_tensor(tmp_path):
                 loss.backward()
                 opt.step()
                 diag.step(loss, batch=(buf, ytr[:32]))
-        streaks = [r.scalars["diag/data/repeat_streak"] for r in read_records(out) if "diag/data/repeat_streak" in r.scalars]
+        streaks = [r.scalars["diag/data/repeat_streak"] for r in read_records(out)
+                   if "diag/data/repeat_streak" in r.scalars]
         assert streaks and (max(streaks) >= 9 if refill else max(streaks) == 0), streaks

@@ -9,10 +9,12 @@ A batch that is the very same tensor object as the step before, unchanged in pla
 training: a graph, an in-memory dataset, an L-BFGS closure's data): it never counts as a repeat. What counts is a
 batch rebuilt every step with identical contents, as a loader restarted each step gives.
 
-Cost per step: on the batch's first floating/integer tensor, a float64 sum and a gather of at most ``samples``
-(4096) evenly spaced elements with a position-weighted sum (3 small kernels, no batch-sized temporary), kept by
-reference; a host ``is`` test on the tensor. The window's fingerprints are stacked and copied with everything
-else at the logging step and compared on the host (no per-step sync).
+Cost per step: on the batch's first floating/integer tensor, a sum (on the CPU only up to 2**20 elements) and a
+position-weighted dot product over a strided view of at most ``samples`` (4096) evenly spaced elements (3 small
+kernels, no batch-sized temporary), kept by reference; a host ``is`` test on the tensor. Measured on one thread of
+a busy 2-core CPU: 0.03-0.15 ms a step for a (32, 64) batch, ~0.45 ms for (64, 3, 224, 224). The window's
+fingerprints are stacked and copied with everything else at the logging step and compared on the host (no per-step
+sync).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from trackdiag.capture.context import ProbeContext, StepInputs
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
 from trackdiag.util.tensors import inputs_of, iter_tensors
+
+FULL_SUM = 1 << 20  #: on the CPU, the whole-tensor sum only up to this many elements
 
 
 def first_tensor(batch: Any) -> torch.Tensor | None:
@@ -50,7 +54,7 @@ class DataRepeatProbe(Probe):
         self.samples = max(1, samples)
         self._prev: Any = None  # weakref to the previous step's tensor
         self._prev_version = -1
-        self._index: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._weights: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self._seen: list[tuple[int, tuple[int, ...], bool, torch.Tensor]] = []  # (step, shape, held, fingerprint)
         self._window: list[tuple[int, tuple[int, ...], bool]] = []
         self._last: tuple[int, tuple[int, ...], tuple[float, float]] | None = None  # the last judged step
@@ -73,18 +77,23 @@ class DataRepeatProbe(Probe):
         self._seen.append((ctx.step, tuple(t.shape), held, self._fingerprint(t.detach())))
 
     def _fingerprint(self, t: torch.Tensor) -> torch.Tensor:
-        """``[sum, sum_i w_i x_i]`` over ``samples`` evenly spaced positions (float64, on the tensor's device)."""
+        """``[sum_i w_i x_i, sum]``: the position-weighted sum of at most ``samples`` evenly spaced elements (a
+        strided view, no copy for a float32/float64 batch) and the sum of every element (on the CPU only up to
+        ``FULL_SUM`` elements: a float sum of a large image batch costs milliseconds there); on the tensor's device."""
         flat = t.reshape(-1)
-        key = (flat.numel(), str(flat.device))
-        got = self._index.get(key)
-        if got is None:
-            n = flat.numel()
-            idx = torch.linspace(0, n - 1, min(n, self.samples), device=flat.device).round().long()
-            got = self._index[key] = (idx, (idx + 1).double())
-            if len(self._index) > 64:  # variable-length batches: keep the cache small
-                self._index.pop(next(iter(self._index)))
-        idx, w = got
-        return torch.stack([flat.sum(dtype=torch.float64), (flat[idx].double() * w).sum()])
+        n = flat.numel()
+        picked = flat[:: max(1, n // self.samples)][: self.samples]
+        dtype = flat.dtype if flat.dtype in (torch.float32, torch.float64) else torch.float32
+        key = (picked.numel(), dtype, flat.device)
+        w = self._weights.get(key)
+        if w is None:
+            w = self._weights[key] = torch.arange(1, picked.numel() + 1, dtype=dtype, device=flat.device)
+            if len(self._weights) > 64:  # variable-length batches: keep the cache small
+                self._weights.pop(next(iter(self._weights)))
+        dot = torch.dot(picked if picked.dtype == dtype else picked.to(dtype), w)
+        if flat.device.type == "cpu" and n > FULL_SUM:
+            return torch.stack([dot, dot.new_zeros(())])
+        return torch.stack([dot, flat.sum().to(dtype)])
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         if not self._seen:

@@ -97,7 +97,8 @@ class EvalMismatch(Rule):
                    f"(EMA) went from {before[2]:.4g} to {train:.4g}.")
         bsz = _batch_size(history)
         if from_start and side < 0 and bsz >= 2 and bsz / 3 <= 1 / ratio <= 3 * bsz:
-            msg += (f" The train loss is ~{1 / ratio:.0f}x the evaluation loss with batches of {int(bsz)}: a train loss "
+            msg += (f" The train loss is ~{1 / ratio:.0f}x the evaluation loss with batches of {int(bsz)}: a train "
+                    "loss "
                     "summed over the batch (reduction='sum') compared with a per-sample evaluation; the runs agree "
                     "once both are per sample.")
             return [self.make(onset, msg, ratio, 1 / self.factor, f"eval/{self.metric}", [])]
@@ -154,7 +155,8 @@ class EvalFrozen(Rule):
                 self._runs[key] = [v, record.step, record.step, 1, train, 0.0]
             elif record.step > run[2]:
                 run[2], run[3] = record.step, run[3] + 1
-        frozen = [k for k in keys if self._runs[k][3] >= self.patience and self._runs[k][2] - self._runs[k][1] >= self.min_span]
+        frozen = [k for k in keys
+                  if self._runs[k][3] >= self.patience and self._runs[k][2] - self._runs[k][1] >= self.min_span]
         out = []
         for key in frozen:
             run = self._runs[key]
