@@ -41,12 +41,12 @@ class EvalMismatch(Rule):
     """Fires when the evaluation loss disagrees with the concurrent train loss in one of two ways:
 
     - **scale**: it is ``factor`` (30) times above or below it (the smoothed ``loss/ema`` and the newest window's
-      median alike) at every evaluation since the first, at least
-      ``patience`` (2) of them (a scale that never agreed: ``reduction='sum'`` on one side, another split or its
-      preprocessing, a model evaluated in the wrong mode from the start);
-    - **jump**: each of the newest ``patience`` evaluations sits ``jump`` (3) times above the evaluation
-      before them while the train loss stayed within 2x of its value then (weights swapped for a
-      fresh or stale copy, the mode or the split changed from then on).
+      median alike) at every evaluation since the first, at least ``patience`` (2) of them (a scale that never
+      agreed: ``reduction='sum'`` on one side, another split or its preprocessing, a model evaluated in the wrong
+      mode from the start);
+    - **jump**: each of the newest ``patience`` evaluations sits ``jump`` (3) times above the evaluation before
+      them and twice above the train loss, while the train loss stayed within 2x of its value then (weights
+      swapped for a fresh or stale copy, the mode or the split changed from then on).
 
     A gap that grows by degrees while the train loss falls is overfitting, left to that rule. ``persistent``: a
     warning; ``info`` when the train loss is ~``batch size`` times the evaluation loss from the start (a train
@@ -107,12 +107,13 @@ class EvalMismatch(Rule):
 
     def _jumped(self) -> bool:
         """Whether the newest ``patience`` evaluations all sit ``jump`` times above the evaluation just before them
-        while the train loss stayed within 2x of its value then (a drop is no fault: an EMA model catching up,
-        a learning-rate decay)."""
+        and at least twice above the train loss, while the train loss stayed within 2x of its value then (a drop is
+        no fault: an EMA model catching up, a learning-rate decay; nor a validation loss near 0 that jumps by
+        factors and stays below the train loss)."""
         if len(self._evals) <= self.patience:
             return False
         _, ref_val, ref_train, _ = self._evals[-1 - self.patience]
-        return all(v / ref_val >= self.jump and 0.5 <= t / ref_train <= 2.0
+        return all(v / ref_val >= self.jump and v >= 2.0 * t and 0.5 <= t / ref_train <= 2.0
                    for _, v, t, _ in self._evals[-self.patience:])
 
     def state_dict(self) -> dict[str, Any]:
