@@ -38,9 +38,9 @@ class StaleParams(Rule):
     - **frozen** (info): layers an optimizer holds with ``requires_grad=False`` (``setup/frozen``):
       a backbone frozen on purpose and handed to the optimizer with the rest, which PyTorch handles.
       A warning (``loss``) when they are more than ``FROZEN_SHARE`` (half) of the values the optimizer holds
-      and the loss stalls: its mean over the last ``LATE`` (20) steps at or after ``min_steps`` is still above
-      ``STALL`` (0.9) x its mean over the first ``EARLY`` (10) (a fine-tuning slip: everything frozen but the
-      last layer). A deliberate fine-tune learns quickly on its good backbone; a loss not minimised
+      and the loss stalls: judged once, at the first logging step ``min_steps`` after the freeze was seen, its mean
+      over the last ``LATE`` (20) steps is within ``STALL`` (0.9) .. 1/``STALL`` x its mean over the first ``EARLY``
+      (10) (a fine-tuning slip: everything frozen but the last layer; a loss that rose is another rule's business). A deliberate fine-tune learns quickly on its good backbone; a loss not minimised
       (GAN, RL) is not judged;
     - **waiting** (info): a layer that has never received a gradient after ``min_steps`` steps and
       ``patience`` (5) measurements: a later phase (greedy layer-wise training), an unused module, or
@@ -171,6 +171,8 @@ class StaleParams(Rule):
             where = layers_named(comp, table)
             total = sum(self._size(comp).values())
             self._cold[comp.name] = (record.step, sum(table.values()) / total if total else 0.0, where)
+            self._early.pop(comp.name, None)  # a new freeze: its loss judged from here
+            self._loss.pop(comp.name, None)
             msg = (f"{len(table)} layer(s) in the optimizer have requires_grad=False ({where}) at this step: while frozen "
                    f"they get no gradient. Fine when frozen on purpose (a fine-tuned backbone; a GAN's discriminator "
                    f"frozen for the generator's step); otherwise unfreeze them.")
@@ -184,7 +186,8 @@ class StaleParams(Rule):
         out = []
         for comp in components:
             cold = self._cold.get(comp.name)
-            if cold is None or cold[1] <= self.FROZEN_SHARE or comp.name in self._stall_said or not self.minimised(comp.name):
+            decided = f"{comp.name}|{cold[0]}" if cold else ""
+            if cold is None or cold[1] <= self.FROZEN_SHARE or decided in self._stall_said or not self.minimised(comp.name):
                 continue
             loss = self._loss.setdefault(comp.name, Recent(self.LATE))
             first = self._early.setdefault(comp.name, {})
@@ -196,10 +199,10 @@ class StaleParams(Rule):
             early, late = list(first.values()), [v for _, v in loss.points]
             if record.step < cold[0] + self.min_steps or len(early) < self.EARLY // 2 or len(late) < self.LATE // 2:
                 continue
+            self._stall_said.add(decided)  # judged once, at the first logging step that can: a stall, not a later rise
             a, b = statistics.fmean(early), statistics.fmean(late)
-            if not (math.isfinite(a) and math.isfinite(b)) or b < self.STALL * a:
+            if not (math.isfinite(a) and math.isfinite(b)) or not self.STALL * a <= b <= a / self.STALL:
                 continue
-            self._stall_said.add(comp.name)
             msg = (f"{cold[1]:.0%} of the values the optimizer holds are frozen (requires_grad=False: {cold[2]}) and the "
                    f"loss stalls: {b:.4g} over the last {len(late)} steps against {a:.4g} over the first {len(early)}. "
                    f"A fine-tuning slip (everything frozen but the last layer)? Unfreeze what should train.")
