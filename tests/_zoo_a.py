@@ -5,34 +5,16 @@ zero_grad); each fault is planted through its arguments or the model passed in.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import trackdiag
-from trackdiag.core.registry import PROBES
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """2 shared cores: intra-op threads only contend. Restores the previous setting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def quiet_probes(**extra: Any) -> dict[str, Any]:
-    """Probe overrides for fast tests: other engineers' end-of-run artifacts and histograms off."""
-    off: dict[str, Any] = {n: {"enabled": False} for n in ("report", "histograms", "landscape") if n in PROBES}
-    return {**off, **extra}
+from _harness import one_thread, quiet_probes  # noqa: F401 (the suite's shared loop helpers)
 
 
 @functools.lru_cache(maxsize=1)

@@ -18,26 +18,17 @@ Faults: ``NanGate`` (NaN from ``onset`` on: a buffer flag, so a replay reproduce
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import trackdiag
+from _harness import one_thread  # noqa: F401 (re-exported for the zoo's styles)
 from _zoo_b import digits
 
 LEAN = {"report": {"enabled": False}}
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 class NanGate(nn.Module):

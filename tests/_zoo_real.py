@@ -29,11 +29,12 @@ from torch import nn
 import trackdiag
 from _loops import (CharGPT, DigitsCNN, NamesModel, WordLM, batchify, char_batches, char_data, gpt_optimizer,
                     lm_batches, names_batches, names_data, repackage, warmup_cosine, word_data)
-from _zoo_a import digits, one_thread, quiet_probes
+from _harness import Judged, local_session, one_thread
+from _zoo_a import digits
 
 FAULTS = ("lr_start", "lr_mid", "init100", "init100_noclip", "nan", "no_zero", "freeze_before", "freeze_after",
           "left_out", "labels_eq_inputs", "tiny_subset", "leak")
-START_FAULTS = {"lr_start", "init100", "init100_noclip", "freeze_before", "freeze_after", "left_out", "labels_eq_inputs"}
+START_FAULTS = {"lr_start", "init100", "init100_noclip", "freeze_before", "freeze_after", "left_out", "labels_eq_inputs", "tiny_subset"}
 ONSET = 40
 
 
@@ -54,31 +55,15 @@ class Gate(nn.Module):
 
 
 @dataclasses.dataclass
-class Run:
+class Run(Judged):
     diag: Any
     onset: int
     steps: int
     culprit: str = ""  # the module a `nan` fault is planted in
 
-    def first(self, kinds: set[str] | None = None, min_severity: str = "warning") -> Any:
-        order = {"info": 0, "warning": 1, "critical": 2}
-        alerts = [a for a in self.diag.alerts if order[a.severity] >= order[min_severity] and (kinds is None or a.kind in kinds)]
-        return min(alerts, key=lambda a: a.step) if alerts else None
-
-    def raised_at(self, alert: Any) -> int:
-        """The logging step whose record carried ``alert``: when the user was told (``alert.step`` is
-        when the fault happened)."""
-        from trackdiag.core.record import read_records
-
-        for rec in read_records(self.diag.run.output_dir):
-            if any((a.kind, a.step, a.where) == (alert.kind, alert.step, alert.where) for a in rec.alerts):
-                return rec.step
-        return -1
-
 
 def session(model: Any, opt: Any, out: Any, level: str, every: int, **kw: Any) -> trackdiag.Diagnostics:
-    return trackdiag.Diagnostics(model, opt, level=level, every=every, sinks=["local"], output_dir=str(out),
-                                 probes=quiet_probes(), **kw)
+    return local_session(model, opt, out, level, every=every, **kw)
 
 
 def scale_weights(model: nn.Module, factor: float) -> None:

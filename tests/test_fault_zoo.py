@@ -29,12 +29,13 @@ EXPECTED = {
     "freeze_after": {"stale_params"},
     "left_out": {"param_not_optimized"},
     "labels_eq_inputs": {"label_leak"},
-    "tiny_subset": {"overfitting"},
+    "tiny_subset": {"overfitting", "same_batch"},  # one batch every step (wordlm's subset is one bptt window)
     "leak": {"memory_leak"},
 }
 CASES = [(s, f) for s in SCRIPTS for f in FAULTS if (s, f) not in NOT_APPLICABLE]
 #: faults that look exactly like a choice: a layer frozen (``requires_grad=False``) and still handed to the
-#: optimizer is how fine-tuning scripts freeze a backbone. Reported at step 0, as an info finding.
+#: optimizer is how fine-tuning scripts freeze a backbone. Reported at step 0, as an info finding, and as a
+#: warning when most of what the optimizer holds is frozen and the loss stalls (issue 45: a fine-tuning slip).
 AS_INFO = {"freeze_before", "freeze_after"}
 
 
@@ -51,14 +52,16 @@ def test_planted_fault_is_caught_promptly(tmp_path, script: str, fault: str) -> 
     steps = 300 if fault == "tiny_subset" else 70
     run = SCRIPTS[script](fault, tmp_path, steps=steps)
     first = run.first(min_severity="info" if fault in AS_INFO else "warning")
-    if fault in AS_INFO:
-        assert first is not None and (first.kind, first.step, first.severity) == ("stale_params", 0, "info"), first
-        assert run.diag.summary()["health"] == "ok"
+    if fault in AS_INFO:  # a choice, unless the loss says otherwise: most of the model frozen and the loss stalling
+        assert first is not None and (first.kind, first.step) == ("stale_params", 0), first
+        loud = [a for a in run.diag.alerts if a.severity != "info"]
+        assert all(a.kind == "stale_params" and "the loss stalls" in a.message for a in loud), loud
+        assert first.severity == "info" or loud
         return
     assert first is not None, f"{script}/{fault}: missed ({[(a.kind, a.step) for a in run.diag.alerts]})"
     assert first.kind in EXPECTED[fault], (first.kind, first.step, first.message)
     raised = run.raised_at(first)
-    if fault == "tiny_subset":  # reported at the onset (the evaluation after the best), raised <= 5 evaluations on
+    if fault == "tiny_subset" and first.kind == "overfitting":  # reported at the onset (the evaluation after the best), raised <= 5 evaluations on
         assert first.message.count("rising since step") == 1 and first.step < raised <= first.step + 5 * 20
         return
     budget = 20 if fault in START_FAULTS else 10
