@@ -46,9 +46,14 @@ def local_session(model: Any, opt: Any, out: Path | str, level: str, **overrides
 
 
 class Judged:
-    """A finished run's verdicts; ``self.diag`` is its session (``.alerts``, ``.run.output_dir``)."""
+    """A finished run's verdicts; ``self.diag`` is its session, or a framework callback holding one
+    (``.alerts``, ``.summary()``)."""
 
     diag: Any
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.diag.summary()["output_dir"])
 
     def alerts(self, min_severity: str = "warning") -> list[Any]:
         return [a for a in self.diag.alerts if SEVERITY[a.severity] >= SEVERITY[min_severity]]
@@ -63,7 +68,7 @@ class Judged:
         the fault happened); -1 if none."""
         from trackdiag.core.record import read_records
 
-        for rec in read_records(self.diag.run.output_dir):
+        for rec in read_records(self.run_dir):
             if any((a.kind, a.step, a.where) == (alert.kind, alert.step, alert.where) for a in rec.alerts):
                 return rec.step
         return -1

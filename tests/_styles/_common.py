@@ -35,9 +35,9 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 import trackdiag  # noqa: E402
-from _zoo_a import digits, one_thread, quiet_probes  # noqa: E402,F401  (re-exported for the styles)
+from _harness import SEVERITY, Judged, local_session, one_thread, quiet_probes  # noqa: E402,F401  (re-exported for the styles)
+from _zoo_a import digits  # noqa: E402,F401  (re-exported for the styles)
 
-SEVERITY = {"info": 0, "warning": 1, "critical": 2}
 #: faults that are present from step 0 (their onset is 0 whatever ``onset`` says)
 START_FAULTS = frozenset({"lr_start", "shuffled_labels", "eval_mode", "tiny_subset"})
 ALL_FAULTS = ("nan", "lr1000", "no_zero", "lr_start", "shuffled_labels", "eval_mode", "wiped_grads",
@@ -63,7 +63,7 @@ class Progress:
 
 
 @dataclasses.dataclass
-class StyleRun:
+class StyleRun(Judged):
     diag: Any                 # the session (or the Lightning callback): .alerts, .summary()
     onset: int                # the step the fault starts (0 for START_FAULTS, -1 healthy)
     steps: int
@@ -73,34 +73,10 @@ class StyleRun:
     error: str | None = None  # what the script died of (crash faults, a blow-up), else None
     seconds: float = 0.0
 
-    def alerts(self, min_severity: str = "warning") -> list[Any]:
-        return [a for a in self.diag.alerts if SEVERITY[a.severity] >= SEVERITY[min_severity]]
-
-    def first(self, min_severity: str = "warning", kinds: set[str] | None = None) -> Any:
-        found = [a for a in self.alerts(min_severity) if kinds is None or a.kind in kinds]
-        return min(found, key=lambda a: a.step) if found else None
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.diag.summary()["output_dir"])
-
-    def raised_at(self, alert: Any) -> int:
-        """The logging step whose record carried ``alert`` (when the user was told); -1 if none."""
-        from trackdiag.core.record import read_records
-
-        for rec in read_records(self.run_dir):
-            if any((a.kind, a.step, a.where) == (alert.kind, alert.step, alert.where) for a in rec.alerts):
-                return rec.step
-        return -1
-
 
 def session(model: Any, opt: Any, out: Path | str, level: str, **overrides: Any) -> trackdiag.Diagnostics:
-    """``Diagnostics`` as the README's quick start builds it, writing the local record only; the
-    end-of-run report, histograms and landscapes off (they cost seconds and judge nothing)."""
-    probes = quiet_probes(**overrides.pop("probes", {}))
-    sinks = overrides.pop("sinks", ["local"])
-    return trackdiag.Diagnostics(model, opt, level=level, sinks=sinks, output_dir=str(out), probes=probes,
-                                 **overrides)
+    """``Diagnostics`` as the README's quick start builds it (:func:`_harness.local_session`)."""
+    return local_session(model, opt, out, level, **overrides)
 
 
 class NanGate(nn.Module):
