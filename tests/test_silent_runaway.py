@@ -155,3 +155,17 @@ def test_runaway_rule_on_series() -> None:
     assert run(converging) == []
     negative = [-1.0] * 10 + [-8.0 + 7.0 * math.exp(-i / 30) for i in range(190)]
     assert run(negative) == []
+
+
+def test_a_loss_that_crossed_zero_both_ways_is_recorded_not_raised() -> None:
+    """A policy-gradient loss integrated without ``objective="rl"`` takes both signs before its magnitude grows
+    with the returns: the same steady fall below -10x its start is an info finding naming ``objective="rl"``;
+    a loss that crossed zero once (the KL flipped) stays critical (the previous test)."""
+    from trackdiag.core.record import Record
+
+    rule, got = LossRunaway(), []
+    signed = [10.0, -4.0, 6.0, -3.0, 8.0, 5.0, -2.0, 7.0, 9.0, 4.0] * 3 + [10.0 - 3.0 * i for i in range(170)]
+    for lo in range(0, len(signed), 10):
+        got += rule.check(Record(step=lo + 9, scalars={}, series={"diag/loss": list(enumerate(signed))[lo:lo + 10]}), [], [])
+    assert [a.severity for a in got] == ["info"], got
+    assert 'objective="rl"' in got[0].hint and "crossed zero both ways" in got[0].message

@@ -19,7 +19,9 @@ on the every-step values. (A dict of parts is read as an adversarial set under `
   linear, quadratic or exponential, does not;
   the three windows must be there: a loss plunging in its first steps is not judged before step 60);
 - the finding is at the first such step, once per series and phase: evidence ``loss`` (the loss shows
-  it), and ``persistent`` when the loss kept falling without slowing over all three windows (critical).
+  it), and ``persistent`` when the loss kept falling without slowing over all three windows (critical); a
+  loss that crossed zero both ways before (a policy-gradient loss without ``objective="rl"``) is an info
+  finding whose hint names ``objective="rl"``.
 
 Cost: host arithmetic on the loss series the record already holds (medians of three 20-value windows at
 the steps that cross the line); nothing on the device.
@@ -34,6 +36,7 @@ from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent
+from trackdiag.rules._signed import signed_rise
 from trackdiag.rules.base import Rule, loss_series, loss_where, phase_start, where_of
 
 
@@ -53,6 +56,7 @@ class LossRunaway(Rule):
         self._loss: dict[str, Recent] = {}
         self._first: dict[str, list[float]] = {}
         self._told: set[str] = set()
+        self._signs: dict[str, list[int]] = {}  # series -> [last sign, sign changes]: a loss back above zero is signed
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         """At most one ``loss_runaway`` finding per loss series and phase (see module docstring)."""
@@ -66,19 +70,24 @@ class LossRunaway(Rule):
                 points = [p for p in points if p[0] >= ps]
             rec = self._loss.setdefault(key, Recent(1024))
             first = self._first.setdefault(key, [])
+            signs = self._signs.setdefault(key, [0, 0])
             for s, v in points:
                 rec.extend([(s, v)])
                 if not math.isfinite(v):
                     continue
+                if v != 0.0 and (v > 0) != (signs[0] > 0):
+                    signs[1] += signs[0] != 0  # a change of sign (the first value sets it)
+                    signs[0] = 1 if v > 0 else -1
                 if len(first) < self.start_steps:
                     first.append(v)
                     continue
                 if key in self._told:
                     continue
-                found = self._judge(key, rec, first, s, v)
+                signed = signs[1] >= 2  # below zero and back: a signed loss (policy gradient), not a runaway
+                found = self._judge(key, rec, first, s, v, signed)
                 if found is not None:
                     self._told.add(key)
-                    out.append(found)
+                    out.append(signed_rise(found, s if signed else -1))
         return out
 
     def _line(self, first: list[float]) -> tuple[float, float, float]:
@@ -88,7 +97,8 @@ class LossRunaway(Rule):
         line = -self.factor * scale if start > 0 else start - self.factor * scale
         return start, scale, line
 
-    def _judge(self, key: str, rec: Recent, first: list[float], step: int, value: float) -> Alert | None:
+    def _judge(self, key: str, rec: Recent, first: list[float], step: int, value: float,
+               signed: bool = False) -> Alert | None:
         start, _, line = self._line(first)
         if value >= line:
             return None
@@ -103,11 +113,15 @@ class LossRunaway(Rule):
         fall, before = mid - now, old - mid
         if fall < self.keep * before:
             return None  # slowing down: converging
-        evidence = ["loss"] + (["persistent"] if before > 0 else [])
+        # a loss that crossed zero both ways (a policy-gradient loss) is recorded, not raised: the hint names objective="rl"
+        evidence = [] if signed else ["loss"] + (["persistent"] if before > 0 else [])
         where = "below zero" if start > 0 else "beyond its start"
         msg = (f"the minimised loss {key} fell to {value:.4g} at step {step}, {where}: it started at {start:.4g} "
                f"(median of its first {len(first)} steps) and is still falling without slowing "
                f"({mid:.4g} -> {now:.4g} over the last {w} steps): a loss without a lower bound")
+        if signed:
+            msg += "; it has crossed zero both ways, as a policy-gradient loss does"
+
         return self.make(step, msg + ".", value, line, loss_where(key), evidence)
 
     def state_dict(self) -> dict[str, Any]:
