@@ -50,3 +50,13 @@ def test_on_policy_healthy_stays_quiet(tmp_path) -> None:
     diag, rewards = on_policy(tmp_path)
     assert sum(rewards[-20:]) > sum(rewards[:20]) + 5  # it learns
     assert loud(diag) == [], said(diag)
+
+
+def test_a_warm_up_is_not_a_jump(tmp_path) -> None:
+    """The corpus's accelerate loop warms its learning rate up 15x between the first ten steps and step 50 (the next
+    update measurement at ``advanced``), its step 10x the usual: a ramp over the logging steps, not a jump, so no
+    ``update_scale`` (it was critical at step 50 on both seeds)."""
+    from _styles import load
+
+    run = load("accelerate_cv").run(tmp_path, level="advanced", seed=0, steps=300)
+    assert [a for a in run.diag.alerts if a.kind == "update_scale"] == []

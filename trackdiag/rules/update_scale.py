@@ -14,8 +14,9 @@ from trackdiag.rules.base import Rule, latest, phase_start
 class UpdateScale(Rule):
     """The whole model's step (``update/step_size``: ||dw|| / ||w|| over the parameters not born zero) at a
     measurement is ``jump`` (10) x or more above the largest of this phase's earlier measurements (at least
-    ``history`` (5) of them), or ``WITH_LR`` (3) x above their median where the learning rate also rose ``jump`` x or more
-    since the previous measurement (the weights a blown-up rate inflates shrink the ratio within steps), while the pre-clip gradient norm there is no more than ``GRAD_FACTOR`` (3) x its
+    ``history`` (5) of them), or ``WITH_LR`` (3) x above their median where the learning rate also jumped ``jump`` x or more
+    between two logging steps since the previous measurement (the weights a blown-up rate inflates shrink the ratio
+    within steps; a warm-up ramps the rate over many logging steps: accelerate_cv's 15x from step 9 to 50 is no jump), while the pre-clip gradient norm there is no more than ``GRAD_FACTOR`` (3) x its
     median over those measurements: the update, not the gradient, changed. Under Adam (which normalises the
     gradient) or clipping, a learning rate blown up shows nowhere else at first: the loss may only double and
     the gradient stays clipped to its usual size, while the weights are rewritten until units saturate.
@@ -35,7 +36,9 @@ class UpdateScale(Rule):
         self.jump, self.history = jump, history
         self._sizes: dict[str, list[float]] = {}  # component -> this phase's step sizes
         self._grads: dict[str, list[float]] = {}  # component -> the gradient norm at those measurements
-        self._lr: dict[str, float] = {}  # component -> its largest learning rate at the previous measurement
+        self._lr: dict[str, float] = {}  # component -> its largest learning rate at the previous logging step
+        self._at: dict[str, float] = {}  # component -> its learning rate at the previous measurement
+        self._rose: dict[str, float] = {}  # component -> the rate before a jump x10 between two logging steps, since the last measurement
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
@@ -43,25 +46,29 @@ class UpdateScale(Rule):
             self._sizes.clear()
             self._grads.clear()
         for comp in components:
+            lr = self._top_lr(record, comp)
+            last = self._lr.get(comp.name, math.nan)
+            if last > 0 and lr >= self.jump * last:  # a jump between two logging steps; a warm-up ramps over many
+                self._rose.setdefault(comp.name, last)
+            if math.isfinite(lr):
+                self._lr[comp.name] = lr
             size = record.scalars.get(comp.key("update/step_size"))
             grad = latest(record, comp.key("grad/global_norm"))
             if size is None or grad is None or not (math.isfinite(size) and math.isfinite(grad)):
                 continue
-            lr = self._top_lr(record, comp)
             sizes, grads = self._sizes.setdefault(comp.name, []), self._grads.setdefault(comp.name, [])
-            before, prev_lr = (max(sizes) if sizes else math.nan), self._lr.get(comp.name, math.nan)
-            raised = prev_lr > 0 and lr >= self.jump * prev_lr
+            before, jumped_from = (max(sizes) if sizes else math.nan), self._rose.pop(comp.name, math.nan)
+            raised, prev_lr = jumped_from > 0, self._at.get(comp.name, math.nan)
+            self._at[comp.name] = lr
             usual = statistics.median(sizes) if sizes else math.nan
             if (len(sizes) >= self.history and usual > 0 and grad <= self.GRAD_FACTOR * statistics.median(grads)
                     and (size >= self.jump * before or (raised and size >= self.WITH_LR * usual))):
                 out.append(self._finding(record.step, comp, size, before, usual, grad, statistics.median(grads), lr,
-                                         prev_lr))
+                                         jumped_from if raised else prev_lr, raised))
                 sizes.clear()  # judged against its new scale from here on: said once
                 grads.clear()
             sizes.append(size)
             grads.append(grad)
-            if math.isfinite(lr):
-                self._lr[comp.name] = lr
         return out
 
     @staticmethod
@@ -71,9 +78,9 @@ class UpdateScale(Rule):
         return max(lrs) if lrs else math.nan
 
     def _finding(self, step: int, comp: Component, size: float, before: float, usual: float, grad: float, level: float,
-                 lr: float, prev_lr: float) -> Alert:
-        """The finding (see class doc) at measurement ``step``."""
-        raised = prev_lr > 0 and lr >= self.jump * prev_lr
+                 lr: float, prev_lr: float, raised: bool) -> Alert:
+        """The finding (see class doc) at measurement ``step``; ``prev_lr`` is the rate before the jump when it
+        ``raised``, else the rate at the previous measurement."""
         why = (f"; the learning rate rose from {prev_lr:.3g} to {lr:.3g}" if raised else
                "; the learning rate did not change: a reset optimizer state or a patched step?" if lr == prev_lr else "")
         msg = (f"one optimizer step moved the weights by {size:.3g} of their size, {size / usual:.0f}x the usual step "
@@ -83,9 +90,10 @@ class UpdateScale(Rule):
                          ["weights", "corroborated"] if raised else ["weights"])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sizes": self._sizes, "grads": self._grads, "lr": self._lr}
+        return {"sizes": self._sizes, "grads": self._grads, "lr": self._lr, "rose": self._rose}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._sizes = {k: [float(x) for x in v] for k, v in state.get("sizes", {}).items()}
         self._grads = {k: [float(x) for x in v] for k, v in state.get("grads", {}).items()}
         self._lr = {k: float(v) for k, v in state.get("lr", {}).items()}
+        self._rose = {k: float(v) for k, v in state.get("rose", {}).items()}
