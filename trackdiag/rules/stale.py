@@ -6,8 +6,12 @@ import math
 import statistics
 from typing import Any, Sequence
 
+import torch
+from torch import nn
+
 from trackdiag.capture.context import Component
 from trackdiag.capture.layers import layer_of
+from trackdiag.capture.optimizers import real_optimizer
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent
@@ -25,6 +29,31 @@ def layer_sizes(comp: Component) -> dict[str, float]:
     return out
 
 
+def converges_itself(comp: Component) -> bool:
+    """An L-BFGS optimizer skips the update once its own tolerances say converged (``tolerance_grad``,
+    ``tolerance_change``): weights that stop moving under it are a finished fit, not an update that did not land."""
+    return any(isinstance(real_optimizer(o) or o, torch.optim.LBFGS) for o in comp.optimizers)
+
+
+def branch_not_taken(comp: Component, layer: str, grads: dict[str, float]) -> bool:
+    """Whether ``layer`` sits in one of the parallel branches of an ``nn.ModuleList``/``nn.ModuleDict`` whose other
+    branches train (a mixture-of-experts' expert no token was routed to, a head of a task not sampled): a forward
+    that routes around it, not a cut. Layers of an ``nn.Sequential`` (always run in order) are never branches.
+    Cost: a few ``get_submodule`` look-ups per never-trained layer, on the logging steps that judge it."""
+    parts = layer.split(".")
+    for i in range(1, len(parts)):
+        container, branch = ".".join(parts[:i]), ".".join(parts[:i + 1])
+        try:
+            holder = comp.model.get_submodule(container) if comp.model is not None else None
+        except AttributeError:
+            return False
+        if isinstance(holder, (nn.ModuleList, nn.ModuleDict)) and any(
+                v > 0 and lay.startswith(container + ".") and not lay.startswith(branch + ".") and lay != branch
+                for lay, v in grads.items()):
+            return True
+    return False
+
+
 class StaleParams(Rule):
     """Parameters that do not train, by phase (``where`` = the layer, ``step`` = when the phase began):
 
@@ -34,7 +63,7 @@ class StaleParams(Rule):
     - **still** (warning, ``persistent``): the optimizer steps, gradients reach the component, and its
       weights do not move at all (``update/global_ratio`` exactly 0) for ``min_steps`` steps and ``patience``
       measurements: a learning rate of 0, an optimizer holding only tensors the model no longer uses, a
-      patched or compiled step that skips the update;
+      patched or compiled step that skips the update (not under L-BFGS, which stops itself once converged);
     - **frozen** (info): layers an optimizer holds with ``requires_grad=False`` (``setup/frozen``):
       a backbone frozen on purpose and handed to the optimizer with the rest, which PyTorch handles.
       A warning (``loss``) when they are more than ``FROZEN_SHARE`` (half) of the values the optimizer holds
@@ -47,7 +76,8 @@ class StaleParams(Rule):
       a ``.detach()`` cutting it off. A warning (``persistent``) when nothing explains it: the component
       has one optimizer, it steps (not idle), no training phase has begun in the run (``diag/phase``), other
       layers receive gradients, and the layers waiting since their first measurement hold at least
-      ``CUT_SHARE`` (5%) of the optimised values (a cut-off part of the network, not an unused pooler);
+      ``CUT_SHARE`` (5%) of the optimised values (a cut-off part of the network, not an unused pooler), counting
+      no layer of a parallel branch whose siblings train (:func:`branch_not_taken`: an expert no token reached);
     - **stopped** (info): a layer that received gradients and then none (``None`` or exactly zero) or
       no longer changes (``update/ratio`` = 0) for ``min_steps`` steps and ``patience`` measurements:
       a phase that ended, or a layer frozen mid-run. A measurement where every layer's gradient is exactly
@@ -126,7 +156,8 @@ class StaleParams(Rule):
                 or not any(v > 0 for v in grads.values())):
             return ""
         sizes = self._size(comp)
-        cut = [lay for lay, v in grads.items() if v == 0.0 and f"{comp.name}|{lay}" not in self._trained]
+        cut = [lay for lay, v in grads.items() if v == 0.0 and f"{comp.name}|{lay}" not in self._trained
+               and not branch_not_taken(comp, lay, grads)]
         total = sum(sizes.values())
         share = sum(sizes.get(lay, 0.0) for lay in cut) / total if total else 0.0
         if share < self.CUT_SHARE:
@@ -144,7 +175,8 @@ class StaleParams(Rule):
                 continue
             grad = latest(record, comp.key("grad/global_norm"))
             key = f"{comp.name}|(still)"
-            moving = not (g == 0.0 and grad is not None and grad > 0 and comp.key("update/idle_steps") not in record.scalars)
+            moving = not (g == 0.0 and grad is not None and grad > 0 and comp.key("update/idle_steps") not in record.scalars
+                          and not converges_itself(comp))
             if not self._streaks.bump(key, not moving, record.step, self.min_steps):
                 continue
             since = self._streaks.start(key)
