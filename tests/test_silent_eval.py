@@ -135,3 +135,15 @@ def test_batch_summed_train_loss_is_info(tmp_path):
     found = [a for a in diag.alerts if a.kind == "eval_mismatch"]
     assert found and all(a.severity == "info" for a in found), [a.describe() for a in diag.alerts]
     assert "summed over the batch" in found[0].message
+
+
+def test_a_learning_rate_blown_up_is_not_an_evaluation_mismatch(tmp_path) -> None:
+    """A loop that evaluates every step (the corpus's full-batch GCN) sees LR x1000 in the evaluation one step before
+    the train loss: the evaluation 'jumped while the train loss held' only until the train losses of the next logging
+    step arrive. The first alert is the gradient's (it was eval_mismatch at the onset, with a misleading hint)."""
+    from _styles import load
+
+    run = load("full_batch").run(tmp_path, level="advanced", seed=0, steps=100, fault="lr1000", onset=40)
+    first = run.first("warning")
+    assert first is not None and first.kind != "eval_mismatch", first
+    assert [a for a in run.diag.alerts if a.kind == "eval_mismatch"] == []

@@ -45,8 +45,10 @@ class EvalMismatch(Rule):
       agreed: ``reduction='sum'`` on one side, another split or its preprocessing, a model evaluated in the wrong
       mode from the start);
     - **jump**: each of the newest ``patience`` evaluations sits ``jump`` (3) times above the evaluation before
-      them and twice above the train loss, while the train loss stayed within 2x of its value then (weights
-      swapped for a fresh or stale copy, the mode or the split changed from then on).
+      them and twice above the train loss, while the train loss (its EMA and its newest window's median) stayed
+      within 2x of its value then (weights swapped for a fresh or stale copy, the mode or the split changed from
+      then on); the evaluations judged span ``MIN_SPAN`` (10) steps, so a loop evaluating every step has the train
+      losses of a logging step between them (a learning rate blown up shows in the evaluation one step first).
 
     A gap that grows by degrees while the train loss falls is overfitting, left to that rule. ``persistent``: a
     warning; ``info`` when the train loss is ~``batch size`` times the evaluation loss from the start (a train
@@ -59,11 +61,15 @@ class EvalMismatch(Rule):
             "loaded); use the same loss reduction (mean vs sum) and normalisation on both; check the split and its "
             "preprocessing (scaling, tokenisation, label mapping).")
 
+    #: the jump's evaluations span at least this many steps (a logging step's train losses between them)
+    MIN_SPAN = 10
+
     def __init__(self, *, factor: float = 30.0, jump: float = 3.0, patience: int = 2, metric: str = "loss",
                  **kw: Any) -> None:
         super().__init__(**kw)
         self.factor, self.jump, self.patience, self.metric = factor, jump, max(1, patience), metric
-        self._evals: list[tuple[int, float, float, int]] = []  # (step, val, train, side: -1 below, 0 in line, 1 above)
+        # (step, val, train EMA, side: -1 below, 0 in line, 1 above, the train loss's newest window median)
+        self._evals: list[tuple[int, float, float, int, float]] = []
         self._active = False
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
@@ -77,15 +83,16 @@ class EvalMismatch(Rule):
         now = recent_train_loss(history)
         now_ratio = val / now if math.isfinite(now) and now > 0 else ratio  # a phase's new loss, before the EMA follows
         scale = 1 if min(ratio, now_ratio) >= self.factor else -1 if max(ratio, now_ratio) <= 1 / self.factor else 0
-        self._evals.append((record.step, val, train, scale))
+        self._evals.append((record.step, val, train, scale, now if math.isfinite(now) and now > 0 else train))
         del self._evals[:-100]
         from_start = len(self._evals) >= self.patience and all(e[3] == scale != 0 for e in self._evals)
-        side = scale if from_start else 1 if self._jumped() else 0
+        jumped = 0 if from_start else self._jumped()
+        side = scale if from_start else 1 if jumped else 0
         if side == 0 or self._active:
             self._active = side != 0
             return []
         self._active = True
-        first = 0 if from_start else len(self._evals) - self.patience
+        first = 0 if from_start else len(self._evals) - jumped
         onset, how = self._evals[first][0], "above" if side > 0 else "below"
         if from_start:
             msg = (f"the evaluation {self.metric} {val:.4g} is {max(ratio, 1 / ratio):.0f}x {how} the train loss "
@@ -105,16 +112,20 @@ class EvalMismatch(Rule):
         return [self.make(onset, msg, ratio, self.factor if side > 0 else 1 / self.factor, f"eval/{self.metric}",
                           ["persistent"])]
 
-    def _jumped(self) -> bool:
-        """Whether the newest ``patience`` evaluations all sit ``jump`` times above the evaluation just before them
-        and at least twice above the train loss, while the train loss stayed within 2x of its value then (a drop is
+    def _jumped(self) -> int:
+        """How many of the newest evaluations jumped (0: none): the newest ``patience`` (or more, to span ``MIN_SPAN``
+        steps) all sit ``jump`` times above the evaluation just before them and at least twice above the train loss, while the train loss stayed within 2x of its value then (a drop is
         no fault: an EMA model catching up, a learning-rate decay; nor a validation loss near 0 that jumps by
         factors and stays below the train loss)."""
-        if len(self._evals) <= self.patience:
-            return False
-        _, ref_val, ref_train, _ = self._evals[-1 - self.patience]
-        return all(v / ref_val >= self.jump and v >= 2.0 * t and 0.5 <= t / ref_train <= 2.0
-                   for _, v, t, _ in self._evals[-self.patience:])
+        k = self.patience  # and as many more as span MIN_SPAN steps: a loop evaluating every step waits for a
+        while k < len(self._evals) and self._evals[-1][0] - self._evals[-k][0] < self.MIN_SPAN:  # train loss logged since
+            k += 1
+        if len(self._evals) <= k or self._evals[-1][0] - self._evals[-k][0] < self.MIN_SPAN:
+            return 0
+        _, ref_val, ref_train, _, ref_now = self._evals[-1 - k]
+        held = all(v / ref_val >= self.jump and v >= 2.0 * t and 0.5 <= t / ref_train <= 2.0 and 0.5 <= n / ref_now <= 2.0
+                   for _, v, t, _, n in self._evals[-k:])
+        return k if held else 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"evals": [list(e) for e in self._evals], "active": self._active}
