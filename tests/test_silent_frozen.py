@@ -54,3 +54,13 @@ def test_converged_lbfgs_and_an_expert_no_token_reached_are_not_stale(tmp_path) 
     for style, seed in (("lbfgs_closure", 0), ("moe_top1", 1)):
         run = load(style).run(tmp_path / style, level="advanced", seed=seed, steps=300)
         assert [a for a in run.diag.alerts if a.kind == "stale_params" and a.severity != "info"] == [], style
+
+
+def test_a_frozen_backbone_on_shuffled_labels_names_the_labels_too(tmp_path) -> None:
+    """A backbone frozen on purpose, trained on shuffled labels (the corpus's finetune_frozen): the loss stalls at
+    chance, which a fine-tuning slip also does; the stall warning says the chance level and names the labels."""
+    from _styles import load
+
+    run = load("finetune_frozen").run(tmp_path, level="advanced", seed=0, steps=120, fault="shuffled_labels")
+    stalls = [a for a in run.diag.alerts if a.kind == "stale_params" and a.severity != "info"]
+    assert stalls and "chance level" in stalls[0].message and "labels" in stalls[0].message, stalls

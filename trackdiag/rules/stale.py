@@ -69,7 +69,9 @@ class StaleParams(Rule):
       A warning (``loss``) when they are more than ``FROZEN_SHARE`` (half) of the values the optimizer holds
       and the loss stalls: judged once, at the first logging step ``min_steps`` after the freeze was seen, its mean
       over the last ``LATE`` (20) steps is within ``STALL`` (0.9) .. 1/``STALL`` x its mean over the first ``EARLY``
-      (10) (a fine-tuning slip: everything frozen but the last layer; a loss that rose is another rule's business). A deliberate fine-tune learns quickly on its good backbone; a loss not minimised
+      (10) (a fine-tuning slip: everything frozen but the last layer; a loss that rose is another rule's business; a
+      loss at the task's chance level is said to be, with the labels named too: a frozen backbone trained on
+      purpose on shuffled labels stalls there as well). A deliberate fine-tune learns quickly on its good backbone; a loss not minimised
       (GAN, RL) is not judged;
     - **waiting** (info): a layer that has never received a gradient after ``min_steps`` steps and
       ``patience`` (5) measurements: a later phase (greedy layer-wise training), an unused module, or
@@ -106,6 +108,7 @@ class StaleParams(Rule):
         self._loss: dict[str, Recent] = {}  # the last ``LATE`` losses of a mostly frozen component
         self._early: dict[str, dict[int, float]] = {}  # its first ``EARLY`` losses by step
         self._stall_said: set[str] = set()
+        self._chance = math.nan  # the loss a model that learned nothing sits at (diag/task/chance_loss), when shown
 
     def _size(self, comp: Component) -> dict[str, float]:
         got = self._sizes.get(comp.name)
@@ -115,6 +118,7 @@ class StaleParams(Rule):
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         self._phased = self._phased or phase_start(record) >= 0
+        self._chance = record.scalars.get("diag/task/chance_loss", self._chance)  # the task's, once shown
         out = self._idle(record, components) + self._frozen(record, components) + self._still(record, components)
         out += self._stalled(record, components)
         for comp in components:
@@ -238,6 +242,9 @@ class StaleParams(Rule):
             msg = (f"{cold[1]:.0%} of the values the optimizer holds are frozen (requires_grad=False: {cold[2]}) and the "
                    f"loss stalls: {b:.4g} over the last {len(late)} steps against {a:.4g} over the first {len(early)}. "
                    f"A fine-tuning slip (everything frozen but the last layer)? Unfreeze what should train.")
+            if self._chance > 0 and abs(b / self._chance - 1) <= 1 - self.STALL:  # the model learns nothing at all
+                msg += (f" The loss sits at the task's chance level ({self._chance:.4g}): if the frozen part was "
+                        f"trained on purpose, check the labels instead (shuffled or misaligned with the inputs).")
             out.append(self.make(cold[0], msg, cold[1], self.FROZEN_SHARE, cold[2], ["loss"]))
         return out
 
