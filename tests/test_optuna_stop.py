@@ -127,5 +127,12 @@ def test_sweep_stops_exploding_trials(storage: str, tmp_path: Path, one_thread: 
     healthy = [t for lr, t in by_lr.items() if lr not in exploded]
     assert all(sorted(t.intermediate_values) == list(range(0, STEPS, 5)) for t in healthy)
     saved = sum(t.user_attrs.get("trackdiag.stop.steps_saved", 0) for t in stopped.trials)
+    # the comparison, read from the study on PostgreSQL (each trial joined to its run), lists the stopped trials
+    from trackdiag.compare import compare
+
+    comparison = compare(f"optuna:{storage}#stopped")
+    listed = {r.trial["trial"] for r in comparison.runs if r.trial and r.trial.get("stopped")}
+    assert listed == {t.number for t in stopped.trials if t.state == optuna.trial.TrialState.PRUNED}, listed
+    assert comparison.stops["stopped"] == len(exploded) and comparison.stops["steps_saved"] == saved
     print(f"\n16 trials x {STEPS} steps: {len(exploded)} exploded; stopping saved {saved} trial-steps; "
           f"wall {free_wall:.1f}s without stopping, {stop_wall:.1f}s with")
