@@ -28,27 +28,9 @@ from trackdiag.sinks.wandb import WandbSink  # noqa: E402
 from trackdiag.sinks.wandb_util import REDACTED, fit_histogram, redact, summary_policy, sweep_group  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from wandb_reader import find_runs, read_run, settled_runs  # noqa: E402
+from wandb_reader import LEAN, find_runs, read_run, settled_runs, offline, tiny_model as _model  # noqa: E402,F401 (offline: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
-LEAN = {"console": "off", "x_disable_stats": True, "x_save_requirements": False}
-
-
-@pytest.fixture(autouse=True)
-def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Never online: offline mode, W&B dirs in tmp, no API key or netrc lookups that matter."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_env"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
-    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-
-
-def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-    return model, torch.optim.SGD(model.parameters(), lr=0.05)
 
 
 def _same(a: float, b: float) -> bool:

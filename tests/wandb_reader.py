@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import pytest
+import torch
 from wandb.proto import wandb_internal_pb2 as pb
 
 BLOCK = 32 * 1024
@@ -138,3 +140,25 @@ def settled_runs(root: str | Path) -> list[Path]:
 
     wandb.teardown()
     return find_runs(root)
+
+
+# ----------------------------------------------------------------------------- what the W&B tests share
+#: wandb.Settings that keep an offline test run lean
+LEAN = {"console": "off", "x_disable_stats": True, "x_save_requirements": False}
+
+
+@pytest.fixture(autouse=True)
+def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never online: offline mode, W&B dirs in tmp, no API key or netrc lookups that matter."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_env"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+
+def tiny_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
