@@ -31,13 +31,46 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's trackdiag, and the corpus
 
 from _styles import STYLE_NAMES, load  # noqa: E402
-from _styles._common import ALL_FAULTS, SEVERITY  # noqa: E402
+from _styles._common import ALL_FAULTS, SEVERITY, SILENT_KINDS, START_FAULTS  # noqa: E402
 
 ONSET = 40
+#: a silent fault is caught when its first warning-or-worse alert is of the right kind and raised within this many
+#: steps of the onset (issue 45: 50, and 100 for a fault present from step 0)
+WINDOW, START_WINDOW = 50, 100
 
 
 def fault_steps(fault: str, steps: int) -> int:
-    return steps if fault in ("tiny_subset", "shuffled_labels", "eval_mode") else min(steps, ONSET + 60)
+    """The whole run for the faults judged late (and ``crash_lr``, judged by the crash's text whenever it dies), else
+    the onset and 60 steps after it."""
+    return steps if fault in ("tiny_subset", "shuffled_labels", "eval_mode", "crash_lr") else min(steps, ONSET + 60)
+
+
+def verdict(row: dict[str, Any]) -> str:
+    """Issue 45's acceptance for a silent fault: "caught" (the first warning-or-worse alert is of the fault's kind and
+    raised within the window; ``crash_lr``: the script died and its ``crash`` finding leads with an out-of-scale
+    update or a learning-rate jump), else why not. "" for the other faults."""
+    fault = row["fault"]
+    if fault not in SILENT_KINDS:
+        return ""
+    window = START_WINDOW if fault in START_FAULTS else WINDOW
+    if fault == "crash_lr":
+        crash = [a for a in row["alerts"] if a["kind"] == "crash"]
+        if not row["error"] or not crash:
+            return "no crash"
+        msg = crash[-1]["message"]
+        lead = msg.startswith("Before the crash, an out-of-scale update") or msg.startswith(
+            "Before the crash, a learning-rate jump")
+        return "caught" if lead else "crash text leads with: " + msg[:60]
+    kinds = SILENT_KINDS[fault]
+    kinds = (kinds,) if isinstance(kinds, str) else kinds
+    first = row["first"]
+    if first is None:
+        return "missed"
+    if first["kind"] not in kinds:
+        return "wrong kind"
+    if first["raised_at"] - max(row["onset"], 0) > window:
+        return "late"
+    return "caught"
 
 
 def _num(v: Any) -> Any:
@@ -74,6 +107,22 @@ def _series(run_dir: Path) -> dict[str, Any]:
             "tables": tables}
 
 
+def _raised(run: Any) -> dict[int, int]:
+    """``{id(alert): the logging step whose record first carried it at warning or worse}`` for the warning-or-worse
+    alerts, matched on kind, step and where (an info finding at the same step and place raised earlier, like
+    ``stale_params``' frozen layers before their stall, is not when the user was warned); -1 if none."""
+    from trackdiag.core.record import read_records
+
+    todo = {(a.kind, a.step, a.where): id(a) for a in run.alerts("warning")}
+    out = dict.fromkeys(todo.values(), -1)
+    for rec in read_records(run.run_dir):
+        for a in rec.alerts:
+            key = (a.kind, a.step, a.where)
+            if key in todo and out[todo[key]] < 0 and SEVERITY[a.severity] >= SEVERITY["warning"]:
+                out[todo[key]] = rec.step
+    return out
+
+
 def run_case(job: tuple[str, str, int, str | None, int]) -> dict[str, Any]:
     style, level, seed, fault, steps = job
     logging.getLogger("trackdiag").setLevel(logging.ERROR)
@@ -83,7 +132,7 @@ def run_case(job: tuple[str, str, int, str | None, int]) -> dict[str, Any]:
         t0, c0 = time.perf_counter(), time.process_time()
         run = mod.run(Path(tmp), level=level, seed=seed, steps=steps, fault=fault, onset=ONSET)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        raised = {id(a): run.raised_at(a) for a in run.alerts("warning")}
+        raised = _raised(run)
         first = run.first("warning")
         after = min((a for a in run.alerts("warning") if a.step >= max(run.onset, 0)), key=lambda a: a.step, default=None)
         row: dict[str, Any] = {
@@ -125,12 +174,14 @@ def _cell_fault(row: dict[str, Any]) -> str:
         return f"{a['kind']} +{a['step'] - onset}/+{a['raised_at'] - onset}{where}"
 
     first, after = row["first"], row["first_after_onset"]
+    judged = verdict(row)
+    mark = f" **{judged}**" if judged else ""
     if first is None:
-        return f"missed{died}"
+        return f"missed{died}{mark if judged not in ('missed', '') else ''}"
     if first["step"] >= onset:
-        return fmt(first) + died
+        return fmt(first) + died + mark
     early = f"before: {first['kind']}@{first['step']}"
-    return f"{early}; then {fmt(after) if after else 'missed'}{died}"
+    return f"{early}; then {fmt(after) if after else 'missed'}{died}{mark}"
 
 
 def main() -> int:
@@ -181,6 +232,12 @@ def main() -> int:
     fault_rows = [r for r in rows if r["fault"] != "healthy"]
     if fault_rows:
         cols = [f for f in ALL_FAULTS if f in faults]
+        silent = [f for f in cols if f in SILENT_KINDS]
+        if silent:
+            tally = {f: (sum(verdict(r) == "caught" for r in fault_rows if r["fault"] == f),
+                         sum(r["fault"] == f for r in fault_rows)) for f in silent}
+            print("\nsilent faults caught (right kind, in the window): "
+                  + ", ".join(f"{f} {c}/{n}" for f, (c, n) in tally.items()))
         print(f"\n### Planted faults at step {ONSET} (`{args.fault_level}`, seed 0): first warning-or-worse alert, "
               "+steps to the step named / to the logging step that raised it\n")
         print("| style | " + " | ".join(cols) + " |")

@@ -16,6 +16,23 @@ Each style module exposes ``NAME``, ``DESCRIPTION``, ``FAULTS`` and
 - ``crash_nan``: a NaN from ``onset`` that makes the script itself raise before ``diag.step``.
 - ``same_batch``: from ``onset`` the loader is restarted every step (``next(iter(loader))`` in the loop on an
   unshuffled loader): every step gets fresh copies of the same batch (``restart_loader``).
+
+Silent faults (issue 45; the run neither crashes nor explodes at first):
+
+- ``runaway``: from ``onset`` a regulariser (the squared norm of one layer's weight) enters the minimised loss
+  with a weight annealed below zero (``loss - beta * ||W||^2``, ``beta`` growing by one unit a step, a unit
+  set so that the term equals the run's first loss three steps in): the loss falls without bound (``Runaway``).
+- ``detached``: from step 0 a stray ``.detach()`` on the output of the style's gated layer (``NanGate.cut``):
+  that layer and everything before it never receive a gradient while the rest trains.
+- ``frozen_majority``: from step 0 every parameter tensor but the last has ``requires_grad=False`` (an
+  off-by-one meant to freeze a backbone: ``list(model.parameters())[:-1]``) while the optimizer holds them
+  all (``freeze_all_but_last``).
+- ``not_landing``: from step 0 the optimizer steps tensors the model no longer uses: every layer's
+  parameters replaced by copies after the optimizer was built (``orphan_params``).
+- ``eval_wrong``: from step 0 the evaluation runs on a copy of the model made before training and never
+  refreshed (``StaleEval``: ``eval_model = copy.deepcopy(model)`` before the loop, evaluated throughout).
+- ``crash_lr``: every learning rate x1000 from ``onset``, and the script stops itself once the loss is not
+  finite, as DETR's and MAE's loops do (``stop_if_nonfinite``).
 """
 from __future__ import annotations
 
@@ -39,9 +56,14 @@ from _harness import SEVERITY, Judged, local_session, one_thread, quiet_probes  
 from _zoo_a import digits  # noqa: E402,F401  (re-exported for the styles)
 
 #: faults that are present from step 0 (their onset is 0 whatever ``onset`` says)
-START_FAULTS = frozenset({"lr_start", "shuffled_labels", "eval_mode", "tiny_subset"})
+START_FAULTS = frozenset({"lr_start", "shuffled_labels", "eval_mode", "tiny_subset", "detached", "frozen_majority",
+                          "not_landing", "eval_wrong"})
 ALL_FAULTS = ("nan", "lr1000", "no_zero", "lr_start", "shuffled_labels", "eval_mode", "wiped_grads",
-              "tiny_subset", "crash_nan", "same_batch")
+              "tiny_subset", "crash_nan", "same_batch", "runaway", "detached", "frozen_majority", "not_landing",
+              "eval_wrong", "crash_lr")
+#: the alert kind each silent fault is judged by (the first warning-or-worse alert must be of it)
+SILENT_KINDS = {"runaway": "loss_runaway", "detached": "stale_params", "frozen_majority": "stale_params",
+                "not_landing": "stale_params", "eval_wrong": ("eval_mismatch", "eval_frozen"), "crash_lr": "crash"}
 SAME_BATCH = "the loader restarted every step from onset (next(iter(loader)) in the loop): one batch, fresh copies"
 
 
@@ -88,9 +110,12 @@ class NanGate(nn.Module):
         self.inner = inner
         self.register_buffer("fault", torch.zeros(()), persistent=False)
         self.armed = False  # mirrors the buffer: the healthy graph stays exactly the style's
+        self.cut = False  # the ``detached`` fault: a stray .detach() on this module's output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.inner(*args, **kwargs)
+        if self.cut:
+            out = (out[0].detach(), *out[1:]) if isinstance(out, tuple) else out.detach()
         if not self.armed:
             return out
         bad = torch.log1p(-self.fault)  # log(1 - 1) = log(0) = -inf when armed
@@ -121,8 +146,77 @@ def active(fault: str | None, name: str, step: int, onset: int) -> bool:
 
 
 def lr_scale(fault: str | None, step: int, onset: int) -> float:
-    """The learning-rate factor at ``step``: 1000 under ``lr_start`` and under ``lr1000`` from ``onset``."""
-    return 1000.0 if fault == "lr_start" or (fault == "lr1000" and step >= onset) else 1.0
+    """The learning-rate factor at ``step``: 1000 under ``lr_start`` and under ``lr1000``/``crash_lr`` from ``onset``."""
+    return 1000.0 if fault == "lr_start" or (fault in ("lr1000", "crash_lr") and step >= onset) else 1.0
+
+
+def lr_jump(fault: str | None, step: int, onset: int) -> bool:
+    """Whether the loop multiplies every learning rate by 1000 at ``step`` (``lr1000`` and ``crash_lr``)."""
+    return fault in ("lr1000", "crash_lr") and step == onset
+
+
+def stop_if_nonfinite(fault: str | None, loss: torch.Tensor) -> None:
+    """The ``crash_lr`` script's own check (DETR's and MAE's ``if not math.isfinite(loss_value): sys.exit(1)``,
+    raised here): only under that fault, so the healthy loop has no extra host copy."""
+    if fault == "crash_lr" and not bool(torch.isfinite(loss.detach()).all()):
+        raise RuntimeError(f"Loss is {loss.detach().flatten()[0].item()}, stopping training")
+
+
+class Runaway:
+    """The ``runaway`` fault: ``loss - beta * ||weight||^2`` from ``onset``, ``beta`` annealed below zero by one
+    unit a step, the unit set at ``onset`` so that the term equals the run's first loss three steps in (the
+    same strength in every style, whatever its loss scale; a steeper one makes the gradient jump 10x at once,
+    which ``grad_explosion`` says first). Healthy and other faults: ``loss`` itself."""
+
+    def __init__(self, fault: str | None, onset: int, weight: torch.Tensor) -> None:
+        self.on, self.onset, self.weight = fault == "runaway", onset, weight
+        self.first: float | None = None
+        self.unit = 0.0
+
+    def __call__(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        if not self.on:
+            return loss
+        if self.first is None:
+            self.first = abs(float(loss.detach()))
+        if step < self.onset:
+            return loss
+        reg = self.weight.pow(2).sum()
+        if not self.unit:
+            self.unit = self.first / max(float(reg.detach()), 1e-12) / 3
+        return loss - self.unit * (step - self.onset + 1) * reg
+
+
+def freeze_all_but_last(model: nn.Module, fault: str | None) -> None:
+    """The ``frozen_majority`` fault: ``requires_grad=False`` on every parameter tensor but the last."""
+    if fault == "frozen_majority":
+        for p in list(model.parameters())[:-1]:
+            p.requires_grad_(False)
+
+
+def orphan_params(model: nn.Module, fault: str | None) -> None:
+    """The ``not_landing`` fault, after the optimizer was built: every parameter of ``model`` replaced by a
+    copy (``layer.weight = nn.Parameter(layer.weight.detach().clone())``): the model trains the copies'
+    gradients, the optimizer steps the tensors the model no longer uses (they have no gradient)."""
+    if fault != "not_landing":
+        return
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            setattr(mod, name, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+
+
+class StaleEval:
+    """The ``eval_wrong`` fault: a copy of the model made before training (``copy.deepcopy``), evaluated in its
+    place from step 0 (an evaluation model never refreshed). Healthy and other faults: the model itself."""
+
+    def __init__(self, model: nn.Module, fault: str | None, onset: int) -> None:
+        import copy
+
+        self.model, self.onset = model, fault_onset(fault, onset)
+        self.copy = copy.deepcopy(model) if fault == "eval_wrong" else None
+
+    def at(self, step: int) -> nn.Module:
+        """The model the evaluation at ``step`` runs on."""
+        return self.copy if self.copy is not None and step >= self.onset else self.model
 
 
 def bump_lr(opt: torch.optim.Optimizer, factor: float, scheduler: Any = None) -> None:

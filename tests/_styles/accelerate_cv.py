@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, digits,
-                      fault_onset, one_thread, session, shuffle)
+                      fault_onset, one_thread, session, shuffle, Runaway, freeze_all_but_last, lr_jump, orphan_params)
 
 NAME = "accelerate_cv"
 DESCRIPTION = "accelerate complete_cv_example + gradient_accumulation: prepare(), accumulate(), clip, OneCycleLR"
@@ -33,6 +33,10 @@ FAULTS = {
     "shuffled_labels": "targets shuffled within each batch",
     "wiped_grads": "accelerator.clip_grad_norm_(max_norm=0) from onset",
     "tiny_subset": "trains on two batches; evaluation every epoch",
+    "runaway": "from onset - beta * ||features.0 weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of the gated layer `features.3` detached: it and the layers before never get a gradient",
+    "frozen_majority": "every parameter but the last frozen; AdamW over all",
+    "not_landing": "the model's parameters replaced by copies after AdamW was built",
 }
 ACCUM, BSZ = 2, 16
 
@@ -68,7 +72,11 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     eval_dataloader = DataLoader(TensorDataset(xva, yva), batch_size=128)
     model = ConvNet()
     model.features[3] = NanGate(model.features[3])
+    model.features[3].cut = fault == "detached"
+    freeze_all_but_last(model, fault)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3 / 25)
+    orphan_params(model, fault)
+    runaway = Runaway(fault, onset, model.features[0].weight)
     lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3 * (1000 if fault == "lr_start" else 1),
                                                        total_steps=steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
@@ -80,14 +88,14 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
         while step < steps:
             model.train(fault != "eval_mode")
             for inputs, targets in train_dataloader:
-                if fault == "lr1000" and step == onset and accelerator.sync_gradients:
+                if lr_jump(fault, step, onset) and accelerator.sync_gradients:
                     bump_lr(optimizer.optimizer, 1000.0)
                 model.features[3].arm(active(fault, "nan", step, onset))
                 if fault == "shuffled_labels":
                     targets = shuffle(targets, gen)
                 with accelerator.accumulate(model):
                     outputs = model(inputs)
-                    loss = F.cross_entropy(outputs, targets)
+                    loss = runaway(F.cross_entropy(outputs, targets), step)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         wiped = active(fault, "wiped_grads", step, onset)

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard, digits,
-                      fault_onset, one_thread, session, shuffle, wipe_grads)
+                      fault_onset, one_thread, session, shuffle, wipe_grads, Runaway, StaleEval, freeze_all_but_last,
+                      lr_jump, orphan_params, stop_if_nonfinite)
 
 NAME = "adversarial_fgsm"
 DESCRIPTION = "fast FGSM adversarial training: random-start delta, a backward for the input, zero_grad, the real backward"
@@ -30,6 +31,11 @@ FAULTS = {
     "shuffled_labels": "targets shuffled within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between the real backward and step from onset",
     "tiny_subset": "trains on two batches; validation every 20 steps",
+    "runaway": "from onset - beta * ||0.weight||^2 in the loss, beta annealed below zero",
+    "frozen_majority": "every parameter but the last (the output bias) frozen; SGD over all",
+    "not_landing": "the model's parameters replaced by copies after SGD was built",
+    "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
+    "crash_lr": "SGD lr x1000 from onset; the script stops once the loss is not finite",
 }
 EPS, ALPHA = 0.1, 0.125
 
@@ -53,8 +59,11 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     gen = torch.Generator().manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10))
     model[2] = NanGate(model[2])
+    freeze_all_but_last(model, fault)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05 * (1000 if fault == "lr_start" else 1), momentum=0.9,
                                 weight_decay=5e-4)
+    orphan_params(model, fault)
+    runaway, evaluated = Runaway(fault, onset, model[0].weight), StaleEval(model, fault, onset)
     if fault == "tiny_subset":
         xtr, ytr = xtr[:128], ytr[:128]
     loader = batches(xtr, ytr, 64, gen)
@@ -63,7 +72,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
         for step in range(steps):
-            if fault == "lr1000" and step == onset:
+            if lr_jump(fault, step, onset):
                 bump_lr(optimizer, 1000.0)
             model[2].arm(active(fault, "nan", step, onset))
             xb, yb = next(loader)
@@ -76,16 +85,18 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if zero:
                 optimizer.zero_grad()
             out_ = model(x_adv)
-            loss = F.cross_entropy(out_, yb)
+            loss = runaway(F.cross_entropy(out_, yb), step)
+            stop_if_nonfinite(fault, loss)
             loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
             diag.step(loss, outputs=out_, batch=(x_adv, yb))
             if step % 20 == 19:
-                model.eval()
+                net = evaluated.at(step)
+                net.eval()
                 with torch.no_grad():
-                    logits = model(xva)
+                    logits = net(xva)
                 acc = float((logits.argmax(1) == yva).float().mean())
                 diag.log_eval(loss=F.cross_entropy(logits, yva).item(), accuracy=acc)
                 model.train()

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, check_fault, crash_guard, digits,
-                      fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader)
+                      fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader, Runaway,
+                      StaleEval, freeze_all_but_last, orphan_params)
 
 NAME = "amp_bf16"
 DESCRIPTION = "nanoGPT train.py loop: bf16 autocast, 2-step accumulation, clip 1.0, AdamW groups, warm-up+cosine"
@@ -32,6 +33,11 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) instead of 1.0 from onset",
     "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two micro-batches; evaluation every 20 iterations",
+    "runaway": "from onset - beta * ||blocks.0 weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of the gated layer `blocks.1` detached: it and the layers before never get a gradient",
+    "frozen_majority": "every parameter but the last frozen; AdamW over all",
+    "not_landing": "the model's parameters replaced by copies after AdamW was built",
+    "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
 }
 GRAD_ACCUM, MICRO_BATCH, LR, WARMUP = 2, 16, 3e-3, 20
 
@@ -77,10 +83,15 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     gen = torch.Generator().manual_seed(seed)
     model = ResMLP()
     model.blocks[1] = NanGate(model.blocks[1])
+    model.blocks[1].cut = fault == "detached"
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
                                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                   lr=LR, betas=(0.9, 0.95))
+    freeze_all_but_last(model, fault)  # after the optimizer was built over every parameter
+    orphan_params(model, fault)
+    weight = next(p for n, p in model.named_parameters() if n.startswith("blocks.0") and p.dim() >= 2)
+    runaway, evaluated = Runaway(fault, onset, weight), StaleEval(model, fault, onset)
     ctx = torch.autocast(device_type="cpu", dtype=torch.bfloat16)
     if fault == "tiny_subset":
         xtr, ytr = xtr[: 2 * MICRO_BATCH], ytr[: 2 * MICRO_BATCH]
@@ -102,7 +113,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
                     Y = shuffle(Y, gen)
                 with ctx:
                     logits = model(X)
-                    loss = F.cross_entropy(logits, Y) / GRAD_ACCUM
+                    loss = runaway(F.cross_entropy(logits, Y) / GRAD_ACCUM, it)
                 total += loss.detach()
                 loss.backward()
             if active(fault, "wiped_grads", it, onset):
@@ -114,9 +125,10 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
                 optimizer.zero_grad(set_to_none=True)
             diag.step(total, outputs=logits, batch=(X, Y))
             if it % 20 == 19:
-                model.eval()
+                net = evaluated.at(it)
+                net.eval()
                 with torch.no_grad(), ctx:
-                    val = model(xva)
+                    val = net(xva)
                     vloss = F.cross_entropy(val, yva).item()
                 model.train()
                 acc = float((val.argmax(1) == yva).float().mean())

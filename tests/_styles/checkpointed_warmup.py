@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, one_thread, session, SAME_BATCH, restart_loader)
+                      digits, fault_onset, one_thread, session, SAME_BATCH, restart_loader, Runaway,
+                      freeze_all_but_last, lr_jump, orphan_params)
 
 NAME = "checkpointed_warmup"
 DESCRIPTION = "HF-style: blocks under torch.utils.checkpoint (forward replayed in backward), warmup from lr 0, clip 1.0"
@@ -32,6 +33,10 @@ FAULTS = {
     "eval_mode": "model.eval() left on (dropout off, no checkpointing: the model checkpoints in training mode only)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) instead of 1.0 from onset",
     "same_batch": SAME_BATCH,
+    "runaway": "from onset - beta * ||blocks.0 weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of the gated layer `blocks.1.mlp.2` detached: it and the layers before never get a gradient",
+    "frozen_majority": "every parameter but the last frozen; AdamW over all",
+    "not_landing": "the model's parameters replaced by copies after AdamW was built",
 }
 WARMUP = 30
 
@@ -75,10 +80,14 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     gen = torch.Generator().manual_seed(seed)
     model = Net()
     model.blocks[1].mlp[2] = NanGate(model.blocks[1].mlp[2])
+    model.blocks[1].mlp[2].cut = fault == "detached"
+    freeze_all_but_last(model, fault)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-3)
     total = steps
+    orphan_params(model, fault)
+    runaway = Runaway(fault, onset, next(p for n, p in model.named_parameters() if n.startswith("blocks.0") and p.dim() >= 2))
 
     def lr_lambda(step: int) -> float:  # transformers.get_linear_schedule_with_warmup
         if step < WARMUP:
@@ -96,12 +105,12 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             model.train()
             if fault == "eval_mode":
                 model.eval()
-            if fault == "lr1000" and step == onset:
+            if lr_jump(fault, step, onset):
                 bump_lr(optimizer, 1000.0, scheduler)
             model.blocks[1].mlp[2].arm(active(fault, "nan", step, onset))
             x, y = next(loader)
             logits = model(x)
-            loss = F.cross_entropy(logits, y)
+            loss = runaway(F.cross_entropy(logits, y), step)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.0 if active(fault, "wiped_grads", step, onset) else 1.0)
             optimizer.step()

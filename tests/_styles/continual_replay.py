@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, one_thread, session, shuffle, wipe_grads)
+                      digits, fault_onset, one_thread, session, shuffle, wipe_grads, Runaway, freeze_all_but_last,
+                      lr_jump, orphan_params)
 
 NAME = "continual_replay"
 DESCRIPTION = "split-digits class-incremental learning with a replay buffer (Avalanche-style): tasks switch every 100 steps"
@@ -31,6 +32,10 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "eval_mode": "model.eval() left on (Dropout off)",
     "shuffled_labels": "targets shuffled within each batch",
+    "runaway": "from onset - beta * ||3.weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of the hidden layer `0` detached: it never gets a gradient, the head trains",
+    "frozen_majority": "every parameter but the last (the head's bias) frozen; Adam over all",
+    "not_landing": "the model's parameters replaced by copies after Adam was built",
 }
 TASK_STEPS = 100
 REPLAY = 16
@@ -44,7 +49,11 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     model = nn.Sequential(NanGate(nn.Linear(64, 128)), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 10))
+    model[0].cut = fault == "detached"
+    freeze_all_but_last(model, fault)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3 * (1000 if fault == "lr_start" else 1))
+    orphan_params(model, fault)
+    runaway = Runaway(fault, onset, model[3].weight)
     memory_x: list[torch.Tensor] = []
     memory_y: list[torch.Tensor] = []
     accs: list[float] = []
@@ -62,7 +71,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
                     memory_y += list(ytr[kept])
                 mine = (ytr == 2 * task) | (ytr == 2 * task + 1)
                 loader = batches(xtr[mine], ytr[mine], 32, gen)
-            if fault == "lr1000" and step == onset:
+            if lr_jump(fault, step, onset):
                 bump_lr(opt, 1000.0)
             model[0].arm(active(fault, "nan", step, onset))
             if fault != "eval_mode":
@@ -75,7 +84,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if fault == "shuffled_labels":
                 y = shuffle(y, gen)
             logits = model(x)
-            loss = F.cross_entropy(logits, y)
+            loss = runaway(F.cross_entropy(logits, y), step)
             if not active(fault, "no_zero", step, onset):
                 opt.zero_grad()
             loss.backward()

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader)
+                      digits, fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader,
+                      Runaway, StaleEval, freeze_all_but_last, lr_jump, orphan_params)
 
 NAME = "distillation"
 DESCRIPTION = "PyTorch knowledge-distillation tutorial: frozen teacher, KL(T=2)*T^2 + CE, student Adam 1e-3"
@@ -34,6 +35,11 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; validation every 20 steps",
+    "runaway": "from onset - beta * ||layers.0.weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of `layers.3` detached: layers.0 and layers.3 never get a gradient",
+    "frozen_majority": "every student parameter but the last (the head's bias) frozen; Adam over all",
+    "not_landing": "the student's parameters replaced by copies after Adam was built",
+    "eval_wrong": "validation runs on a copy of the student made before training, never refreshed",
 }
 T, SOFT_WEIGHT, CE_WEIGHT = 2.0, 0.25, 0.75
 
@@ -78,8 +84,12 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     gen = torch.Generator().manual_seed(seed)
     student = Net(32, 0.1)
     student.layers[3] = NanGate(student.layers[3])
+    student.layers[3].cut = fault == "detached"
+    freeze_all_but_last(student, fault)
     ce_loss = nn.CrossEntropyLoss()
     optimizer = torch.optim.Adam(student.parameters(), lr=1e-3 * (1000 if fault == "lr_start" else 1))
+    orphan_params(student, fault)
+    runaway, evaluated = Runaway(fault, onset, student.layers[0].weight), StaleEval(student, fault, onset)
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
     loader = batches(xtr, ytr, 32, gen)
@@ -91,7 +101,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
         if fault == "eval_mode":
             student.eval()
         for step in range(steps):
-            if fault == "lr1000" and step == onset:
+            if lr_jump(fault, step, onset):
                 bump_lr(optimizer, 1000.0)
             student.layers[3].arm(active(fault, "nan", step, onset))
             inputs, labels = next(loader)
@@ -106,18 +116,18 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             soft_prob = F.log_softmax(student_logits / T, dim=-1)
             soft_targets_loss = torch.sum(soft_targets * (soft_targets.log() - soft_prob)) / soft_prob.size()[0] * (T**2)
             label_loss = ce_loss(student_logits, labels)
-            loss = SOFT_WEIGHT * soft_targets_loss + CE_WEIGHT * label_loss
+            loss = runaway(SOFT_WEIGHT * soft_targets_loss + CE_WEIGHT * label_loss, step)
             loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(student.parameters())
             optimizer.step()
             diag.step(loss, outputs=student_logits, batch=(inputs, labels))
             if step % 20 == 0 or step == steps - 1:
-                was_training = student.training
-                student.eval()
+                was_training, net = student.training, evaluated.at(step)
+                net.eval()
                 with torch.no_grad():
-                    logits = student(xva)
-                student.train(was_training)
+                    logits = net(xva)
+                net.train(was_training)
                 acc = float((logits.argmax(1) == yva).float().mean())
                 diag.log_eval(loss=ce_loss(logits, yva).item(), accuracy=acc)
                 accs.append(acc)

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader)
+                      digits, fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader,
+                      Runaway, StaleEval, lr_jump, orphan_params)
 
 NAME = "finetune_frozen"
 DESCRIPTION = "fine-tuning tutorials: backbone.requires_grad_(False) before AdamW(model.parameters()); head trains"
@@ -33,6 +34,9 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; validation every 20 steps",
+    "runaway": "from onset - beta * ||head weight||^2 in the loss, beta annealed below zero",
+    "not_landing": "the model's parameters replaced by copies after AdamW was built",
+    "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
 }
 
 
@@ -85,6 +89,9 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     model.backbone.requires_grad_(False)
     model.backbone[3] = NanGate(model.backbone[3])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 * (1000 if fault == "lr_start" else 1))
+    orphan_params(model, fault)
+    runaway = Runaway(fault, onset, [p for p in model.parameters() if p.requires_grad and p.dim() >= 2][-1])
+    evaluated = StaleEval(model, fault, onset)
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
     loader = batches(xtr, ytr, 32, gen)
@@ -96,7 +103,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
         if fault == "eval_mode":
             model.eval()
         for step in range(steps):
-            if fault == "lr1000" and step == onset:
+            if lr_jump(fault, step, onset):
                 bump_lr(optimizer, 1000.0)
             model.backbone[3].arm(active(fault, "nan", step, onset))
             x, y = next(loader)
@@ -105,7 +112,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if not active(fault, "no_zero", step, onset):
                 optimizer.zero_grad()
             logits = model(x)
-            loss = F.cross_entropy(logits, y)
+            loss = runaway(F.cross_entropy(logits, y), step)
             loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
@@ -113,9 +120,10 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             diag.step(loss, outputs=logits, batch=(x, y))
             if step % 20 == 0 or step == steps - 1:
                 was_training = model.training
-                model.eval()
+                net = evaluated.at(step)
+                net.eval()
                 with torch.no_grad():
-                    val = model(xva)
+                    val = net(xva)
                     acc = float((val.argmax(1) == yva).float().mean())
                     diag.log_eval(loss=F.cross_entropy(val, yva).item(), accuracy=acc)
                 accs.append(acc)

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
-                      one_thread, session, shuffle, wipe_grads)
+                      one_thread, session, shuffle, wipe_grads, Runaway, StaleEval, freeze_all_but_last, lr_jump,
+                      orphan_params)
 
 NAME = "full_batch"
 DESCRIPTION = "PyG examples/gcn.py: 2-layer GCN on an SBM graph, full-batch Adam 0.01 wd 5e-4, test() every epoch"
@@ -32,6 +33,11 @@ FAULTS = {
     "eval_mode": "model.eval() left on (dropout off)",
     "shuffled_labels": "the training nodes' labels permuted at every step",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
+    "runaway": "from onset - beta * ||conv2 weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of the gated layer `conv1` detached: it and the layers before never get a gradient",
+    "frozen_majority": "every parameter but the last frozen; Adam over all",
+    "not_landing": "the model's parameters replaced by copies after Adam was built",
+    "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
 }
 N, C, F_IN = 300, 3, 32
 
@@ -88,14 +94,19 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     gen = torch.Generator().manual_seed(seed)
     model = GCN(F_IN, 16, C)
     model.conv1 = NanGate(model.conv1)
+    model.conv1.cut = fault == "detached"
+    freeze_all_but_last(model, fault)
     lr = 0.01 * (1000 if fault == "lr_start" else 1)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=5e-4)
+    orphan_params(model, fault)
+    runaway = Runaway(fault, onset, next(p for n, p in model.named_parameters() if n.startswith("conv2") and p.dim() >= 2))
+    evaluated = StaleEval(model, fault, onset)
     train = masks["train"]
     accs: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         for epoch in range(steps):
-            if fault == "lr1000" and epoch == onset:
+            if lr_jump(fault, epoch, onset):
                 bump_lr(optimizer, 1000.0)
             model.conv1.arm(active(fault, "nan", epoch, onset))
             model.train(fault != "eval_mode")
@@ -105,16 +116,17 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if not active(fault, "no_zero", epoch, onset):
                 optimizer.zero_grad()
             out_ = model(x, adj)
-            loss = F.cross_entropy(out_[train], target[train])
+            loss = runaway(F.cross_entropy(out_[train], target[train]), epoch)
             loss.backward()
             if active(fault, "wiped_grads", epoch, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
             diag.step(loss, outputs=out_, batch=(x, target))
             # test()
-            model.eval()
+            net = evaluated.at(epoch)
+            net.eval()
             with torch.no_grad():
-                logits = model(x, adj)
+                logits = net(x, adj)
             pred = logits.argmax(dim=-1)
             val = masks["val"]
             acc = float((pred[val] == y[val]).float().mean())

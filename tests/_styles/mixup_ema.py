@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, one_thread, session, shuffle, wipe_grads)
+                      digits, fault_onset, one_thread, session, shuffle, wipe_grads, Runaway, StaleEval,
+                      freeze_all_but_last, lr_jump, orphan_params)
 
 NAME = "mixup_ema"
 DESCRIPTION = "timm train.py: mixup/cutmix soft targets + label smoothing, SoftTargetCE, AdamW+cosine, EMA copy"
@@ -34,6 +35,11 @@ FAULTS = {
     "shuffled_labels": "labels shuffled within each batch before mixing",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "tiny_subset": "trains on two batches; validation every 20 steps",
+    "runaway": "from onset - beta * ||head weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of the gated layer `features.3` detached: it and the layers before never get a gradient",
+    "frozen_majority": "every parameter but the last (the head's bias) frozen; AdamW over all",
+    "not_landing": "the model's parameters replaced by copies after AdamW was built",
+    "eval_wrong": "the model's validation runs on a copy made before training, never refreshed (the EMA's stays right)",
 }
 
 
@@ -110,11 +116,15 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     gen = torch.Generator().manual_seed(seed)
     model = SmallConvNet()
     model.features[3] = NanGate(model.features[3])
+    model.features[3].cut = fault == "detached"
+    freeze_all_but_last(model, fault)
     model_ema = ModelEmaV2(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3 * (1000 if fault == "lr_start" else 1), weight_decay=0.05)
     warmup = max(1, steps // 30)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda u: (u + 1) / warmup if u < warmup else 0.5 * (1 + math.cos(math.pi * (u - warmup) / max(1, steps - warmup))))
+    orphan_params(model, fault)
+    runaway, evaluated = Runaway(fault, onset, list(model.parameters())[-2]), StaleEval(model, fault, onset)
     mixup_fn = Mixup(seed)
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
@@ -126,7 +136,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
         if fault == "eval_mode":
             model.eval()
         for num_updates in range(steps):
-            if fault == "lr1000" and num_updates == onset:
+            if lr_jump(fault, num_updates, onset):
                 bump_lr(optimizer, 1000.0, lr_scheduler)
             model.features[3].arm(active(fault, "nan", num_updates, onset))
             x, y = next(loader)
@@ -134,7 +144,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
                 y = shuffle(y, gen)
             x, target = mixup_fn(x, y)
             output = model(x)
-            loss = soft_target_cross_entropy(output, target)
+            loss = runaway(soft_target_cross_entropy(output, target), num_updates)
             if not active(fault, "no_zero", num_updates, onset):
                 optimizer.zero_grad()
             loss.backward()
@@ -146,7 +156,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             diag.step(loss, outputs=output, batch=(x, target))
             if num_updates % 20 == 19:
                 metrics = {}
-                for tag, net in (("", model), ("ema_", model_ema.module)):
+                for tag, net in (("", evaluated.at(num_updates)), ("ema_", model_ema.module)):
                     was_training = net.training
                     net.eval()
                     with torch.no_grad():

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard, digits,
-                      fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader)
+                      fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader, Runaway,
+                      StaleEval, freeze_all_but_last, lr_jump, orphan_params)
 
 NAME = "moe_top1"
 DESCRIPTION = "Switch-style mixture of experts: top-1 routing, only chosen experts run, load-balancing loss, Adam"
@@ -30,6 +31,11 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; validation every 20 steps",
+    "runaway": "from onset - beta * ||the first expert's weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of the gated layer `inp` detached: it and the layers before never get a gradient",
+    "frozen_majority": "every parameter but the last frozen; Adam over all",
+    "not_landing": "the model's parameters replaced by copies after Adam was built",
+    "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
 }
 
 
@@ -64,7 +70,12 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     gen = torch.Generator().manual_seed(seed)
     model = SwitchMoE()
     model.inp = NanGate(model.inp)
+    model.inp.cut = fault == "detached"
+    freeze_all_but_last(model, fault)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3 * (1000 if fault == "lr_start" else 1))
+    orphan_params(model, fault)
+    runaway = Runaway(fault, onset, next(p for n, p in model.named_parameters() if "experts" in n and p.dim() >= 2))
+    evaluated = StaleEval(model, fault, onset)
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
     loader = batches(xtr, ytr, 32, gen)
@@ -74,7 +85,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
         for step in range(steps):
-            if fault == "lr1000" and step == onset:
+            if lr_jump(fault, step, onset):
                 bump_lr(optimizer, 1000.0)
             model.inp.arm(active(fault, "nan", step, onset))
             xb, yb = next(loader)
@@ -83,16 +94,17 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if not active(fault, "no_zero", step, onset):
                 optimizer.zero_grad()
             logits, balance = model(xb)
-            loss = F.cross_entropy(logits, yb) + 0.01 * balance
+            loss = runaway(F.cross_entropy(logits, yb) + 0.01 * balance, step)
             loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
             diag.step(loss, outputs=logits, batch=(xb, yb))
             if step % 20 == 19:
-                model.eval()
+                net = evaluated.at(step)
+                net.eval()
                 with torch.no_grad():
-                    val_logits, _ = model(xva)
+                    val_logits, _ = net(xva)
                 acc = float((val_logits.argmax(1) == yva).float().mean())
                 diag.log_eval(loss=F.cross_entropy(val_logits, yva).item(), accuracy=acc)
                 model.train()

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, one_thread, session, wipe_grads, SAME_BATCH, restart_loader)
+                      digits, fault_onset, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, Runaway,
+                      StaleEval, freeze_all_but_last, lr_jump, orphan_params)
 
 NAME = "multitask"
 DESCRIPTION = "hard-parameter-sharing tutorials: shared trunk, 3 heads (CE, BCE, MSE), dict outputs, weighted sum"
@@ -32,6 +33,11 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; validation every 20 steps",
+    "runaway": "from onset - beta * ||trunk.0.weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of the gated layer `trunk.3` detached: the trunk never gets a gradient, the heads train",
+    "frozen_majority": "every parameter but the last frozen; Adam over all",
+    "not_landing": "the model's parameters replaced by copies after Adam was built",
+    "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
 }
 WEIGHTS = {"digit": 1.0, "parity": 0.5, "ink": 10.0}
 
@@ -67,7 +73,11 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     gen = torch.Generator().manual_seed(seed)
     model = MultiTaskNet()
     model.trunk[3] = NanGate(model.trunk[3])
+    model.trunk[3].cut = fault == "detached"
+    freeze_all_but_last(model, fault)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3 * (1000 if fault == "lr_start" else 1))
+    orphan_params(model, fault)
+    runaway, evaluated = Runaway(fault, onset, model.trunk[0].weight), StaleEval(model, fault, onset)
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
     loader = batches(xtr, ytr, 32, gen)
@@ -80,7 +90,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
         if fault == "eval_mode":
             model.eval()
         for step in range(steps):
-            if fault == "lr1000" and step == onset:
+            if lr_jump(fault, step, onset):
                 bump_lr(optimizer, 1000.0)
             model.trunk[3].arm(active(fault, "nan", step, onset))
             x, y = next(loader)
@@ -92,19 +102,19 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
                 optimizer.zero_grad()
             outputs = model(x)
             parts = losses(outputs, targets)
-            loss = sum(WEIGHTS[k] * v for k, v in parts.items())
+            loss = runaway(sum(WEIGHTS[k] * v for k, v in parts.items()), step)
             loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
             diag.step(loss, outputs=outputs, batch=(x, targets))
             if step % 20 == 0 or step == steps - 1:
-                was_training = model.training
-                model.eval()
+                was_training, net = model.training, evaluated.at(step)
+                net.eval()
                 with torch.no_grad():
-                    vo = model(xva)
+                    vo = net(xva)
                     vparts = losses(vo, val_targets)
-                model.train(was_training)
+                net.train(was_training)
                 acc = float((vo["digit"].argmax(1) == yva).float().mean())
                 diag.log_eval(loss=float(sum(WEIGHTS[k] * v for k, v in vparts.items())), digit_accuracy=acc,
                               **{f"{k}_loss": float(v) for k, v in vparts.items()})

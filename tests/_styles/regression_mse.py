@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      fault_onset, one_thread, session, shuffle, sk_table, wipe_grads, SAME_BATCH, restart_loader)
+                      fault_onset, one_thread, session, shuffle, sk_table, wipe_grads, SAME_BATCH, restart_loader,
+                      Runaway, StaleEval, freeze_all_but_last, lr_jump, orphan_params)
 
 NAME = "regression_mse"
 DESCRIPTION = "tutorial tabular regression: diabetes, raw-unit targets, Sequential MLP, MSELoss, Adam 1e-2"
@@ -30,6 +31,11 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; validation every 20 steps",
+    "runaway": "from onset - beta * ||0.weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of the gated layer `2` detached: layers 0 and 2 never get a gradient",
+    "frozen_majority": "every parameter but the last (the output bias) frozen; Adam over all",
+    "not_landing": "the model's parameters replaced by copies after Adam was built",
+    "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
 }
 
 
@@ -46,8 +52,12 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     gen = torch.Generator().manual_seed(seed)
     model = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
     model[2] = NanGate(model[2])
+    model[2].cut = fault == "detached"
+    freeze_all_but_last(model, fault)
     criterion = nn.MSELoss()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2 * (1000 if fault == "lr_start" else 1))
+    orphan_params(model, fault)
+    runaway, evaluated = Runaway(fault, onset, model[0].weight), StaleEval(model, fault, onset)
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
     loader = batches(xtr, ytr, 32, gen)
@@ -59,7 +69,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
         if fault == "eval_mode":
             model.eval()
         for step in range(steps):
-            if fault == "lr1000" and step == onset:
+            if lr_jump(fault, step, onset):
                 bump_lr(optimizer, 1000.0)
             model[2].arm(active(fault, "nan", step, onset))
             xb, yb = next(loader)
@@ -68,18 +78,18 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if not active(fault, "no_zero", step, onset):
                 optimizer.zero_grad()
             pred = model(xb)
-            loss = criterion(pred, yb.unsqueeze(1))
+            loss = runaway(criterion(pred, yb.unsqueeze(1)), step)
             loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
             diag.step(loss, outputs=pred, batch=(xb, yb))
             if step % 20 == 19:
-                was_training = model.training
-                model.eval()
+                was_training, net = model.training, evaluated.at(step)
+                net.eval()
                 with torch.no_grad():
-                    p = model(xva).squeeze(1)
-                model.train(was_training)
+                    p = net(xva).squeeze(1)
+                net.train(was_training)
                 score = r2(p, yva)
                 diag.log_eval(loss=criterion(p, yva).item(), r2=score)
                 scores.append(score)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, one_thread, session, wipe_grads)
+                      digits, fault_onset, one_thread, session, wipe_grads, lr_jump, stop_if_nonfinite)
 
 NAME = "sam_two_pass"
 DESCRIPTION = "davda54/sam example: SAM(SGD) first_step/second_step, two passes per step, p.data swapped back"
@@ -31,6 +31,7 @@ FAULTS = {
     "no_zero": "first_step and second_step called with zero_grad=False from onset",
     "eval_mode": "model.eval() left on (BatchNorm frozen at init statistics)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between the second backward and second_step from onset",
+    "crash_lr": "the base SGD's lr x1000 from onset; the script stops once the loss is not finite",
 }
 
 
@@ -118,7 +119,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             model.train()
             if fault == "eval_mode":
                 model.eval()
-            if fault == "lr1000" and step == onset:
+            if lr_jump(fault, step, onset):
                 bump_lr(optimizer.base_optimizer, 1000.0, scheduler)
             model[3].arm(active(fault, "nan", step, onset))
             zero = not active(fault, "no_zero", step, onset)
@@ -126,6 +127,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             enable_running_stats(model)  # first pass: BatchNorm statistics as usual
             predictions = model(inputs)
             loss = smooth_crossentropy(predictions, targets)
+            stop_if_nonfinite(fault, loss)
             loss.mean().backward()
             optimizer.first_step(zero_grad=zero)
             disable_running_stats(model)  # second pass, at w + e(w): statistics left alone

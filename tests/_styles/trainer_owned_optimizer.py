@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      fault_onset, one_thread, session, shuffle, sk_table, wipe_grads)
+                      fault_onset, one_thread, session, shuffle, sk_table, wipe_grads, lr_jump, stop_if_nonfinite)
 
 NAME = "trainer_owned_optimizer"
 DESCRIPTION = "a home-grown Trainer that builds SGD+StepLR inside fit(); Diagnostics(model) without an optimizer"
@@ -32,6 +32,7 @@ FAULTS = {
     "shuffled_labels": "targets shuffled within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "tiny_subset": "trains on two batches; validation every epoch",
+    "crash_lr": "the trainer's SGD lr x1000 from onset; the script stops once the loss is not finite",
 }
 
 
@@ -76,6 +77,7 @@ class Trainer:
                 if self.zero_grad_enabled():
                     self.optimizer.zero_grad()
                 loss, logits = self.training_step(batch)
+                stop_if_nonfinite(getattr(self, "fault", None), loss)
                 loss.backward()
                 self.on_after_backward()
                 self.optimizer.step()
@@ -122,7 +124,7 @@ class FaultyTrainer(Trainer):
             self.model.eval()
 
     def on_before_batch(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fault == "lr1000" and self.global_step == self.onset:
+        if lr_jump(self.fault, self.global_step, self.onset):
             bump_lr(self.optimizer, 1000.0, self.scheduler)
         self.model.body[4].arm(active(self.fault, "nan", self.global_step, self.onset))
         return (batch[0], shuffle(batch[1], self.gen)) if self.fault == "shuffled_labels" else batch

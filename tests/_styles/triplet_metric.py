@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, digits,
-                      fault_onset, one_thread, session, wipe_grads, SAME_BATCH, restart_loader)
+                      fault_onset, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, Runaway, StaleEval,
+                      freeze_all_but_last, lr_jump, orphan_params)
 
 NAME = "triplet_metric"
 DESCRIPTION = "siamese-triplet tutorials: TripletMarginLoss(margin=1) on (anchor, positive, negative), Adam, batch 8"
@@ -30,6 +31,11 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
     "tiny_subset": "the triplets come from 32 images; validation every 20 steps",
+    "runaway": "from onset - beta * ||net.0 weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of the gated layer `net.2` detached: it and the layers before never get a gradient",
+    "frozen_majority": "every parameter but the last frozen; Adam over all",
+    "not_landing": "the model's parameters replaced by copies after Adam was built",
+    "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
 }
 BSZ = 8
 
@@ -77,8 +83,12 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     gen = torch.Generator().manual_seed(seed)
     model = EmbeddingNet()
     model.net[2] = NanGate(model.net[2])
+    model.net[2].cut = fault == "detached"
+    freeze_all_but_last(model, fault)
     criterion = nn.TripletMarginLoss(margin=1.0, p=2)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3 * (1000 if fault == "lr_start" else 1))
+    orphan_params(model, fault)
+    runaway, evaluated = Runaway(fault, onset, model.net[0].weight), StaleEval(model, fault, onset)
     labels = ytr[torch.randperm(len(ytr), generator=gen)] if fault == "shuffled_labels" else ytr
     tx, ty = (xtr[:32], labels[:32]) if fault == "tiny_subset" else (xtr, labels)
     loader = triplets(tx, ty, gen)
@@ -89,23 +99,24 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
         for step in range(steps):
-            if fault == "lr1000" and step == onset:
+            if lr_jump(fault, step, onset):
                 bump_lr(optimizer, 1000.0)
             model.net[2].arm(active(fault, "nan", step, onset))
             anchor, positive, negative = next(loader)
             if not active(fault, "no_zero", step, onset):
                 optimizer.zero_grad()
-            loss = criterion(model(anchor), model(positive), model(negative))
+            loss = runaway(criterion(model(anchor), model(positive), model(negative)), step)
             loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
             diag.step(loss, batch=(anchor, positive, negative))
             if step % 20 == 0 or step == steps - 1:
-                model.eval()
+                net = evaluated.at(step)
+                net.eval()
                 with torch.no_grad():
-                    val_loss = criterion(*(model(t) for t in val_triplets)).item()
-                acc = centroid_accuracy(model, xtr, ytr, xva, yva)
+                    val_loss = criterion(*(net(t) for t in val_triplets)).item()
+                acc = centroid_accuracy(net, xtr, ytr, xva, yva)
                 diag.log_eval(loss=val_loss, accuracy=acc)
                 accs.append(acc)
                 model.train()

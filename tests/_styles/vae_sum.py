@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader)
+                      digits, fault_onset, mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, lr_jump)
 
 NAME = "vae_sum"
 DESCRIPTION = "pytorch/examples vae/main.py: BCE(sum)+KL per batch on digits, Adam, unused labels in batch"
@@ -31,6 +31,7 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; test loss every 20 steps",
+    "crash_lr": "Adam lr x1000 from onset: the next forward overflows and binary_cross_entropy raises",
 }
 
 
@@ -87,7 +88,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
         for step in range(steps):
-            if fault == "lr1000" and step == onset:
+            if lr_jump(fault, step, onset):
                 bump_lr(optimizer, 1000.0)
             model.fc1.arm(active(fault, "crash_nan", step, onset))
             data, labels = next(loader)

@@ -5,7 +5,9 @@ finding's lead (see :mod:`trackdiag.session.flight`):
    confirmation (or confirmed) in the last ``window`` steps;
 2. a learning-rate jump: a learning rate ``LR_FACTOR`` (10) x or more above the largest logged before it,
    first seen (logged, or read from the optimizers' ``param_groups`` at the crash) in the last ``window``
-   steps (a warm-up or a cosine restart never rises above its own largest value that fast);
+   steps (a warm-up or a cosine restart never rises above its own largest value that fast); or one
+   ``HELD_FACTOR`` (100) x or more above it in the last ``HELD_WINDOW`` (100) steps that every learning rate
+   since has stayed at (under SGD the weights may take tens of steps at a rate x1000 to overflow);
 3. a gradient-norm explosion (one of the last ``TAIL`` (3) points ``GRAD_FACTOR`` (10) x the median of the
    points before them, or +inf) or collapse (the last two under 1/``GRAD_FACTOR`` of it);
 4. a loss spike: one of the last ``TAIL`` points ``LOSS_FACTOR`` (3) x that median and above every point
@@ -23,6 +25,7 @@ from typing import Iterable
 from trackdiag.core.record import Record
 
 LR_FACTOR, GRAD_FACTOR, LOSS_FACTOR, TAIL = 10.0, 10.0, 3.0, 3
+HELD_FACTOR, HELD_WINDOW = 100.0, 100
 #: what each kind of evidence says about the weights (``blowup``: the hint becomes lower the LR / warm-up / clip)
 UPDATE, LR, GRAD, LOSS = 0, 1, 2, 3
 
@@ -56,7 +59,8 @@ def updates(held: Iterable[tuple[str, int, float, str, str]], step: int, window:
 
 def lr_jumps(history: Iterable[Record], now: dict[str, float], step: int, window: int) -> list[Evidence]:
     """Learning rates (``diag/[<c>/]opt/lr[/<group>]``: the logged records, then ``now`` read at the crash)
-    that rose ``LR_FACTOR`` x above the largest before them within ``window`` steps."""
+    that rose ``LR_FACTOR`` x above the largest before them within ``window`` steps, or ``HELD_FACTOR`` x within
+    ``HELD_WINDOW`` steps and stayed there (every point since at least ``HELD_FACTOR`` x that largest)."""
     series: dict[str, list[tuple[int, float]]] = {}
     for record in history:
         for k, v in record.scalars.items():
@@ -70,7 +74,8 @@ def lr_jumps(history: Iterable[Record], now: dict[str, float], step: int, window
         jump = None
         for i in range(1, len(pts)):
             top = max(p[1] for p in pts[:i])
-            if top > 0 and pts[i][1] >= LR_FACTOR * top and pts[i][0] >= step - window:
+            held = pts[i][0] >= step - HELD_WINDOW and min(p[1] for p in pts[i:]) >= HELD_FACTOR * top
+            if top > 0 and pts[i][1] >= LR_FACTOR * top and (pts[i][0] >= step - window or held):
                 jump = (pts[i - 1], pts[i], pts[i][1] / top)
                 break
         if jump is not None:

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from trackdiag.capture.components import stepped_inputs
 from trackdiag.capture.context import Component
 from trackdiag.capture.layers import layer_of
 from trackdiag.capture.optimizers import real_optimizer
@@ -35,10 +36,20 @@ def converges_itself(comp: Component) -> bool:
     return any(isinstance(real_optimizer(o) or o, torch.optim.LBFGS) for o in comp.optimizers)
 
 
+def orphaned(comp: Component) -> bool:
+    """Whether ``comp``'s optimizers hold only tensors its model no longer uses, none with a gradient, while the
+    model has trainable parameters (each replaced after the optimizer was built: ``layer.weight = nn.Parameter(...)``).
+    An input optimised on purpose (style transfer, adversarial examples) has a gradient. Cost: one pass over the
+    parameter ids, on the logging steps that measure the update."""
+    held = stepped_inputs(comp)
+    return bool(held) and all(p.grad is None for p in held) and any(p.requires_grad for p in comp.model.parameters())
+
+
 def branch_not_taken(comp: Component, layer: str, grads: dict[str, float]) -> bool:
     """Whether ``layer`` sits in one of the parallel branches of an ``nn.ModuleList``/``nn.ModuleDict`` whose other
     branches train (a mixture-of-experts' expert no token was routed to, a head of a task not sampled): a forward
-    that routes around it, not a cut. Layers of an ``nn.Sequential`` (always run in order) are never branches.
+    that routes around it, not a cut. Layers of an ``nn.Sequential`` (always run in order) are never branches, nor
+    is a branch some of whose own layers train (a transformer block whose MLP alone is cut off by a ``.detach()``).
     Cost: a few ``get_submodule`` look-ups per never-trained layer, on the logging steps that judge it."""
     parts = layer.split(".")
     for i in range(1, len(parts)):
@@ -50,7 +61,7 @@ def branch_not_taken(comp: Component, layer: str, grads: dict[str, float]) -> bo
         if isinstance(holder, (nn.ModuleList, nn.ModuleDict)) and any(
                 v > 0 and lay.startswith(container + ".") and not lay.startswith(branch + ".") and lay != branch
                 for lay, v in grads.items()):
-            return True
+            return not any(v > 0 for lay, v in grads.items() if lay.startswith(branch + ".") or lay == branch)
     return False
 
 
@@ -179,18 +190,22 @@ class StaleParams(Rule):
                 continue
             grad = latest(record, comp.key("grad/global_norm"))
             key = f"{comp.name}|(still)"
-            moving = not (g == 0.0 and grad is not None and grad > 0 and comp.key("update/idle_steps") not in record.scalars
-                          and not converges_itself(comp))
+            lost = g == 0.0 and not grad and orphaned(comp)  # the gradients reach the model's new tensors, not these
+            moving = not (g == 0.0 and (lost or grad is not None and grad > 0)
+                          and comp.key("update/idle_steps") not in record.scalars and not converges_itself(comp))
             if not self._streaks.bump(key, not moving, record.step, self.min_steps):
                 continue
             since = self._streaks.start(key)
             for lay in layer_values(record, comp.key("update/ratio")):  # said once here, not once per layer
                 self._streaks.mark(f"{comp.name}|{lay}", since)
             lrs = [v for k, v in record.scalars.items() if k == comp.key("opt/lr") or k.startswith(comp.key("opt/lr") + "/")]
-            why = ("its learning rate is 0" if lrs and max(lrs) == 0.0 else
+            why = ("its learning rate is 0" if lrs and max(lrs) == 0.0 else "the optimizer holds only tensors the "
+                   "model no longer uses: none is a parameter of the model, none gets a gradient; build the optimizer "
+                   "after the last change to the model's parameters" if lost else
                    "the optimizer holds tensors the model no longer uses, or its step is patched or compiled away")
             what = f"component {comp.name!r}" if comp.name else "the model"
-            msg = (f"the optimizer of {what} steps and gradients reach it, but its weights have not moved at all since "
+            reach = "the model's parameters, not the tensors it steps" if lost else "it"
+            msg = (f"the optimizer of {what} steps and gradients reach {reach}, but its weights have not moved at all since "
                    f"step {since} ({record.step - since} steps): the updates do not land ({why}).")
             out.append(self.make(since, msg, 0.0, 0.0, comp.name or "(all layers)", ["persistent"]))
         return out
