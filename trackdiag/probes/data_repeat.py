@@ -5,6 +5,7 @@ Fed by the ``batch=`` passed to ``Diagnostics.step``. Emits at every logging ste
   consecutive steps whose batch had the same contents as the step before while being a new tensor (0: none);
   ``diag/data/repeat_first_step``: the first step that batch was seen at (-1: none);
   ``diag/data/batch_size``: the first dimension of the last step's fingerprinted tensor.
+With ``log_eval(batch=...)``, into the evaluation's record: ``diag/data/eval_train_step`` (:meth:`on_eval_batch`).
 A batch that is the very same tensor object as the step before, unchanged in place, is *held* (full-batch
 training: a graph, an in-memory dataset, an L-BFGS closure's data): it never counts as a repeat. What counts is a
 batch rebuilt every step with identical contents, as a loader restarted each step gives.
@@ -19,6 +20,7 @@ sync).
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -49,9 +51,10 @@ class DataRepeatProbe(Probe):
     name = "data_repeat"
     always_collect = True
 
-    def __init__(self, *, enabled: bool = True, every: int | None = None, samples: int = 4096) -> None:
+    def __init__(self, *, enabled: bool = True, every: int | None = None, samples: int = 4096, keep: int = 1024) -> None:
         super().__init__(enabled=enabled, every=every)
         self.samples = max(1, samples)
+        self._known: deque[tuple[int, tuple[int, ...], float, float]] = deque(maxlen=max(1, keep))  # judged, on the host
         self._prev: Any = None  # weakref to the previous step's tensor
         self._prev_version = -1
         self._weights: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
@@ -122,10 +125,30 @@ class DataRepeatProbe(Probe):
                 if self._streak > best:
                     best, best_start = self._streak, self._start
                 self._last = (step, shape, (fp[0], fp[1]))
+                self._known.append((step, shape, fp[0], fp[1]))
         record.scalars["diag/data/repeat_streak"] = float(best)
         record.scalars["diag/data/repeat_first_step"] = float(best_start)
         if self._rows:
             record.scalars["diag/data/batch_size"] = float(self._rows)
+
+    def on_eval_batch(self, ctx: ProbeContext, batch: Any, record: Record) -> None:
+        """``log_eval(batch=...)``: emits ``diag/data/eval_train_step`` into the evaluation's record, the latest of the
+        last ``keep`` (1024) training steps whose batch had the same shape and fingerprint as the evaluation batch
+        (-1: none, or the training data never changed: full-batch training evaluated on its own inputs under another
+        mask). Cost: the fingerprint of the evaluation batch and one host read of it and of the window's pending
+        training fingerprints (``log_eval`` reads its values back anyway)."""
+        t = first_tensor(batch)
+        if t is None:
+            return
+        fp = self._fingerprint(t.detach()).tolist()
+        known = list(self._known)
+        if self._seen:  # this window's training batches, not yet copied with the logging step
+            pending = torch.stack([f for *_, f in self._seen]).tolist()
+            known += [(s, shape, a, b) for (s, shape, _, _), (a, b) in zip(self._seen, pending)]
+        shape = tuple(t.shape)
+        hits = [s for s, sh, a, b in known if sh == shape and a == fp[0] and b == fp[1]]
+        varied = len({(sh, a, b) for _, sh, a, b in known}) > 1
+        record.scalars["diag/data/eval_train_step"] = float(max(hits)) if hits and varied else -1.0
 
     def state_dict(self) -> dict[str, Any]:
         return {"streak": self._streak, "start": self._start}

@@ -1,4 +1,5 @@
-"""``same_batch``: the training batch did not change for many steps in a row (keys of the ``data_repeat`` probe)."""
+"""``same_batch``: the training batch did not change for many steps in a row; ``eval_on_train_batch``: the evaluation
+batch is a training batch (keys of the ``data_repeat`` probe)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -43,3 +44,36 @@ class SameBatch(Rule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._fired_start = int(state.get("fired_start", -2))
+
+
+class EvalOnTrainBatch(Rule):
+    """Fires at a ``log_eval(batch=...)`` whose evaluation batch has the contents of one of the recent training
+    batches (``diag/data/eval_train_step`` >= 0, from the ``data_repeat`` probe's fingerprints: same shape, same
+    sum and position-weighted sum): the validation loader built on the training split, the training batch
+    variable reused in the evaluation loop. The validation metrics then measure fit, not generalisation.
+    ``step`` is the evaluation's step; ``corroborated`` (two independent fingerprints and the shape agree: a
+    warning). Once per run."""
+
+    kind = "eval_on_train_batch"
+    hint = ("The evaluation batch is one the model trained on. Build the validation loader from the held-out split "
+            "(not the training dataset or its loader), and in the evaluation loop use the evaluation batch's own "
+            "variables, not the training loop's `x, y`.")
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._fired = False
+
+    def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
+        seen = int(record.scalars.get("diag/data/eval_train_step", -1.0))
+        if seen < 0 or self._fired:
+            return []
+        self._fired = True
+        msg = (f"the batch passed to log_eval() at step {record.step} has the same contents as the training batch of "
+               f"step {seen}: the evaluation measures data the model trained on.")
+        return [self.make(record.step, msg, float(seen), -1.0, "eval batch", ["corroborated"])]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fired": self._fired}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._fired = bool(state.get("fired", False))

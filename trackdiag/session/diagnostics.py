@@ -255,14 +255,17 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards, 
             return value.detach().float().mean() if value.numel() else None
         return value
 
-    def log_eval(self, loss: Any = None, **metrics: Any) -> None:
+    def log_eval(self, loss: Any = None, *, batch: Any = None, **metrics: Any) -> None:
         """Record evaluation results (``diag/eval/loss``, ``diag/eval/<name>``) at the current step.
 
         Values must be real numbers or one-element tensors (read back here: one host sync each);
-        any other value is skipped with one warning naming its key, never an exception.
+        any other value is skipped with one warning naming its key, never an exception. ``batch``: an
+        evaluation batch (optional): compared with the recent training batches (``eval_on_train_batch``).
         """
         from trackdiag.util.eval_values import eval_scalars
 
+        if isinstance(batch, (int, float)) and not isinstance(batch, bool):  # a metric named "batch", as before
+            metrics["batch"], batch = batch, None
         values = eval_scalars(loss, metrics)
         if not values:
             return
@@ -272,6 +275,10 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards, 
         record = Record(step=step, time=time.time())
         for k, v in values.items():
             record.scalars[f"diag/eval/{k}"] = v
+        if batch is not None:  # the probes that fingerprint training batches say whether it is one of them
+            for p in self.probes:
+                if p.enabled and hasattr(p, "on_eval_batch"):
+                    self._guard(p, "on_eval_batch", self._ctx, batch, record)
         alerts = self._judge("check_eval", record, self._history)
         raised = self._emit(record, alerts)
         if raised is not None:
