@@ -6,11 +6,13 @@ jump. Each fault in two styles, judged exactly as ``benchmarks/styles_report.py`
 ``run_case`` and ``verdict``, at its step budget). The unit tests below pin the rule changes the table needed:
 an update that cannot land because the model's parameters were replaced after the optimizer was built, a
 ``.detach()`` inside one block of a ``ModuleList`` stack, a learning-rate jump still in effect 20+ steps before
-a crash. Their healthy twins (an input optimised through a trainable model, a warm-up) stay quiet.
+a crash. Their healthy twins (an input optimised through a trainable model, a warm-up) stay quiet. Item 5
+under DDP (``benchmarks/ddp_silent.py``): a corpus model whose ranks part (slow: one 2-process gloo launch, ~20 s).
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -36,6 +38,13 @@ def _report():
 
 
 REPORT = _report()
+
+
+def _ddp():
+    spec = importlib.util.spec_from_file_location("ddp_silent", ROOT / "benchmarks" / "ddp_silent.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 SLICE = [
     ("runaway", "multitask"), ("runaway", "regression_mse"),
@@ -64,6 +73,22 @@ def test_silent_fault_is_caught_in_the_style(fault: str, style: str) -> None:
         window = REPORT.START_WINDOW if fault in REPORT.START_FAULTS else REPORT.WINDOW
         assert 0 <= first["raised_at"] - max(row["onset"], 0) <= window, said
     assert REPORT.verdict(row) == "caught", said
+
+
+@pytest.mark.slow
+def test_ddp_corpus_model_whose_ranks_part() -> None:
+    """Item 5 on a corpus model (distillation's student) under DDP, 2 gloo processes on loopback, as
+    ``benchmarks/ddp_silent.py`` runs its table: the last rank re-initialises ``layers.3`` at step 40 after its
+    optimizer step; ``ranks_diverged`` names it at the next rank_sync measurement (step 50), on every rank. (Ranks
+    reading the same batches, item 6, are in the table and in tests/test_silent_ranks.py: they need 100 steps.)"""
+    ddp = _ddp()
+    ranks = ddp.launch("distillation", "part", steps=60)
+    for alerts in ranks:
+        text, caught = ddp.judge("part", alerts)
+        assert caught, (text, [(a["kind"], a["step"], a["severity"]) for a in alerts])
+    assert len({json.dumps(r, sort_keys=True) for r in ranks}) == 1  # the same alerts on every rank
+    first = min((a for a in ranks[0] if a["severity"] != "info"), key=lambda a: a["step"])
+    assert (first["kind"], first["step"], first["where"]) == ("ranks_diverged", 50, "layers.3"), first
 
 
 def test_optimizer_built_before_the_parameters_were_replaced_is_said(tmp_path) -> None:
