@@ -86,30 +86,38 @@ def test_healthy_loops_stay_silent(tmp_path, level, script):
 
 
 # ------------------------------------------------------------------------------------- Lightning
-pl = pytest.importorskip("lightning.pytorch", reason="pip install 'trackdiag[lightning]'")
+def _lightning() -> Any:
+    """``lightning.pytorch``, imported by the Lightning tests only (not at collection: it costs every xdist
+    worker seconds, and a module-level skip would skip this file's other tests too without it)."""
+    return pytest.importorskip("lightning.pytorch", reason="pip install 'trackdiag[lightning]'")
 
 
-class NoForward(pl.LightningModule):
+def _no_forward(onset: int | None) -> Any:
     """The LightningModule style without ``forward``: ``training_step`` calls the sub-modules."""
 
-    def __init__(self, onset: int | None) -> None:
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
-        self.mixer = zoo.NanGate(nn.Linear(32, 32))
-        self.head = nn.Linear(32, 10)
-        self.onset = onset
+    class NoForward(_lightning().LightningModule):
+        def __init__(self, onset: int | None) -> None:
+            super().__init__()
+            self.encoder = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
+            self.mixer = zoo.NanGate(nn.Linear(32, 32))
+            self.head = nn.Linear(32, 10)
+            self.onset = onset
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        self.mixer.fault.fill_(1.0 if self.onset is not None and self.global_step >= self.onset else 0.0)
-        x, y = batch
-        return F.cross_entropy(self.head(torch.relu(self.mixer(self.encoder(x)))), y)
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.mixer.fault.fill_(1.0 if self.onset is not None and self.global_step >= self.onset else 0.0)
+            x, y = batch
+            return F.cross_entropy(self.head(torch.relu(self.mixer(self.encoder(x)))), y)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), 1e-3)
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), 1e-3)
+
+    return NoForward(onset)
 
 
 def _fit(tmp_path: Any, onset: int | None, **kw: Any) -> Any:
     from trackdiag.integrations.lightning import DiagnosticsCallback
+
+    pl = _lightning()
 
     x, y = zoo.digits()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:640], y[:640]), batch_size=32)
@@ -118,7 +126,7 @@ def _fit(tmp_path: Any, onset: int | None, **kw: Any) -> Any:
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=20, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
     with zoo.one_thread():
-        trainer.fit(NoForward(onset), data)
+        trainer.fit(_no_forward(onset), data)
     return cb
 
 
