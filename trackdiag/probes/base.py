@@ -77,6 +77,12 @@ class Probe:
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         """Every step; must cost at most a few device ops. Default: nothing."""
 
+    def quiet(self, ctx: ProbeContext) -> bool:
+        """Whether :meth:`on_step` has nothing to do until the next logging step, or the next change of the
+        session's shape (an optimizer or a scaler adopted, parameters re-indexed): then the step plan does
+        not call it (:mod:`trackdiag.session.step_plan`). Default: it always has work."""
+        return False
+
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         """Device tensors (or host numbers) to copy to the host at this logging step."""
         return {}

@@ -92,6 +92,9 @@ class FlightProbe(Probe):
         self.flags, self.modules, self.schedule = None, False, Never()
         ctx.extra.pop(FLAGS_KEY, None)
 
+    def quiet(self, ctx: ProbeContext) -> bool:
+        return self.flags is None
+
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         if self.flags is not None:
             self.flags.end_step(ctx.step, due=ctx.is_due(self.schedule) and self._learning())

@@ -83,6 +83,9 @@ class MemoryPhasesProbe(Probe):
         if dev is not None and self._due(ctx, ctx.step):
             self._read(comp, dev, "step")
 
+    def quiet(self, ctx: ProbeContext) -> bool:
+        return not self._devices and not self._armed
+
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         if self._devices and self._due(ctx, ctx.step + 1):
             self._arm(ctx)

@@ -96,6 +96,9 @@ class ModeProbe(Probe):
             return
         self._found[comp.name] = (ctx.step, mode_dependent(model))  # none: only a functional dropout would care
 
+    def quiet(self, ctx: ProbeContext) -> bool:
+        return all(comp.optimizers for comp in ctx.components)  # the optimizer hook reads the mode instead
+
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         """A component stepped by hand (no optimizer object): read the mode at ``step()``."""
         for comp in ctx.components:

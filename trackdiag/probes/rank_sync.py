@@ -135,6 +135,9 @@ class RankSyncProbe(Probe):
             with torch.no_grad():
                 self._batch[comp] = (ctx.step, batch_fingerprint(x))
 
+    def quiet(self, ctx: ProbeContext) -> bool:
+        return not self._kinds  # outside DDP/FSDP
+
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         if not self._kinds or inputs.batch is None or not ctx.is_due(self.schedule):
             return

@@ -50,6 +50,10 @@ class ScalerProbe(Probe):
         scale = getattr(ctx.scaler, "_scale", None) if ctx.scaler is not None else None
         self._start = scale.detach().clone().reshape(()) if scale is not None else None  # a resumed scaler
 
+    def quiet(self, ctx: ProbeContext) -> bool:
+        scaler = ctx.scaler  # found when an optimizer is adopted (the plan is made again then)
+        return scaler is None or not scaler.is_enabled()
+
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         scaler = ctx.scaler
         scale = getattr(scaler, "_scale", None) if scaler is not None else None

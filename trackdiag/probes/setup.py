@@ -85,6 +85,9 @@ class SetupProbe(Probe):
         if comp.name in self._due and comp.model is not None:
             self._graded[comp.name] = {id(p) for p in comp.model.parameters() if p.grad is not None}
 
+    def quiet(self, ctx: ProbeContext) -> bool:
+        return not self._due  # re-indexing makes a component due again (and replans)
+
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         """After the step's optimizers ran (late ones were adopted by now)."""
         for comp in ctx.components:

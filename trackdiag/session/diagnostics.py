@@ -31,6 +31,7 @@ from trackdiag.session.close import RunEnd
 from trackdiag.session.distributed import DistSync
 from trackdiag.session.flight import FlightRecorder
 from trackdiag.session.guards import Guards, enrich_alerts
+from trackdiag.session.step_plan import StepPlan
 from trackdiag.session.steps import OptimizerEvents
 from trackdiag.sinks.base import Sink, SinkHub
 from trackdiag.util import exit_status
@@ -49,7 +50,7 @@ def _build(family: dict[str, str], name: str, entry: Mapping[str, Any] | None) -
     return lookup(family, name, entry)(**{k: v for k, v in entry.items() if k != "_target_"})
 
 
-class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards, CostBudget):
+class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd, Guards, CostBudget):
     """Training diagnostics for one run. See the README for the metric keys and alert kinds.
 
     Args:
@@ -115,6 +116,7 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards, 
             p.bind(self.every)
             p.attach(self._ctx)
         self._on_step = [p for p in self.probes if type(p).on_step is not Probe.on_step]
+        self._init_plan()
         self._after_record = [p for p in self.probes if type(p).after_record is not Probe.after_record]
         self._schedules = self._distinct_schedules()
         self._init_budget(cfg)
@@ -208,7 +210,7 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards, 
         elif self._held_fit is not None:
             self._settle_fit()
         self._finish_components()
-        for p in self._on_step:  # only probes that implement on_step
+        for p in self._busy_probes():  # only probes that implement on_step and have work until the next logging step
             if p.enabled:
                 try:
                     p.on_step(ctx, inputs)
@@ -220,17 +222,20 @@ class Diagnostics(OptimizerEvents, SetupChecks, FlightRecorder, RunEnd, Guards, 
         self._phase_ready = True
         raised = None
         log_now = False
-        for sched in self._schedules:  # a few distinct schedules, not every probe
-            if ctx.is_due(sched):
-                log_now = True
-                break
-        else:  # under a stretched cadence (budget.py): a logging step at a NaN/Inf or a jump in the window too
-            log_now = bool(self._checks) and self._window_check(ctx.step)
+        if not self._plain_step(ctx.step):  # the step plan (step_plan.py): most steps ask no schedule
+            for sched in self._schedules:  # a few distinct schedules, not every probe
+                if ctx.is_due(sched):
+                    log_now = True
+                    break
+            else:  # under a stretched cadence (budget.py): a logging step at a NaN/Inf or a jump in the window too
+                log_now = bool(self._checks) and self._window_check(ctx.step)
+            self._plan_after(ctx.step)
         if log_now:
             self._logging = ctx.step  # a Ctrl-C in here: close() logs this step's window again
             raised = self._log(ctx.step)
             self._logging = None
             self._check_reindex()
+            self._replan()
         self._reset_steps()
         self._step += 1
         ctx.step = self._step

@@ -19,7 +19,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -29,6 +29,7 @@ from trackdiag.capture.grad_records import GradView, merge_taps
 from trackdiag.capture.gradtap import GradTap
 from trackdiag.capture.optimizers import DISPATCH, accelerate_accumulating, gradient_states, scaler_of, top_lr
 from trackdiag.probes.base import Probe
+from trackdiag.util.schedule import NEVER, next_due
 
 log = logging.getLogger("trackdiag")
 
@@ -51,6 +52,7 @@ class OptimizerEvents:
 
     components: list[Component]
     probes: list[Probe]
+    _replan: Callable[[], None]  # step_plan.StepPlan: the per-step hooks with work change
 
     def _init_events(self) -> None:
         ctx = self._ctx
@@ -58,6 +60,7 @@ class OptimizerEvents:
             ctx.scaler = next((s for c in self.components for g in c.given if (s := scaler_of(g)) is not None), None)
         self._detail_step = -1
         self._detail = False
+        self._next_detail = 0  # before it, no gradient probe that wants max |g| and versions is due (step_plan.py)
         self._tap = GradTap(ctx, self._detail_due, self._refresh_groups, self._closure_began)
         ctx.waiting = self._tap.waiting
         for comp in self.components:
@@ -118,7 +121,12 @@ class OptimizerEvents:
         ctx = self._ctx
         if self._detail_step != ctx.step:
             self._detail_step = ctx.step
-            self._detail = any(p.enabled and ctx.is_due(p.schedule) for p in self._grad_probes if p.wants_detail)
+            if ctx.step < self._next_check and ctx.step < self._next_detail and ctx.step > ctx.anomaly_until:
+                self._detail = False  # the step plan: no such probe is due before _next_detail
+            else:
+                wanting = [p for p in self._grad_probes if p.wants_detail and p.enabled]
+                self._detail = any(ctx.is_due(p.schedule) for p in wanting)
+                self._next_detail = min((next_due(p.schedule, ctx.step) for p in wanting), default=NEVER)
         return self._detail
 
     # ------------------------------------------------------------------ public
@@ -143,6 +151,7 @@ class OptimizerEvents:
             self._ctx.scaler = scaler_of(opt)
         comp.groups = groups_signature(comp)
         self._reindex(comp)
+        self._replan()  # a scaler or an optimizer arrived: the per-step hooks that have work change
 
     def _refresh_groups(self, comp: Component) -> None:
         """Follow ``add_param_group`` as soon as a backward pass shows it (before it is measured)."""
@@ -160,6 +169,7 @@ class OptimizerEvents:
             for p in self.probes:
                 if p.enabled:
                     self._guard(p, "reindexed", self._ctx, comp)
+            self._replan()
 
     # ------------------------------------------------------------------ torch's global step hooks
     def _adopted(self, opt: Any) -> Component | None:

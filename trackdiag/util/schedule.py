@@ -1,4 +1,5 @@
-"""Schedules are plain ``step -> bool`` callables."""
+"""Schedules are plain ``step -> bool`` callables. :func:`next_due` tells the next step one fires (the step
+plan asks it once per logging step, so that a non-logging step calls no schedule at all)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +16,9 @@ class Every:
     def __call__(self, step: int) -> bool:
         return step % self.n == 0
 
+    def after(self, step: int) -> int:
+        return (step // self.n + 1) * self.n
+
 
 @dataclass(frozen=True)
 class Never:
@@ -22,6 +26,9 @@ class Never:
 
     def __call__(self, step: int) -> bool:
         return False
+
+    def after(self, step: int) -> int:
+        return NEVER
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,9 @@ class EarlyThenEvery:
 
     def __call__(self, step: int) -> bool:
         return step < self.early or step % self.n == 0
+
+    def after(self, step: int) -> int:
+        return step + 1 if step + 1 < self.early else (step // self.n + 1) * self.n
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,16 @@ class SpreadThenEvery:
             m //= 10
         return m in (1, 2, 5)
 
+    def after(self, step: int) -> int:
+        nxt = (step // self.n + 1) * self.n
+        if self.base >= 1 and step < self.n:
+            t = (step // self.base + 1) * self.base
+            while t < nxt:  # n / base candidates at most
+                if self(t):
+                    return t
+                t += self.base
+        return nxt
+
 
 @dataclass(frozen=True)
 class Strided:
@@ -73,3 +93,30 @@ class Strided:
 
     def __call__(self, step: int) -> bool:
         return step % self.n == 0 and self.inner(step)
+
+    def after(self, step: int) -> int:
+        t = (step // self.n + 1) * self.n
+        for _ in range(SCAN):  # the multiples of n the inner schedule also fires on
+            if self.inner(t):
+                return t
+            t += self.n
+        return t
+
+
+#: a step no run reaches
+NEVER = 1 << 62
+#: how far :func:`next_due` looks ahead for a schedule without an ``after`` (then it asks again there)
+SCAN = 1000
+
+
+def next_due(schedule: Callable[[int], bool], step: int) -> int:
+    """The first step after ``step`` that ``schedule`` fires on (anomaly windows aside): its ``after``, else the
+    first of the next ``SCAN`` steps it fires on, else the step after them (ask again there). Host work, a
+    few calls for the built-in schedules."""
+    after = getattr(schedule, "after", None)
+    if after is not None:
+        return after(step)
+    for t in range(step + 1, step + SCAN + 1):
+        if schedule(t):
+            return t
+    return step + SCAN + 1

@@ -1,0 +1,79 @@
+"""The step plan: what a non-logging step has to do, worked out once per logging step instead of on every step.
+
+Mixed into :class:`trackdiag.Diagnostics`. A step is a logging step when one of the enabled probes' schedules fires
+on it, when it falls in an anomaly window, or (under a stretched cadence, :mod:`trackdiag.session.budget`) when a
+window check is due. Schedules are pure functions of the step, so after each step that asked them the plan keeps
+the next step any of them fires on (:func:`~trackdiag.util.schedule.next_due`); the steps before it call no
+schedule at all, they compare two integers. Reassigning ``_schedules`` or ``_checks`` (a probe disabled, the cost
+budget stretching the cadence) drops the plan, and the next step asks the schedules again.
+
+The plan also keeps which probes' ``on_step`` has work to do until the next logging step (:meth:`Probe.quiet`: a
+probe whose per-step hook would return at once, such as the AMP probe without an enabled ``GradScaler``, is not
+called). It is worked out again after each logging step and whenever the session's shape changes (an optimizer
+adopted, parameters re-indexed, a phase begun): :meth:`_replan`.
+
+Cost: a non-logging step pays two integer comparisons for the logging decision and one call per busy probe.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from trackdiag.capture.context import ProbeContext
+from trackdiag.probes.base import Probe
+from trackdiag.util.schedule import NEVER, next_due
+
+
+class StepPlan:
+    """The logging decision's next step and the busy ``on_step`` probes; see the module docstring."""
+
+    _ctx: ProbeContext
+    _on_step: list[Probe]
+
+    def _init_plan(self) -> None:
+        self._next_check = 0  # every step up to here asks nothing: not a logging step, no window check
+        self._busy: list[Probe] | None = None  # the on_step probes with work to do (None: all, until planned)
+
+    # the schedules that decide logging steps; a new list drops the plan
+    @property
+    def _schedules(self) -> list[Any]:
+        return self.__dict__["_plan_schedules"]
+
+    @_schedules.setter
+    def _schedules(self, value: list[Any]) -> None:
+        self.__dict__["_plan_schedules"] = value
+        self._next_check = 0
+
+    @property
+    def _checks(self) -> list[Any]:
+        return self.__dict__.get("_plan_checks", [])
+
+    @_checks.setter
+    def _checks(self, value: list[Any]) -> None:
+        self.__dict__["_plan_checks"] = value
+        self._next_check = 0
+
+    def _plain_step(self, step: int) -> bool:
+        """Whether ``step`` is certainly not a logging step and needs no window check (two comparisons)."""
+        return step < self._next_check and step > self._ctx.anomaly_until
+
+    def _plan_after(self, step: int) -> None:
+        """After ``step`` asked the schedules: the next step any of them fires on."""
+        self._next_check = min((next_due(s, step) for s in (*self._schedules, *self._checks)), default=NEVER)
+
+    def _replan(self) -> None:
+        """Which probes' ``on_step`` has work until the next logging step (host work, once per logging step and
+        per event). Before the first logging step every probe is called."""
+        if "_on_step" not in self.__dict__ or "_ctx" not in self.__dict__:
+            return  # an optimizer adopted while the session is being built
+        ctx = self._ctx
+        busy = []
+        for p in self._on_step:
+            try:
+                if p.enabled and not p.quiet(ctx):
+                    busy.append(p)
+            except Exception:  # noqa: BLE001 - a probe that cannot tell stays busy
+                busy.append(p)
+        self._busy = busy
+
+    def _busy_probes(self) -> list[Probe]:
+        return self._on_step if self._busy is None else self._busy
