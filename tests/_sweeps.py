@@ -37,6 +37,18 @@ def stop_server(srv: PgMlflowServer | None) -> None:
 _SHARED: list[PgMlflowServer] = []
 
 
+def _alive_and_healthy(srv: PgMlflowServer, grace: float = 60.0) -> bool:
+    """Whether ``srv`` answers ``/health``; a server process still running gets ``grace`` seconds (one busy
+    with the last sweep's requests can miss a 2 s health check, and a restart costs 30-50 s)."""
+    if srv.proc is None or srv.proc.poll() is not None:
+        return False
+    try:
+        srv.wait(grace)
+        return True
+    except (TimeoutError, RuntimeError):
+        return False
+
+
 def server_fixture(tmp_path_factory: Any) -> Iterator[PgMlflowServer]:
     """The test process's one PostgreSQL + MLflow server (started on first use, ~30-50 s on 2 busy
     cores; stopped at exit): every sweep test logs to its own experiment. A test that stopped it
@@ -45,7 +57,7 @@ def server_fixture(tmp_path_factory: Any) -> Iterator[PgMlflowServer]:
         srv = start_server(tmp_path_factory.getbasetemp() / "mlflow_server")
         _SHARED.append(srv)
         atexit.register(stop_server, srv)
-    elif not _SHARED[0].healthy():
+    elif not _alive_and_healthy(_SHARED[0]):
         _SHARED[0].stop()
         _SHARED[0].start()
         _SHARED[0].wait(240)
