@@ -6,11 +6,21 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 VPY=.venv/bin/python
-$VPY -m pip install -q --upgrade pip >/dev/null
-$VPY -c "import torch" 2>/dev/null || $VPY -m pip install -q "torch==2.13.0"
-$VPY -m pip install -q ".[all,test,sweeps,ray,optuna,accelerate,lightning,transformers]"
-# a regular (non-editable) install of the current tree, so Hydra apps anywhere use the package as users get it
-$VPY -m pip install -q --no-deps --force-reinstall .
+# Nothing changed since the last install (this script, pyproject.toml, the package's files and folders): pip is
+# skipped (~25 s of building and resolving); the stamp is written only once every install below succeeded.
+STAMP=.venv/.trackdiag-installed
+if [ -f "$STAMP" ] && [ -z "$(find scripts/bootstrap.sh pyproject.toml trackdiag -newer "$STAMP" -print -quit)" ] \
+   && $VPY -c "import trackdiag" 2>/dev/null; then
+  echo "bootstrap: .venv already holds this tree's trackdiag and extras (rm $STAMP to reinstall)" >&2
+else
+  touch "$STAMP.new"   # before: a file edited while pip runs is newer than the stamp, so the next run reinstalls
+  $VPY -m pip install -q --upgrade pip >/dev/null
+  $VPY -c "import torch" 2>/dev/null || $VPY -m pip install -q "torch==2.13.0"
+  $VPY -m pip install -q ".[all,test,sweeps,ray,optuna,accelerate,lightning,transformers]"
+  # a regular (non-editable) install of the current tree, so Hydra apps anywhere use the package as users get it
+  $VPY -m pip install -q --no-deps --force-reinstall .
+  mv "$STAMP.new" "$STAMP"
+fi
 # headless Chromium for the browser tests (apt-get, as root; they are skipped with a reason without it).
 # Playwright (the test extra) drives this system Chromium (scripts/browser.py: executable_path): no
 # `playwright install`, which downloads a browser build of its own and fails without internet.
