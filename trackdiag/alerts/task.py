@@ -50,6 +50,7 @@ class Task:
     sequence: bool = False  # one target per position (a language model), not per sample
     prior: float = math.nan
     majority: float = math.nan
+    soft: bool = False  # soft targets (mixup, label smoothing): ``chance`` is the mean target's entropy
 
 
 def masked_ce(scores: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +90,10 @@ def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
             out["ce_shift"] = masked_ce(scores[:, :-1], t[:, 1:])[0]
         return out
     y = _float_target(batch, logits)
+    if y is not None and y.is_floating_point() and y.shape == logits.shape and logits.dim() == 2 and logits.shape[1] > 1:
+        soft = _soft_terms(logits, y)  # (B, C) soft targets: mixup, label smoothing, a teacher's probabilities
+        if soft is not None:
+            return soft
     if y is not None and (not y.is_floating_point() or y is not pick(batch, None, TARGET_KEYS, 1)):
         # a pair/triplet batch's last part: read as a BCE's labels only (an MSE on it, a click model's, shows
         # a regression whose chance, the clicks' variance, a slow SGD run sits near for 100 steps and learns)
@@ -100,6 +105,19 @@ def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
         # can equal the logits' MSE at one step by chance (0.5648 vs 0.5622 at a PixelCNN's step 1)
         return {"mse": F.mse_loss(out_f, yf), "var": yf.var(unbiased=False), **_binary_terms(out_f, yf)}
     return None
+
+
+def _soft_terms(logits: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """Device scalars of a soft-target cross-entropy reading of ``(logits, y)`` (both ``(B, C)``): ``soft_ce``
+    (``-sum y log_softmax(logits)``, mean over rows), ``soft_h``: the entropy of the mean target row (what a
+    model that ignores its input scores: the best constant prediction is the mean target), ``soft`` (1 when
+    every row is a distribution), the MSE/BCE terms of the same pair (a regression on (B, C) targets that sum to
+    one stays a regression when its loss is the MSE), and ``n``."""
+    yf, out_f = y.detach().float(), logits.detach().float()
+    mean = yf.mean(0).clamp_min(0.0)
+    ok = ((yf >= 0).all() & ((yf.sum(1) - 1).abs() < 1e-3).all()).float()
+    return {"soft_ce": -(yf * F.log_softmax(out_f, dim=-1)).sum(-1).mean(), "soft_h": -torch.xlogy(mean, mean).sum(),
+            "soft": ok, "rows": yf.new_tensor(float(yf.shape[0])), "mse": F.mse_loss(out_f, yf), "var": yf.var(unbiased=False), **_binary_terms(out_f, yf)}
 
 
 def _float_target(batch: Any, logits: torch.Tensor) -> torch.Tensor | None:
@@ -155,6 +173,10 @@ def decide(loss: float, got: dict[str, float], classes: int, accumulated: bool =
                 if _close(loss, ce * scale, tol):
                     return Task("classification", math.log(c) * scale, c, red, shift, sequence)
         return Task()
+    if got.get("soft") == 1.0:
+        for red, scale in (("mean", 1.0), ("sum", got.get("rows", 1.0))):
+            if _close(loss, got["soft_ce"] * scale, tol):  # soft-target CE: chance is the mean target's entropy
+                return Task("classification", got["soft_h"] * scale, classes, red, soft=True)
     if got.get("binary") == 1.0:
         for red, scale in (("mean", 1.0), ("sum", n)):
             mse = got.get("mse", math.nan) * scale
@@ -167,81 +189,3 @@ def decide(loss: float, got: dict[str, float], classes: int, accumulated: bool =
             if _close(loss, mse, tol) and not abs(loss - bce) <= abs(loss - mse):  # a nearer BCE: not a regression
                 return Task("regression", got["var"] * scale, -1, red)
     return Task()
-
-
-class Marginal:
-    """The class frequencies of the targets over the first ``steps`` (20) steps, accumulated on the
-    device (one ``bincount`` of the step's targets per step, then nothing): a model that ignores
-    its input reaches the entropy of these frequencies, not ln C, when classes are imbalanced. For 0/1
-    targets of the output's size (a BCE), each label's counts of 0s and 1s."""
-
-    def __init__(self, steps: int = 20) -> None:
-        self.steps, self.seen = steps, 0
-        self.counts: torch.Tensor | None = None
-        self.done = False
-        self.binary = False  # the counts are (labels, 2): each label's 0s and 1s
-
-    @torch.no_grad()
-    def add(self, outputs: Any, batch: Any) -> None:
-        if self.done or self.seen >= self.steps:
-            return
-        logits, t = logits_of(outputs), targets_of(batch)
-        dim = class_dim(logits, t) if logits is not None and t is not None else None
-        if logits is not None and (dim is None or logits.shape[dim] == 1):
-            self._add_binary(logits, t, batch)
-            return
-        if dim is None or t is None or logits is None:
-            return
-        c = int(logits.shape[dim])
-        flat = t.reshape(-1)
-        valid = ((flat >= 0) & (flat < c)).float()
-        # a scatter into C counts: torch.bincount reads its largest index back (a sync on CUDA)
-        counts = torch.zeros(c, dtype=torch.float32, device=flat.device).scatter_add_(0, flat.clamp(0, c - 1), valid)
-        if self.counts is None or self.counts.numel() != c:
-            self.counts = counts
-        else:
-            self.counts = self.counts + counts
-        self.seen += 1
-
-    def _add_binary(self, logits: torch.Tensor, t: torch.Tensor | None, batch: Any) -> None:
-        """0/1 targets of the output's size (a BCE): per label, the counts of 0s and 1s, ``(labels, 2)``."""
-        y = t if t is not None and t.numel() == logits.numel() else _float_target(batch, logits)
-        if y is None or y.numel() < 2:
-            return
-        yf = y.detach().float()
-        cols = yf.reshape(yf.shape[0] if yf.dim() >= 1 and yf.shape[0] > 1 else yf.numel(), -1)
-        ok = ((cols == 0) | (cols == 1)).float()  # anything else (soft labels) is left out
-        ones = (cols * ok).sum(0)
-        counts = torch.stack([ok.sum(0) - ones, ones], dim=1)
-        self.binary = True
-        if self.counts is None or self.counts.shape != counts.shape:
-            self.counts = counts
-        else:
-            self.counts = self.counts + counts
-        self.seen += 1
-
-    def take(self) -> torch.Tensor | None:
-        """The counts once ``steps`` steps were seen (once), else None."""
-        if self.done or self.seen < self.steps or self.counts is None:
-            return None
-        self.done = True
-        return self.counts
-
-
-def entropy(counts: Any) -> tuple[float, float]:
-    """The Miller-Madow entropy (nats) of class ``counts`` and the largest class's share; for ``(labels, 2)``
-    counts (a binary or multi-label task), the means over the labels of both."""
-    import numpy as np
-
-    if np.ndim(counts) == 2:
-        got = [entropy(row) for row in np.asarray(counts)]
-        got = [g for g in got if math.isfinite(g[0])]
-        if not got:
-            return math.nan, math.nan
-        return float(np.mean([g[0] for g in got])), float(np.mean([g[1] for g in got]))
-    n = float(np.sum(counts))
-    if n <= 0:
-        return math.nan, math.nan
-    p = np.asarray(counts, dtype=np.float64) / n
-    nz = p[p > 0]
-    return float(-(nz * np.log(nz)).sum() + (len(nz) - 1) / (2 * n)), float(p.max())

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trackdiag.alerts.task import STEPS, Marginal, Task, decide, entropy, per_position, terms
+from trackdiag.alerts.marginal import Marginal, entropy
+from trackdiag.alerts.task import STEPS, Task, decide, per_position, terms
 from trackdiag.capture.context import ProbeContext, StepInputs
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
@@ -126,7 +127,7 @@ class LossProbe(Probe):
             out[f"\ttask{i}"] = stack_scalars([loss, *vals], torch.float64)
             self._task_taken.append((acc, names))
         self._task_seen = []
-        counts = self._marginal.take()
+        counts = self._marginal.take(self.task.soft)
         if counts is not None:
             out["\tmarginal"] = counts
         return out

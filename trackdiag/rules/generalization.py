@@ -62,6 +62,12 @@ class Overfitting(Rule):
       no higher than ``min_rise`` above what it was at the best validation loss (a train loss that rose
       too is new data or a changed objective: a continual-learning task switch, an eval set that grew).
 
+    - **gap**: or the validation loss went flat while training keeps fitting (:meth:`_gap`): every evaluation
+      within ``min_rise`` (or the later evaluations' noise) of the best for ``2 * min_span`` steps and
+      ``patience`` + 1 evaluations, its later half no lower than its first, the train loss ``gap_fall`` (2x)
+      lower since the flat stretch began and val/train above ``ratio``; ``step`` is where it began.
+
+    The evaluations' noise is read from their later half (the early descent's steps are trend, not noise).
     The evaluations judged span at least ``min_span`` (20) steps (more of them when the loop evaluates
     more often than that), and the validation loss stayed above the margin for at least ``sustained``
     (half) of the steps since its best: a loop evaluating every step sees a validation loss that
@@ -79,8 +85,9 @@ class Overfitting(Rule):
 
     def __init__(self, *, ratio: float = 2.0, patience: int = 2, min_rise: float = 0.05, giveback: float = 0.0,
                  noise: float = 1.5, leak_ratio: float = 20.0, metric: str = "loss", min_span: int = 20,
-                 sustained: float = 0.5, **kw: Any) -> None:
+                 sustained: float = 0.5, gap_fall: float = 2.0, **kw: Any) -> None:
         super().__init__(**kw)
+        self.gap_fall = gap_fall
         self.min_span, self.sustained = min_span, sustained
         self.ratio, self.patience, self.metric = ratio, max(1, patience), metric
         self.min_rise, self.giveback, self.noise, self.leak_ratio = min_rise, giveback, noise, leak_ratio
@@ -105,7 +112,9 @@ class Overfitting(Rule):
         recent = vals[-k:]
         # every one of them sits above the best, by a margin that counts what the run gained so far and
         # the evaluations' own noise: sustained, not a noisy reading
-        margin = max(best * self.min_rise, self.giveback * (vals[0] - best), self.noise * noise_of(vals))
+        # the noise from the later half of the evaluations: the early descent's big steps are trend, not noise
+        margin = max(best * self.min_rise, self.giveback * (vals[0] - best),
+                     self.noise * noise_of(vals[len(vals) // 2:] if len(vals) >= 8 else vals))
         spanned = len(recent) >= self.patience and self._evals[-1][0] - self._evals[-len(recent)][0] >= self.min_span
         above = spanned and min(recent) > best + margin + 1e-12
         if above:  # the excursion above the best is most of the time since it, not a drift up and back
@@ -124,12 +133,21 @@ class Overfitting(Rule):
         # overfitting fits the training data better while the validation data gets worse: a train loss that rose
         # since the best validation loss (new data in continual learning, an eval set that grew) is not it
         fitting = train <= self._evals[best_i][2] * (1 + self.min_rise)
-        hit = trend or (above and ratio > self.ratio and fitting)
+        # flat: within ``min_rise`` of the best, or the noise of the later evaluations (early ones are trend)
+        level = best + max(best * self.min_rise, self.noise * noise_of(vals[len(vals) // 2:]) if len(vals) >= 8 else 0.0)
+        gap = self._gap(vals, level, train, ratio) if not (trend or above) else None
+        hit = trend or (above and ratio > self.ratio and fitting) or gap is not None
         fire = hit and not self._active
         # an episode ends when the validation loss is back near its best, not at one softer reading
         self._active = hit or (self._active and val > best + margin)
         if not fire:
             return []
+        if gap is not None and not trend and not above:
+            onset, since_train = gap
+            why = (f"the validation {self.metric} has stayed within {level / best - 1:.0%} of its best {best:.4g} since step "
+                   f"{onset} while the train loss fell {since_train / train:.1f}x to {train:.4g} ({ratio:.1f}x below it)")
+            return [self.make(onset, f"{why}: the model fits its training data and no longer generalises better "
+                              f"(flat since step {onset}).", ratio, self.ratio, f"eval/{self.metric}", ["persistent"])]
         onset = self._evals[min(best_i + 1, len(self._evals) - 1)][0]
         why = (f"the validation {self.metric} rose from its best {best:.4g} to {val:.4g} while the train loss fell to "
                f"{train:.4g}" if trend else f"validation {self.metric} {val:.4g} is {ratio:.1f}x the train loss {train:.4g} "
@@ -137,6 +155,27 @@ class Overfitting(Rule):
         leak = (" The train loss is ~0 while the validation loss is far higher: also check for label/data leakage "
                 "(targets visible in the training inputs, duplicates across the split)." if ratio > self.leak_ratio else "")
         return [self.make(onset, f"{why} (rising since step {onset}).{leak}", ratio, self.ratio, f"eval/{self.metric}", ["persistent"])]
+
+    def _gap(self, vals: Sequence[float], level: float, train: float, ratio: float) -> tuple[int, float] | None:
+        """The validation loss flat (every evaluation within ``level`` of its best) for at least ``min_span``
+        steps and ``patience`` + 1 evaluations while the train loss fell ``gap_fall`` (2x) or more since the
+        flat stretch began, and val/train above ``ratio``: (the step it began, the train loss then); else None."""
+        if ratio <= self.ratio or level > smoothed_best(vals) * (1 + 2 * self.min_rise):
+            return None  # evaluations noisier than 10% of their level: flatness is not judged from a few of them
+        # each evaluation as the median of it and its neighbours: one noisy reading does not end the flat stretch
+        smooth = [sorted(vals[max(j - 1, 0):j + 2])[len(vals[max(j - 1, 0):j + 2]) // 2] for j in range(len(vals))]
+        i = len(vals)
+        while i > 0 and smooth[i - 1] <= level:
+            i -= 1
+        if i == 0 or len(vals) - i < self.patience + 1:  # flat from the first evaluation: nothing was learned first
+            return None
+        flat, half = vals[i:], (len(vals) - i) // 2
+        if statistics.median(flat[half:]) < statistics.median(flat[:half]) * (1 - self.min_rise):
+            return None  # still improving through the noise (its later half lower than its first): not flat
+        start, _, train0 = self._evals[i]
+        if self._evals[-1][0] - start < 2 * self.min_span or train0 < self.gap_fall * train:
+            return None
+        return start, train0
 
     def _level(self, step: int) -> float:
         """The median of the evaluations in the ``min_span`` steps up to ``step`` (at least the one at it)."""

@@ -11,8 +11,11 @@ long warm-up schedule is waited for), on the medians of the first ``start_steps`
   initialisation and is still above chance is learning, slowly) and stalled there (it fell less than ``min_fall``, 2%, over the
   last 100 steps, or the last 200 when it fell from its start first: a language model may rest at
   the entropy of its token frequencies for a hundred steps on its way down): for a classification, the entropy of the targets' class frequencies (what predicting
-  the label frequencies scores; ln C for balanced classes, and when the frequencies are degenerate),
-  for an MSE regression, the targets' variance;
+  the label frequencies scores; ln C for balanced classes, and when the frequencies are degenerate; for soft
+  targets, mixup or label smoothing, the entropy of the mean target), for an MSE regression, the targets' variance;
+  a loss that *sits* in the chance band (every 25-step median of the last 75 steps within ``margin``, or twice
+  the noise of that median) and did not fall over the last 50 is judged from ``sit_after`` (60) steps after the
+  learning rate last rose, not ``warmup``: the test spans 75 steps itself;
 - **flat** (``persistent``, counted only with one of the others): the recent loss is less than
   ``min_drop`` (5%) below the start;
 - **accuracy at chance** (``corroborated``): the last ``patience`` evaluations' accuracy
@@ -45,8 +48,10 @@ class NotLearning(Rule):
             "a tensor rebuilt from .item()), and that the model gets the real inputs.")
 
     def __init__(self, *, warmup: int = 100, start_steps: int = 20, recent_steps: int = 50, min_drop: float = 0.05,
-                 margin: float = 0.05, min_fall: float = 0.02, patience: int = 2, **kw: Any) -> None:
+                 margin: float = 0.05, min_fall: float = 0.02, patience: int = 2, sit_after: int = 60,
+                 **kw: Any) -> None:
         super().__init__(**kw)
+        self.sit_after = sit_after
         self.min_fall = min_fall
         self.warmup, self.start_steps, self.recent_steps = warmup, start_steps, recent_steps
         self.min_drop, self.margin, self.patience = min_drop, margin, max(1, patience)
@@ -103,8 +108,11 @@ class NotLearning(Rule):
 
     def _judge(self, key: str, rec: Recent, first: list[float], step: int) -> Alert | None:
         recent = [v for v in rec.between(step - self.recent_steps + 1, step) if math.isfinite(v)]
-        due = step - self._lr_rose >= self.warmup and len(first) >= self.start_steps and len(recent) >= self.recent_steps // 2
-        if not due:
+        seen = len(first) >= self.start_steps and len(recent) >= self.recent_steps // 2
+        due = step - self._lr_rose >= self.warmup and seen
+        # a loss that sits in the chance band is judged sooner: the test itself spans 75 steps, no fall over 50
+        early = not due and seen and step - self._lr_rose >= self.sit_after
+        if not due and not early:
             self._streaks.bump(key, False, step)
             return None
         start, now = statistics.median(first), statistics.median(recent)
@@ -117,14 +125,15 @@ class NotLearning(Rule):
         stalled = self._stalled(rec, step, span, now)
         # at the chance level, or stuck above it without having fallen (a loss that fell 4x from a bad init and
         # still sits above chance is a slow learner: initial_loss told of the init, the hint here would mislead)
-        at_chance = (math.isfinite(chance) and now >= (1 - self.margin) * chance and stalled
+        at_chance = (due and math.isfinite(chance) and now >= (1 - self.margin) * chance and stalled
                      and (now <= (1 + self.margin) * chance or flat))
         if not at_chance and math.isfinite(chance) and self._sits(rec, step, chance):
             # however it got there: a miscalibrated start that fell to chance in ten steps and stayed (a label bug),
             # or a loss that jumped back to it mid-run (labels shuffled): in the band for the last 75 steps and no
             # fall over the last 50 (a loss passing through the band falls ~5% of it in 50 steps)
             at_chance = self._stalled(rec, step, 50, now)
-        acc = self._acc_at_chance()
+        acc = self._acc_at_chance() and (due or at_chance)
+        flat = flat and (due or at_chance)  # before the warm-up is over, a flat loss alone is not judged
         evidence = (["loss"] if at_chance else []) + (["corroborated"] if acc else [])
         if evidence and flat:
             evidence.append("persistent")
@@ -156,10 +165,15 @@ class NotLearning(Rule):
     def _sits(self, rec: Recent, step: int, chance: float) -> bool:
         """Every 25-step median of the last 75 steps within ``margin`` of ``chance`` (a loss passing through
         chance on its way down is there for one of them, not three)."""
-        band = self.margin * abs(chance)
         for lo in range(step - 74, step, 25):
             vals = [v for v in rec.between(lo, lo + 24) if math.isfinite(v)]
-            if len(vals) < 5 or abs(statistics.median(vals) - chance) > band:
+            if len(vals) < 5:
+                return False
+            mid = statistics.median(vals)
+            # the band is the margin, or twice the noise of the 25-value median (a small batch's MSE scatters
+            # ~25% around its mean: its medians wander more than 5% while sitting at the targets' variance)
+            noise = 2 * 1.25 * 1.4826 * statistics.median(abs(v - mid) for v in vals) / math.sqrt(len(vals))
+            if abs(mid - chance) > max(self.margin * abs(chance), noise):
                 return False
         return True
 
@@ -183,6 +197,9 @@ class NotLearning(Rule):
             # entropy on its way down: there chance is ln C
             if math.isfinite(h) and h >= 0.5 * ln_c and not self._task.get("sequence"):
                 return h, "the entropy of the label frequencies"
+            classes = self._task.get("classes", 0.0)
+            if classes >= 2 and abs(ln_c - math.log(classes)) > 0.02 * ln_c:  # soft targets (mixup, smoothing)
+                return ln_c, "the entropy of the mean soft target"
             return ln_c, "the chance level ln C"
         if kind == 2.0 and not self._task.get("summed"):
             return self._task.get("chance_loss", math.nan), "the targets' variance"
