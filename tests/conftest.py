@@ -131,3 +131,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         scope = groups.get(item.nodeid, item.nodeid)
         scope_cost[scope] = max(scope_cost.get(scope, 0.0), cost(item.nodeid))
     items.sort(key=lambda item: -scope_cost[groups.get(item.nodeid, item.nodeid)])
+    COLLECTED[:] = [item.nodeid for item in items]  # before ``-k``/``-m`` deselect (this hook runs first)
+
+
+#: this session's collection in the order xdist gets it (tests/test_suite_order.py checks it)
+COLLECTED: list[str] = []
