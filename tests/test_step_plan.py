@@ -13,7 +13,8 @@ from trackdiag.session.budget_policy import Budget
 from trackdiag.util.schedule import NEVER, SCAN, EarlyThenEvery, Every, Never, SpreadThenEvery, Strided, next_due
 
 SCHEDULES = [Every(7), Every(1), Never(), EarlyThenEvery(10, 50), SpreadThenEvery(500, 10), SpreadThenEvery(100, 1),
-             Strided(Every(10), 30), Strided(SpreadThenEvery(500, 10), 100), lambda s: s % 13 == 5, lambda s: False]
+             Strided(Every(10), 30), Strided(SpreadThenEvery(500, 10), 100), Strided(Never(), 20),
+             Strided(EarlyThenEvery(10, 50), 20), Strided(lambda s: s % 7 == 3, 5), lambda s: s % 13 == 5, lambda s: False]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: getattr(type(s), "__name__", "fn"))

@@ -95,11 +95,18 @@ class Strided:
         return step % self.n == 0 and self.inner(step)
 
     def after(self, step: int) -> int:
-        t = (step // self.n + 1) * self.n
-        for _ in range(SCAN):  # the multiples of n the inner schedule also fires on
+        t = (step // self.n + 1) * self.n  # a multiple of n, the first candidate
+        jump = getattr(self.inner, "after", None)
+        for _ in range(SCAN):
             if self.inner(t):
                 return t
-            t += self.n
+            if jump is None:  # a plain callable: the next multiple of n
+                t += self.n
+                continue
+            nxt = jump(t)  # the inner schedule's next step, then the first multiple of n from it
+            if nxt >= NEVER:
+                return NEVER
+            t = -(-nxt // self.n) * self.n
         return t
 
 
