@@ -168,8 +168,9 @@ def test_overfitting_not_fooled_by_one_lucky_evaluation() -> None:
 
 def test_unlearnable_labels_not_learning_and_plateau(tmp_path: Any) -> None:
     """Labels that carry no signal: the loss sits at the entropy of the label frequencies. That is
-    ``not_learning`` (critical: at chance and flat) at the end of the warm-up; the plateaus are info
-    findings, the later one folded into the not-learning incident as its consequence."""
+    ``not_learning`` (critical: at chance and flat) once it sat in the chance band for 75 steps, judged from
+    60 steps after the learning rate last rose; the plateaus are info findings, the later one folded into the
+    not-learning incident as its consequence."""
     gen = torch.Generator().manual_seed(5)
 
     def random_labels(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # labels carry no signal
@@ -178,12 +179,12 @@ def test_unlearnable_labels_not_learning_and_plateau(tmp_path: Any) -> None:
     r = train(mlp(), tmp_path, steps=200, loss_fn=random_labels, eval_every=20, probes=quiet_probes(),
               rules={"plateau": {"patience_steps": 100, "patience": 3}})
     stuck = r.kinds["not_learning"][0]
-    assert (stuck.step, stuck.severity, stuck.where) == (100, "critical", "diag/loss")
+    assert (stuck.step, stuck.severity, stuck.where) == (60, "critical", "diag/loss")
     assert set(stuck.evidence) == {"loss", "persistent"}
-    plateaus = {a.where: a for a in r.kinds["plateau"]}
-    assert 100 <= plateaus["loss"].step <= 130 and plateaus["loss"].severity == "info"
+    plateaus = {a.where: a for a in r.kinds.get("plateau", [])}
+    assert all(100 <= a.step <= 130 and a.severity == "info" for a in plateaus.values())
     folded = next(i for i in r.diag.summary()["incidents"] if i["kind"] == "not_learning")["consequences"]
-    assert "eval/loss" in plateaus or folded.get("plateau", 0) >= 1
+    assert len(plateaus) + folded.get("plateau", 0) >= 1  # said, or folded into the not-learning incident
 
 
 # ----------------------------------------------------------------------------- stale parameters

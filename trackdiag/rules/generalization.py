@@ -43,6 +43,15 @@ def noise_of(vals: Sequence[float]) -> float:
     return statistics.median(abs(b - a) for a, b in zip(vals, vals[1:])) / 0.954
 
 
+def after_descent(vals: Sequence[float]) -> Sequence[float]:
+    """``vals`` from the end of their first strictly falling run on: the early descent's big steps are trend,
+    not the evaluations' noise (a steep fall read as noise hides the turn after it)."""
+    i = 0
+    while i + 1 < len(vals) and vals[i + 1] < vals[i]:
+        i += 1
+    return vals[i:]
+
+
 class Overfitting(Rule):
     """Fires at an evaluation where the validation loss has turned upward while the train loss
     (the newest ``diag/loss/ema``) did not:
@@ -67,7 +76,7 @@ class Overfitting(Rule):
       ``patience`` + 1 evaluations, its later half no lower than its first, the train loss ``gap_fall`` (2x)
       lower since the flat stretch began and val/train above ``ratio``; ``step`` is where it began.
 
-    The evaluations' noise is read from their later half (the early descent's steps are trend, not noise).
+    The evaluations' noise is read after their first falling run (the early descent's steps are trend, not noise).
     The evaluations judged span at least ``min_span`` (20) steps (more of them when the loop evaluates
     more often than that), and the validation loss stayed above the margin for at least ``sustained``
     (half) of the steps since its best: a loop evaluating every step sees a validation loss that
@@ -93,6 +102,8 @@ class Overfitting(Rule):
         self.min_rise, self.giveback, self.noise, self.leak_ratio = min_rise, giveback, noise, leak_ratio
         self._evals: list[tuple[int, float, float]] = []  # (step, val, train), bounded below
         self._active = False
+        self._gap_at = math.inf  # the best validation loss when the gap path last fired
+        self._onset = -1  # the onset last said: an episode that ends and resumes from the same best is one
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         val = record.scalars.get(f"diag/eval/{self.metric}")
@@ -112,9 +123,7 @@ class Overfitting(Rule):
         recent = vals[-k:]
         # every one of them sits above the best, by a margin that counts what the run gained so far and
         # the evaluations' own noise: sustained, not a noisy reading
-        # the noise from the later half of the evaluations: the early descent's big steps are trend, not noise
-        margin = max(best * self.min_rise, self.giveback * (vals[0] - best),
-                     self.noise * noise_of(vals[len(vals) // 2:] if len(vals) >= 8 else vals))
+        margin = max(best * self.min_rise, self.giveback * (vals[0] - best), self.noise * noise_of(after_descent(vals)))
         spanned = len(recent) >= self.patience and self._evals[-1][0] - self._evals[-len(recent)][0] >= self.min_span
         above = spanned and min(recent) > best + margin + 1e-12
         if above:  # the excursion above the best is most of the time since it, not a drift up and back
@@ -134,8 +143,10 @@ class Overfitting(Rule):
         # since the best validation loss (new data in continual learning, an eval set that grew) is not it
         fitting = train <= self._evals[best_i][2] * (1 + self.min_rise)
         # flat: within ``min_rise`` of the best, or the noise of the later evaluations (early ones are trend)
-        level = best + max(best * self.min_rise, self.noise * noise_of(vals[len(vals) // 2:]) if len(vals) >= 8 else 0.0)
+        level = best + max(best * self.min_rise, self.noise * noise_of(after_descent(vals)))
         gap = self._gap(vals, level, train, ratio) if not (trend or above) else None
+        if gap is not None and best > self._gap_at * (1 - self.min_rise):  # said, and nothing learned since
+            gap = None
         hit = trend or (above and ratio > self.ratio and fitting) or gap is not None
         fire = hit and not self._active
         # an episode ends when the validation loss is back near its best, not at one softer reading
@@ -144,11 +155,15 @@ class Overfitting(Rule):
             return []
         if gap is not None and not trend and not above:
             onset, since_train = gap
+            self._gap_at, self._onset = best, onset
             why = (f"the validation {self.metric} has stayed within {level / best - 1:.0%} of its best {best:.4g} since step "
                    f"{onset} while the train loss fell {since_train / train:.1f}x to {train:.4g} ({ratio:.1f}x below it)")
             return [self.make(onset, f"{why}: the model fits its training data and no longer generalises better "
                               f"(flat since step {onset}).", ratio, self.ratio, f"eval/{self.metric}", ["persistent"])]
         onset = self._evals[min(best_i + 1, len(self._evals) - 1)][0]
+        if onset == self._onset:
+            return []
+        self._onset = onset
         why = (f"the validation {self.metric} rose from its best {best:.4g} to {val:.4g} while the train loss fell to "
                f"{train:.4g}" if trend else f"validation {self.metric} {val:.4g} is {ratio:.1f}x the train loss {train:.4g} "
                f"and above its best {best:.4g}")
@@ -183,11 +198,13 @@ class Overfitting(Rule):
         return statistics.median(window) if window else math.nan
 
     def state_dict(self) -> dict[str, Any]:
-        return {"evals": [list(e) for e in self._evals], "active": self._active}
+        return {"evals": [list(e) for e in self._evals], "active": self._active, "gap_at": self._gap_at,
+                "onset": self._onset}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._evals = [tuple(e) for e in state.get("evals", [])]  # type: ignore[misc]
         self._active = bool(state.get("active", False))
+        self._gap_at, self._onset = float(state.get("gap_at", math.inf)), int(state.get("onset", -1))
 
 
 class Plateau(Rule):
