@@ -77,38 +77,43 @@ SHARED_FIXTURES = {"test_benchmarks", "test_compare", "test_delivery_server", "t
 # process (_sweeps.server_fixture), and their five tests (80-180 s each) would keep one worker busy for 9 minutes.
 
 #: the costliest tests (a node id or its prefix: a module, or a test and all its parameters) and their seconds
-#: on one worker of a full run on the 2-core VM (--durations=0, the slowest of the runs measured). They start
+#: on one worker of a full run on the 2-core VM (--durations=0: a quiet run's, or a busy run's x0.4). They start
 #: first, costliest first (pyproject's addopts has ``--no-loadscope-reorder``, so xdist keeps this order instead
 #: of starting the groups with the most tests), so that no worker is left running a long test at the end while
 #: the other idles; a module's figure is the whole module's when it is a group (one scope), each test's when not.
 #: The rest follows in file order. A guess is enough: the order matters, not the figures.
 COSTLY: dict[str, float] = {
     "tests/test_sweep_server.py::test_16_parallel_jobs_one_parent_every_point_true_statuses[joblib]": 210,
-    "tests/test_sweep_server.py::test_16_parallel_jobs_one_parent_every_point_true_statuses[submitit_local]": 165,
     "tests/test_sweep_ray.py": 175,
+    "tests/test_sweep_server.py::test_16_parallel_jobs_one_parent_every_point_true_statuses[submitit_local]": 165,
     "tests/test_sweep_faults.py::test_server_restarted_mid_sweep_loses_nothing": 120,
     "tests/test_sweep_faults.py::test_killed_job_is_killed_others_unaffected": 110,
     "tests/test_compare.py": 100,
+    "tests/test_hydra_app.py": 90,
     "tests/test_view_story.py": 90,
     "tests/test_benchmarks.py": 90,
+    "tests/test_oldest_versions.py": 90,
     "tests/test_lightning.py": 80,
-    "tests/test_mlflow_view.py::test_sweep_with_default_store_and_commands_that_work_when_pasted": 50,
-    "tests/test_readme.py::test_every_command_and_snippet_works_as_printed[accelerate": 49,
-    "tests/test_readme.py::test_every_command_and_snippet_works_as_printed[a-hydra-app]": 48,
-    "tests/test_oldest_versions.py": 46,
+    "tests/test_mlflow_view.py::test_sweep_with_default_store_and_commands_that_work_when_pasted": 70,
+    "tests/test_delivery_server.py": 60,
+    "tests/test_readme.py::test_every_command_and_snippet_works_as_printed[accelerate": 60,
+    "tests/test_readme.py::test_every_command_and_snippet_works_as_printed[a-hydra-app]": 58,
+    "tests/test_mlflow_sink.py": 45,
     "tests/test_view_screens.py": 45,
+    "tests/test_sink_hub.py::test_every_write_a_ctrl_c_lets_through": 40,
     "tests/test_readme.py::test_every_command_and_snippet_works_as_printed[set-up]": 39,
     "tests/test_readme.py::test_every_command_and_snippet_works_as_printed[add-it": 38,
     "tests/test_distributed.py": 35,
     "tests/test_ctrl_c.py::test_a_second_ctrl_c": 33,
     "tests/test_delivery_busy.py": 32,
-    "tests/test_optuna_hydra.py::test_optuna_sweeper_prunes_exploding_trials": 29,
+    "tests/test_rl_unflagged.py::test_pytorch_actor_critic_example": 31,
+    "tests/test_optuna_hydra.py::test_optuna_sweeper_prunes_exploding_trials": 30,
     "tests/test_mlflow_server.py::test_server_outage_loses_nothing": 28,
-    "tests/test_sink_hub.py::test_every_write_a_ctrl_c_lets_through": 27,
     "tests/test_compile.py::test_no_graph_break_or_recompile_at_any_preset[inplace]": 25,
     "tests/test_delivery_status.py::test_crash_sigterm_and_ctrl_c_without_with": 22,
-    "tests/test_delivery_server.py": 21,
+    "tests/test_optuna_compare.py::test_cli_compare_optuna_source": 21,
     "tests/test_silent_ranks.py": 21,
+    "tests/test_optuna_stop.py": 18,
 }
 
 
