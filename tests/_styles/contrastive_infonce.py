@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, mean, one_thread, session, wipe_grads)
+                      digits, fault_onset, mean, one_thread, session, wipe_grads, Runaway, freeze_all_but_last,
+                      orphan_params)
 
 NAME = "contrastive_infonce"
 DESCRIPTION = "sthalles/SimCLR: two views, InfoNCE as CE over logits with all-zero labels, T=0.07, Adam + cosine"
@@ -30,6 +31,10 @@ FAULTS = {
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "eval_mode": "model.eval() left on (BatchNorm frozen at init statistics)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
+    "runaway": "from onset - beta * ||fc.0.weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of the gated conv `backbone.3` detached: the backbone never gets a gradient, the head trains",
+    "frozen_majority": "every parameter but the last (the projection's bias) frozen; Adam over all",
+    "not_landing": "the model's parameters replaced by copies after Adam was built",
 }
 BATCH, N_VIEWS, TEMPERATURE = 24, 2, 0.07
 
@@ -78,8 +83,12 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     gen = torch.Generator().manual_seed(seed)
     model = ResNetSimCLR()
     model.backbone[3] = NanGate(model.backbone[3])
+    model.backbone[3].cut = fault == "detached"
+    freeze_all_but_last(model, fault)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-4 * (1000 if fault == "lr_start" else 1), weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps, eta_min=0)
+    orphan_params(model, fault)
+    runaway = Runaway(fault, onset, model.fc[0].weight)
     criterion = nn.CrossEntropyLoss()
     loader = batches(xtr, ytr, BATCH, gen)
     losses: list[float] = []
@@ -96,7 +105,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             images = torch.cat([augment(x, gen) for _ in range(N_VIEWS)], dim=0)
             features = model(images)
             logits, labels = info_nce_loss(features)
-            loss = criterion(logits, labels)
+            loss = runaway(criterion(logits, labels), n_iter)
             if not active(fault, "no_zero", n_iter, onset):
                 optimizer.zero_grad()
             loss.backward()

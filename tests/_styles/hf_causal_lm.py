@@ -18,7 +18,8 @@ from typing import Any, Iterator
 import torch
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
-                      mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader)
+                      mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, Runaway, StaleEval,
+                      freeze_all_but_last, orphan_params)
 
 NAME = "hf_causal_lm"
 DESCRIPTION = "transformers run_clm_no_trainer.py: tiny GPT2LMHeadModel, model(**batch).loss with labels=input_ids"
@@ -30,6 +31,11 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two fixed batches; evaluation every 20 steps",
+    "runaway": "from onset - beta * ||h.0.mlp.c_fc.weight||^2 in the loss, beta annealed below zero",
+    "detached": "the output of block 1's attention `transformer.h.1.attn` detached: it and ln_1 never get a gradient",
+    "frozen_majority": "every parameter but the last (the final LayerNorm's bias) frozen; AdamW over all",
+    "not_landing": "the model's parameters replaced by copies after AdamW was built",
+    "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
 }
 BLOCK, BSZ = 32, 4
 
@@ -69,6 +75,8 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
                         bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     model.transformer.h[1].attn = NanGate(model.transformer.h[1].attn)
+    model.transformer.h[1].attn.cut = fault == "detached"
+    freeze_all_but_last(model, fault)
     no_decay = ["bias", "layer_norm.weight"]
     groups = [
         {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)], "weight_decay": 0.01},
@@ -77,6 +85,9 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     optimizer = torch.optim.AdamW(groups, lr=2e-3 * (1000 if fault == "lr_start" else 1))
     lr_scheduler = get_scheduler("linear", optimizer=optimizer, num_warmup_steps=max(1, steps // 20),
                                  num_training_steps=steps)
+    orphan_params(model, fault)
+    runaway = Runaway(fault, onset, model.transformer.h[0].mlp.c_fc.weight)
+    evaluated = StaleEval(model, fault, onset)
     loader = dataloader(blocks, gen)
     fixed = [next(loader) for _ in range(2)]
     loader = restart_loader(loader, fault, onset)
@@ -91,7 +102,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             model.transformer.h[1].attn.arm(active(fault, "nan", step, onset))
             batch = fixed[step % 2] if fault == "tiny_subset" else next(loader)
             outputs = model(**batch)
-            loss = outputs.loss
+            loss = runaway(outputs.loss, step)
             loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
@@ -102,9 +113,10 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             losses.append(loss.item())
             diag.step(loss, outputs=outputs.logits, batch=batch)
             if step % 20 == 19:
-                model.eval()
+                net = evaluated.at(step)
+                net.eval()
                 with torch.no_grad():
-                    diag.log_eval(loss=model(**eval_batch).loss.item())
+                    diag.log_eval(loss=net(**eval_batch).loss.item())
                 model.train()
     progress = Progress("train loss", mean(losses[:10]), mean(losses[-10:]), min_gain=0.5)
     return StyleRun(diag, fault_onset(fault, onset), steps, "transformer.h.1.attn", fault, progress, crash["error"],

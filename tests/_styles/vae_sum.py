@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, lr_jump)
+                      digits, fault_onset, mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, lr_jump,
+                      freeze_all_but_last, orphan_params)
 
 NAME = "vae_sum"
 DESCRIPTION = "pytorch/examples vae/main.py: BCE(sum)+KL per batch on digits, Adam, unused labels in batch"
@@ -32,6 +33,10 @@ FAULTS = {
     "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; test loss every 20 steps",
     "crash_lr": "Adam lr x1000 from onset: the next forward overflows and binary_cross_entropy raises",
+    "runaway": "from onset the KL term subtracted (its sign flipped, a KL weight annealed below zero)",
+    "detached": "the output of the encoder's first layer `fc1` detached: it never gets a gradient",
+    "frozen_majority": "every parameter but the last (the decoder's output bias) frozen; Adam over all",
+    "not_landing": "the model's parameters replaced by copies after Adam was built",
 }
 
 
@@ -60,10 +65,11 @@ class VAE(nn.Module):
         return self.decode(self.reparameterize(mu, logvar)), mu, logvar
 
 
-def loss_function(recon_x: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+def loss_function(recon_x: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, logvar: torch.Tensor,
+                  kl_weight: float = 1.0) -> torch.Tensor:
     bce = F.binary_cross_entropy(recon_x, x.view(-1, 64), reduction="sum")
     kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
-    return bce + kld
+    return bce + kld if kl_weight == 1.0 else bce + kl_weight * kld
 
 
 def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, fault: str | None = None,
@@ -75,8 +81,11 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     gen = torch.Generator().manual_seed(seed)
     model = VAE()
     model.fc1 = NanGate(model.fc1)
+    model.fc1.cut = fault == "detached"
+    freeze_all_but_last(model, fault)
     bsz = 64
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3 * (1000 if fault == "lr_start" else 1))
+    orphan_params(model, fault)
     if fault == "tiny_subset":
         xtr, ytr = xtr[: 2 * bsz], ytr[: 2 * bsz]
     epoch = len(xtr) // bsz
@@ -95,7 +104,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if not active(fault, "no_zero", step, onset):
                 optimizer.zero_grad()
             recon_batch, mu, logvar = model(data)
-            loss = loss_function(recon_batch, data, mu, logvar)
+            loss = loss_function(recon_batch, data, mu, logvar, -1.0 if active(fault, "runaway", step, onset) else 1.0)
             loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
