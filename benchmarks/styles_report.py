@@ -4,7 +4,11 @@
 Prints (a) a markdown table style x preset -> the warning-or-worse alerts of the healthy runs as
 ``kind(severity)@step`` per seed (or "none"), and with ``--faults`` (c) a table style x fault -> the
 first warning-or-worse alert: ``kind +named/+raised`` (steps after the onset of the step the alert
-names / of the logging step that raised it), "missed", or "n/a". ``--json`` writes (b): every alert
+names / of the logging step that raised it), "missed", or "n/a"; a silent fault's cell (issue 45: ``runaway``,
+``detached``, ``frozen_majority``, ``not_landing``, ``eval_wrong``, ``crash_lr``) ends with its verdict (``verdict``:
+"caught" when that alert is of the fault's kind and raised within 50 steps of the onset, 100 for one present from
+step 0; for ``crash_lr``, when the crash finding leads with the learning-rate jump), and a line above the table
+counts them. ``--json`` writes (b): every alert
 (kind, severity, step, where, message, value, threshold), wall and CPU seconds and progress per run,
 and for healthy runs the every-step series the local record holds (``diag/loss``,
 ``diag/grad/global_norm``, per component under dict models), per-layer update ratios and eval metrics
