@@ -10,9 +10,9 @@ A batch that is the very same tensor object as the step before, unchanged in pla
 training: a graph, an in-memory dataset, an L-BFGS closure's data): it never counts as a repeat. What counts is a
 batch rebuilt every step with identical contents, as a loader restarted each step gives.
 
-Cost per step: on the batch's first floating/integer tensor, a sum (on the CPU only up to 2**20 elements) and a
-position-weighted dot product over a strided view of at most ``samples`` (4096) evenly spaced elements (3 small
-kernels, no batch-sized temporary), kept by reference; a host ``is`` test on the tensor. Measured on one thread of
+Cost per step: on the batch's first floating/integer tensor, a position-weighted dot product over a strided view of
+at most ``samples`` (4096) evenly spaced elements and, when that view missed some, a sum (on the CPU only up to 2**20
+elements): 1-2 small kernels, no batch-sized temporary, kept by reference; a host ``is`` test on the tensor. Measured on one thread of
 a busy 2-core CPU: 0.03-0.15 ms a step for a (32, 64) batch, ~0.45 ms for (64, 3, 224, 224). The window's
 fingerprints are stacked and copied with everything else at the logging step and compared on the host (no per-step
 sync).
@@ -37,12 +37,29 @@ FULL_SUM = 1 << 20  #: on the CPU, the whole-tensor sum only up to this many ele
 def first_tensor(batch: Any) -> torch.Tensor | None:
     """The model input of ``batch`` when it is a non-empty numeric tensor, else the first such tensor in it."""
     x = inputs_of(batch)
-    cands = [x] if isinstance(x, torch.Tensor) else []
-    cands += [t for _, t in iter_tensors(batch)]
-    for t in cands:
-        if t.numel() and t.dtype != torch.bool and not t.is_complex() and t.layout == torch.strided:
-            return t
-    return None
+    if isinstance(x, torch.Tensor) and _usable(x):  # the common case: no walk over the batch
+        return x
+    return next((t for _, t in iter_tensors(batch) if _usable(t)), None)
+
+
+def _usable(t: torch.Tensor) -> bool:
+    return bool(t.numel()) and t.dtype != torch.bool and not t.is_complex() and t.layout == torch.strided
+
+
+Fingerprint = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def stacked(parts: list[Fingerprint]) -> torch.Tensor:
+    """``(k, 2)`` float64 rows ``[weighted sum, sum]`` of ``k`` fingerprints (0 where no sum was taken): a few
+    kernels for the whole window, at the logging step."""
+    dots = [d for d, _ in parts]
+    if len({d.dtype for d in dots}) > 1:
+        dots = [d.double() for d in dots]
+    col = torch.stack(dots).double()
+    if all(s is None for _, s in parts):
+        return torch.stack([col, torch.zeros_like(col)], 1)
+    sums = torch.stack([(s if s is not None else d.new_zeros(())).double() for d, s in parts])
+    return torch.stack([col, sums], 1)
 
 
 class DataRepeatProbe(Probe):
@@ -58,7 +75,7 @@ class DataRepeatProbe(Probe):
         self._prev: Any = None  # weakref to the previous step's tensor
         self._prev_version = -1
         self._weights: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-        self._seen: list[tuple[int, tuple[int, ...], bool, torch.Tensor]] = []  # (step, shape, held, fingerprint)
+        self._seen: list[tuple[int, tuple[int, ...], bool, Fingerprint]] = []  # (step, shape, held, fingerprint)
         self._window: list[tuple[int, tuple[int, ...], bool]] = []
         self._last: tuple[int, tuple[int, ...], tuple[float, float]] | None = None  # the last judged step
         self._streak, self._start = 0, -1
@@ -77,15 +94,16 @@ class DataRepeatProbe(Probe):
             self._prev = None
         self._prev_version = t._version
         self._rows = int(t.shape[0]) if t.ndim else 1
-        self._seen.append((ctx.step, tuple(t.shape), held, self._fingerprint(t.detach())))
+        self._seen.append((ctx.step, tuple(t.shape), held, self._fingerprint(t.detach() if t.requires_grad else t)))
 
-    def _fingerprint(self, t: torch.Tensor) -> torch.Tensor:
-        """``[sum_i w_i x_i, sum]``: the position-weighted sum of at most ``samples`` evenly spaced elements (a
-        strided view, no copy for a float32/float64 batch) and the sum of every element (on the CPU only up to
-        ``FULL_SUM`` elements: a float sum of a large image batch costs milliseconds there); on the tensor's device."""
+    def _fingerprint(self, t: torch.Tensor) -> Fingerprint:
+        """``(sum_i w_i x_i, sum)``: the position-weighted sum of at most ``samples`` evenly spaced elements (a
+        strided view, no copy for a float32/float64 batch) and the sum of every element, None when the weighted
+        sum saw every element already (a batch of at most ``samples`` values: one kernel a step) or, on the CPU,
+        past ``FULL_SUM`` elements (a float sum of a large image batch costs milliseconds there); on the device."""
         flat = t.reshape(-1)
         n = flat.numel()
-        picked = flat[:: max(1, n // self.samples)][: self.samples]
+        picked = flat if n <= self.samples else flat[:: n // self.samples][: self.samples]  # no view op when small
         dtype = flat.dtype if flat.dtype in (torch.float32, torch.float64) else torch.float32
         key = (picked.numel(), dtype, flat.device)
         w = self._weights.get(key)
@@ -94,16 +112,16 @@ class DataRepeatProbe(Probe):
             if len(self._weights) > 64:  # variable-length batches: keep the cache small
                 self._weights.pop(next(iter(self._weights)))
         dot = torch.dot(picked if picked.dtype == dtype else picked.to(dtype), w)
-        if flat.device.type == "cpu" and n > FULL_SUM:
-            return torch.stack([dot, dot.new_zeros(())])
-        return torch.stack([dot, flat.sum().to(dtype)])
+        if picked.numel() == n or (flat.device.type == "cpu" and n > FULL_SUM):
+            return dot, None
+        return dot, flat.sum().to(dtype)
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         if not self._seen:
             self._window = []
             return {}
         self._window = [(s, shape, held) for s, shape, held, _ in self._seen]
-        out = {"fp": torch.stack([fp for *_, fp in self._seen])}
+        out = {"fp": stacked([fp for *_, fp in self._seen])}
         self._seen = []
         return out
 
@@ -140,10 +158,10 @@ class DataRepeatProbe(Probe):
         t = first_tensor(batch)
         if t is None:
             return
-        fp = self._fingerprint(t.detach()).tolist()
+        fp = stacked([self._fingerprint(t.detach())]).tolist()[0]
         known = list(self._known)
         if self._seen:  # this window's training batches, not yet copied with the logging step
-            pending = torch.stack([f for *_, f in self._seen]).tolist()
+            pending = stacked([f for *_, f in self._seen]).tolist()
             known += [(s, shape, a, b) for (s, shape, _, _), (a, b) in zip(self._seen, pending)]
         shape = tuple(t.shape)
         hits = [s for s, sh, a, b in known if sh == shape and a == fp[0] and b == fp[1]]
