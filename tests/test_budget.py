@@ -240,3 +240,38 @@ def test_the_summary_says_what_a_run_costs_after_its_sheds():
     over = budget_lines({"budget": {"share": 0.09, "shed": shed, "over": True, "measured": 0.2}})
     assert "still above" in over[-1] and not any("since then" in line for line in over)
     assert budget_lines({"budget": {"share": 0.09, "shed": [], "over": False, "measured": 0.05}}) == []
+
+
+def _windows(budget, own: float, logging: float, wall: float = 1.2, start: int = 0, n: int = 60, every: int = 10):
+    """Feed ``n`` logging windows; returns the sheds taken with their steps."""
+    taken = []
+    for i in range(n):
+        step = start + (i + 1) * every
+        shed = budget.window(step, own, wall, logging)
+        if shed is not None:
+            taken.append((step, shed))
+    return taken
+
+
+def test_a_per_step_cost_above_the_budget_is_said_at_the_first_decision_when_no_shed_can_lighten_it():
+    """The per-step part alone (x WALL) is 28% of the step against a 5% budget; only cadence sheds are left: the
+    budget says it cannot be kept at its first decision (step 300), not after shedding the cadence to no effect."""
+    from trackdiag.session.budget_policy import WARMUP, Budget
+
+    b = Budget(0.05, ["every x2", "every x5"])
+    taken = _windows(b, own=0.2, logging=0.01, start=WARMUP - 50)
+    assert b.cannot is not None and b.cannot["step"] == WARMUP and b.cannot["floor"] > 0.25
+    assert [s for _, s in taken] == ["every x2", "every x5"]  # it still sheds what it may
+    assert b.over()
+
+
+def test_the_verdict_waits_for_a_shed_that_lightens_every_step_and_is_never_given_for_a_logging_heavy_cost():
+    from trackdiag.session.budget_policy import WARMUP, Budget
+
+    b = Budget(0.05, ["every x2", "every x5", "capture"])
+    taken = _windows(b, own=0.2, logging=0.01, start=WARMUP - 50)
+    assert [s for _, s in taken] == ["every x2", "every x5", "capture"]
+    assert b.cannot is not None and b.cannot["step"] > taken[-1][0]  # judged again after the capture was shed
+    light = Budget(0.05, ["every x2", "every x5"])
+    _windows(light, own=0.2, logging=0.195, start=WARMUP - 50)  # the logging step is the cost: a cadence fixes it
+    assert light.cannot is None

@@ -77,9 +77,20 @@ class CostBudget:
         cap = 3 * statistics.median(gaps)
         kept = [g for g in gaps if g <= cap]
         loop = len(gaps) * sum(kept) / len(kept) - hooks  # the user's time in the window, trackdiag's left out
+        told = self._budget.cannot
         shed = self._budget.window(step, own, loop + own, self._log_seconds)
+        if told is None and self._budget.cannot is not None:
+            self._say_cannot(self._budget.cannot["floor"], self._budget.share, loop / len(gaps))
         if shed is not None:
             self._shed(step, shed, self._budget)
+
+    def _say_cannot(self, floor: float, share: float, step_s: float) -> None:
+        """Once, as soon as it is known: trackdiag's work on every step alone is above the budget, which shedding
+        logging steps cannot change (a step of a millisecond or two: the hooks' fixed cost)."""
+        log.warning("trackdiag: its work on every step alone is ~%.0f%% of this loop's %.2f ms step, above the %.0f%% "
+                    "cost budget of %r: logging less often cannot bring it under. It keeps shedding what it may; for "
+                    "less, use a lighter preset (basic) or diag.budget=null to keep the cadence and accept the cost.",
+                    100 * floor, 1e3 * step_s, 100 * share, self.config["level"])
 
     def _shed(self, step: int, shed: str, budget: Budget) -> None:
         ctx = self._ctx
@@ -142,5 +153,5 @@ class CostBudget:
         b = self._budget
         if b is None:
             return None
-        return {"share": b.share, "shed": list(b.taken), "over": b.over(),
+        return {"share": b.share, "shed": list(b.taken), "over": b.over(), "cannot": b.cannot,
                 "measured": None if math.isnan(b.last) else round(b.last, 4)}

@@ -40,6 +40,7 @@ WARMUP = 300   # steps before the first decision: a run's start (setup faults, n
 WINDOWS = 5    # logging windows judged together (their median: a histogram step or a GC pause is one window)
 WALL = 1.5     # wall cost / own time of the per-step part (seq2seq: the whole own time 1.07-1.49 by preset and run)
 STRIDES = (2, 5)
+PER_STEP = ("extras", "capture")  # the sheds that lighten every step; the others only the logging step
 
 
 def share_of(setting: object, level: str) -> float | None:
@@ -64,10 +65,13 @@ class Budget:
     measured: collections.deque[float] = field(init=False)  # the same windows, own time as the clock has it
     taken: list[dict[str, object]] = field(default_factory=list)  # {step, shed, measured}
     last: float = float("nan")  # the latest judged estimate (wall share)
+    floors: collections.deque[float] = field(init=False)  # the same windows, the per-step part alone (x WALL)
+    cannot: dict[str, float] | None = None  # set once: the per-step part alone is above the budget ({step, floor})
 
     def __post_init__(self) -> None:
         self.ratios = collections.deque(maxlen=self.windows)
         self.measured = collections.deque(maxlen=self.windows)
+        self.floors = collections.deque(maxlen=self.windows)
 
     def window(self, step: int, own: float, wall: float, logging: float = 0.0) -> str | None:
         """One logging window: ``own`` seconds of trackdiag's time in ``wall`` seconds of the loop's, ``logging`` of
@@ -78,16 +82,21 @@ class Budget:
         logging = min(max(logging, 0.0), own)
         self.ratios.append((WALL * (own - logging) + logging) / (wall - own))
         self.measured.append(own / (wall - own))
+        self.floors.append(WALL * (own - logging) / (wall - own))
         if step < self.warmup or len(self.ratios) < self.windows:
             return None
         self.last = statistics.median(self.ratios)
         if self.sheds and self.sheds[0] == "extras" and statistics.median(self.measured) <= self.share:
             self.sheds.pop(0)  # a capability, not a cadence: shed only on the clock's own evidence, never on WALL's
+        floor = statistics.median(self.floors)
+        if self.cannot is None and floor > self.share and not any(s in PER_STEP for s in self.sheds):
+            self.cannot = {"step": float(step), "floor": round(floor, 4)}  # no cadence can bring it under: say so now
         if not self.sheds or self.last <= self.share:
             return None
         shed = self.sheds.pop(0)
         self.ratios.clear()  # measured again, from the next window on
         self.measured.clear()
+        self.floors.clear()
         self.taken.append({"step": step, "shed": shed, "measured": round(self.last, 4)})
         return shed
 
