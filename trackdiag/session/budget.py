@@ -87,10 +87,13 @@ class CostBudget:
     def _say_cannot(self, floor: float, share: float, step_s: float) -> None:
         """Once, as soon as it is known: trackdiag's work on every step alone is above the budget, which shedding
         logging steps cannot change (a step of a millisecond or two: the hooks' fixed cost)."""
+        level = self.config["level"]
+        lighter = {"extreme": "a lighter preset (advanced or basic)", "advanced": "a lighter preset (basic)"}.get(
+            level, "more work per step (a larger batch): basic is the lightest preset")
         log.warning("trackdiag: its work on every step alone is ~%.0f%% of this loop's %.2f ms step, above the %.0f%% "
                     "cost budget of %r: logging less often cannot bring it under. It keeps shedding what it may; for "
-                    "less, use a lighter preset (basic) or diag.budget=null to keep the cadence and accept the cost.",
-                    100 * floor, 1e3 * step_s, 100 * share, self.config["level"])
+                    "less, use %s, or diag.budget=null to keep the cadence and accept the cost.",
+                    100 * floor, 1e3 * step_s, 100 * share, level, lighter)
 
     def _shed(self, step: int, shed: str, budget: Budget) -> None:
         ctx = self._ctx
