@@ -117,13 +117,16 @@ def _raised(run: Any) -> dict[int, int]:
     ``stale_params``' frozen layers before their stall, is not when the user was warned); -1 if none."""
     from trackdiag.core.record import read_records
 
-    todo = {(a.kind, a.step, a.where): id(a) for a in run.alerts("warning")}
-    out = dict.fromkeys(todo.values(), -1)
+    todo: dict[tuple[str, int, str], list[int]] = {}  # several alerts may share kind, step and where
+    for a in run.alerts("warning"):
+        todo.setdefault((a.kind, a.step, a.where), []).append(id(a))
+    out = {i: -1 for ids in todo.values() for i in ids}
     for rec in read_records(run.run_dir):
         for a in rec.alerts:
-            key = (a.kind, a.step, a.where)
-            if key in todo and out[todo[key]] < 0 and SEVERITY[a.severity] >= SEVERITY["warning"]:
-                out[todo[key]] = rec.step
+            ids = todo.get((a.kind, a.step, a.where))
+            if ids and out[ids[0]] < 0 and SEVERITY[a.severity] >= SEVERITY["warning"]:
+                for i in ids:
+                    out[i] = rec.step
     return out
 
 
