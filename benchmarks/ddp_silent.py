@@ -1,8 +1,9 @@
 """Issue 45 items 5 and 6 on corpus models under DDP: ranks whose weights part, and ranks that read the same batches.
 
-Four models of the breadth corpus (``tests/_styles``: distillation's student MLP, amp_bf16's residual MLP,
+Eight models of the breadth corpus (``tests/_styles``: distillation's student MLP, amp_bf16's residual MLP,
 mixup_ema's conv net with BatchNorm, moe_top1's mixture of experts, whose unrouted experts need
-``find_unused_parameters``) are trained on the digits, wrapped in ``DistributedDataParallel`` under gloo, 2 processes
+``find_unused_parameters``, accelerate_cv's GroupNorm conv net, finetune_frozen's BatchNorm conv net trained whole,
+checkpointed_warmup's transformer with activation checkpointing, multitask's dict of heads) are trained on the digits, wrapped in ``DistributedDataParallel`` under gloo, 2 processes
 on 127.0.0.1, the session built as the corpus builds it (``_harness.local_session``, preset ``advanced``). Scenarios:
 
 - ``healthy``: a ``DistributedSampler`` per rank;
@@ -34,11 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 ONSET, WINDOW, START_WINDOW, BATCH = 40, 50, 100, 32
-MODELS = ("distillation", "amp_bf16", "mixup_ema", "moe_top1")
+MODELS = ("distillation", "amp_bf16", "mixup_ema", "moe_top1", "accelerate_cv", "finetune_frozen", "checkpointed_warmup",
+          "multitask")
 SCENARIOS = ("healthy", "part", "samedata")
 EXPECTED = {"part": "ranks_diverged", "samedata": "ranks_same_data"}
 #: the middle layer the last rank re-initialises under ``part`` (as trackdiag names layers)
-PARTED = {"distillation": "layers.3", "amp_bf16": "blocks.0.mlp.0", "mixup_ema": "features.3", "moe_top1": "router"}
+PARTED = {"distillation": "layers.3", "amp_bf16": "blocks.0.mlp.0", "mixup_ema": "features.3", "moe_top1": "router",
+          "accelerate_cv": "features.3", "finetune_frozen": "backbone.3", "checkpointed_warmup": "blocks.1.mlp.0",
+          "multitask": "trunk.3"}
 
 
 def build(name: str) -> tuple[Any, Any]:
@@ -52,6 +56,14 @@ def build(name: str) -> tuple[Any, Any]:
         return mod.ResMLP(), lambda x: x
     if name == "mixup_ema":
         return mod.SmallConvNet(), lambda x: x.view(-1, 1, 8, 8)
+    if name == "accelerate_cv":
+        return mod.ConvNet(), lambda x: x.view(-1, 1, 8, 8)
+    if name == "finetune_frozen":  # trained whole here: the style's frozen backbone is not what DDP is about
+        return mod.Net(), lambda x: x.view(-1, 1, 8, 8)
+    if name == "checkpointed_warmup":  # activation checkpointing under DDP (use_reentrant=False)
+        return mod.Net(), lambda x: x
+    if name == "multitask":  # a dict of heads; the digit head's logits are the loss here
+        return mod.MultiTaskNet(), lambda x: x
     return mod.SwitchMoE(), lambda x: x
 
 
@@ -73,7 +85,7 @@ def worker(name: str, scenario: str, out: Path, steps: int) -> None:
         xtr, ytr, _, _ = digits()
         torch.manual_seed(0)
         model, prep = build(name)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=name == "moe_top1")
+        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=name in ("moe_top1", "multitask"))
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
         ds = TensorDataset(xtr, ytr)
         if scenario == "samedata":  # no DistributedSampler: the same seed, the same order, on every rank
@@ -90,7 +102,7 @@ def worker(name: str, scenario: str, out: Path, steps: int) -> None:
                     loader.sampler.set_epoch(epoch)
                 for x, y in loader:
                     logits = ddp(prep(x))
-                    logits = logits[0] if isinstance(logits, tuple) else logits
+                    logits = logits[0] if isinstance(logits, tuple) else logits["digit"] if isinstance(logits, dict) else logits
                     loss = F.cross_entropy(logits, y)
                     opt.zero_grad()
                     loss.backward()
