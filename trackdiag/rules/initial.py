@@ -47,8 +47,8 @@ class InitialLoss(Rule):
             start = statistics.median(v for _, v in first)
             if first[0][1] > self.unambiguous * chance:
                 evidence, start = ["unambiguous"], first[0][1]
-            elif len(first) >= self.steps and start > self.factor * chance:
-                evidence = ["loss"]
+            elif len(first) >= self.steps and start > self.factor * chance and first[0][1] > self.factor * chance:
+                evidence = ["loss"]  # the first loss too: later ones alone rose after updates (the LR, not the init)
             elif len(first) >= self.steps:
                 self._done.add(key)
                 continue
