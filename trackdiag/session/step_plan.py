@@ -41,7 +41,7 @@ class StepPlan:
     @_schedules.setter
     def _schedules(self, value: list[Any]) -> None:
         self.__dict__["_plan_schedules"] = value
-        self._next_check = 0
+        self._next_check = self.__dict__["_next_detail"] = 0  # both plans are asked again at the next step
 
     @property
     def _checks(self) -> list[Any]:
@@ -50,7 +50,7 @@ class StepPlan:
     @_checks.setter
     def _checks(self, value: list[Any]) -> None:
         self.__dict__["_plan_checks"] = value
-        self._next_check = 0
+        self._next_check = self.__dict__["_next_detail"] = 0  # both plans are asked again at the next step
 
     def _plain_step(self, step: int) -> bool:
         """Whether ``step`` is certainly not a logging step and needs no window check (two comparisons)."""

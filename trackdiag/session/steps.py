@@ -121,7 +121,7 @@ class OptimizerEvents:
         ctx = self._ctx
         if self._detail_step != ctx.step:
             self._detail_step = ctx.step
-            if ctx.step < self._next_check and ctx.step < self._next_detail and ctx.step > ctx.anomaly_until:
+            if ctx.step < self._next_detail and ctx.step > ctx.anomaly_until:
                 self._detail = False  # the step plan: no such probe is due before _next_detail
             else:
                 wanting = [p for p in self._grad_probes if p.wants_detail and p.enabled]
