@@ -8,9 +8,13 @@ names / of the logging step that raised it), "missed", or "n/a"; a silent fault'
 ``detached``, ``frozen_majority``, ``not_landing``, ``eval_wrong``, ``crash_lr``) ends with its verdict (``verdict``:
 "caught" when that alert is of the fault's kind and raised within 50 steps of the onset, 100 for one present from
 step 0; for ``crash_lr``, when the crash finding leads with the learning-rate jump), and a line above the table
-counts them. ``--json`` writes (b): every alert
+counts them. A ``tiny_subset`` cell (issue 45 item 9) ends with "by 2nd eval", "late +N evals", "missed", "no turn"
+or "end" (:func:`turn_verdict`), judged against the turn of the run's validation loss: the first evaluation after
+its lowest reading, when the last evaluation is still 5 % or more above the lowest of the evaluations smoothed (each
+the median of it and its neighbours) and the train loss (mean of the every-step loss since the evaluation before) is
+lower there than at the lowest reading (:func:`turn_of`); a line above the table counts them. ``--json`` writes (b): every alert
 (kind, severity, step, where, message, value, threshold), wall and CPU seconds and progress per run,
-and for healthy runs the every-step series the local record holds (``diag/loss``,
+and for healthy and ``tiny_subset`` runs the every-step series the local record holds (``diag/loss``,
 ``diag/grad/global_norm``, per component under dict models), per-layer update ratios and eval metrics
 at the logging steps: the material to calibrate relative thresholds on.
 
@@ -41,6 +45,8 @@ ONSET = 40
 #: a silent fault is caught when its first warning-or-worse alert is of the right kind and raised within this many
 #: steps of the onset (issue 45: 50, and 100 for a fault present from step 0)
 WINDOW, START_WINDOW = 50, 100
+#: the rise (over its lowest reading) a validation loss keeps to the end of a ``tiny_subset`` run for it to have turned
+TURN_RISE = 0.05
 
 
 def fault_steps(fault: str, steps: int) -> int:
@@ -54,6 +60,8 @@ def verdict(row: dict[str, Any]) -> str:
     raised within the window; ``crash_lr``: the script died and its ``crash`` finding leads with an out-of-scale
     update or a learning-rate jump), else why not. "" for the other faults."""
     fault = row["fault"]
+    if fault == "tiny_subset":
+        return turn_verdict(row)
     if fault not in SILENT_KINDS:
         return ""
     window = START_WINDOW if fault in START_FAULTS else WINDOW
@@ -75,6 +83,53 @@ def verdict(row: dict[str, Any]) -> str:
     if first["raised_at"] - max(row["onset"], 0) > window:
         return "late"
     return "caught"
+
+
+def turn_of(row: dict[str, Any]) -> tuple[int, int] | None:
+    """The turn of a run's validation loss (``diag/eval/loss`` at the logging steps): the first evaluation after its
+    lowest reading, provided the validation loss rose for real and the train loss kept falling: the last evaluation
+    is at least ``TURN_RISE`` (5 %) above the lowest of the smoothed evaluations (each the median of it and its two
+    neighbours, the first and the last as they are: a lone lucky reading of a flat, noisy validation loss is no
+    bottom to rise from) and the train loss (the mean of the every-step ``diag/loss`` since the evaluation before)
+    is lower at the last evaluation than at the lowest one. ``(the turn's index among the evaluations, its step)``;
+    None when there is no turn (lowest at the last evaluation, ended within 5 % of the smoothed lowest, or the train
+    loss rose too)."""
+    series = row.get("series") or {}
+    evals = [(int(s), v) for s, v in series.get("logging_steps", {}).get("diag/eval/loss", []) if isinstance(v, float)]
+    losses = {int(s): v for s, v in series.get("every_step", {}).get("diag/loss", []) if isinstance(v, float)}
+    if len(evals) < 2:
+        return None
+    vals = [v for _, v in evals]
+    m = min(range(len(vals)), key=vals.__getitem__)
+    smooth = [vals[0], vals[-1], *(sorted(vals[i - 1:i + 2])[1] for i in range(1, len(vals) - 1))]
+
+    def train_at(i: int) -> float:
+        lo = evals[i - 1][0] if i else -1
+        pts = [v for s, v in losses.items() if lo < s <= evals[i][0]]
+        return sum(pts) / len(pts) if pts else math.nan
+
+    if m == len(vals) - 1 or vals[-1] < min(smooth) * (1 + TURN_RISE) or not train_at(len(vals) - 1) < train_at(m):
+        return None
+    return m + 1, evals[m + 1][0]
+
+
+def turn_verdict(row: dict[str, Any]) -> str:
+    """Issue 45 item 9 for a ``tiny_subset`` row: "by 2nd eval" when the first warning-or-worse alert is
+    ``overfitting`` raised no later than the second evaluation after the turn (:func:`turn_of`), "late +N evals"
+    when it is raised N evaluations after that one, "missed" (none, or another kind first), "no turn" when the
+    validation loss never turned (nothing to raise yet), "end" when the run ends before the second evaluation
+    after the turn and nothing was raised."""
+    turn = turn_of(row)
+    if turn is None:
+        return "no turn"
+    first = row["first"]
+    steps = [int(s) for s, _ in row["series"]["logging_steps"]["diag/eval/loss"]]
+    if first is None:
+        return "end" if turn[0] + 2 >= len(steps) else "missed"
+    if first["kind"] != "overfitting":
+        return f"missed ({first['kind']} first)"
+    late = sum(s < first["raised_at"] for s in steps[turn[0] + 2:])
+    return "by 2nd eval" if late == 0 else f"late +{late} evals"
 
 
 def _num(v: Any) -> Any:
@@ -152,7 +207,7 @@ def run_case(job: tuple[str, str, int, str | None, int]) -> dict[str, Any]:
             "first": None if first is None else _alert(first, raised[id(first)]),
             "first_after_onset": None if after is None else _alert(after, raised[id(after)]),
         }
-        if fault is None:
+        if fault in (None, "tiny_subset"):  # tiny_subset: its evaluations find the turn (turn_of)
             row["series"] = _series(run.run_dir)
     return row
 
@@ -245,6 +300,12 @@ def main() -> int:
                          sum(r["fault"] == f for r in fault_rows)) for f in silent}
             print("\nsilent faults caught (right kind, in the window): "
                   + ", ".join(f"{f} {c}/{n}" for f, (c, n) in tally.items()))
+        turns = [turn_verdict(r) for r in fault_rows if r["fault"] == "tiny_subset"]
+        if turns:
+            with_turn = [t for t in turns if t not in ("no turn", "end")]
+            print(f"\ntiny_subset raised by the 2nd evaluation after the turn: {turns.count('by 2nd eval')}/{len(with_turn)}"
+                  f" with a turn (later {sum(t.startswith('late') for t in turns)}, missed {sum(t.startswith('missed') for t in turns)}); "
+                  f"no turn {turns.count('no turn')}, turn too close to the end {turns.count('end')}")
         print(f"\n### Planted faults at step {ONSET} (`{args.fault_level}`, seed 0): first warning-or-worse alert, "
               "+steps to the step named / to the logging step that raised it\n")
         print("| style | " + " | ".join(cols) + " |")
