@@ -31,8 +31,11 @@ Silent faults (issue 45; the run neither crashes nor explodes at first):
   parameters replaced by copies after the optimizer was built (``orphan_params``).
 - ``eval_wrong``: from step 0 the evaluation runs on a copy of the model made before training and never
   refreshed (``StaleEval``: ``eval_model = copy.deepcopy(model)`` before the loop, evaluated throughout).
-- ``crash_lr``: every learning rate x1000 from ``onset``, and the script stops itself once the loss is not
-  finite, as DETR's and MAE's loops do (``stop_if_nonfinite``).
+- ``crash_lr``: every learning rate x1e6 from ``onset`` (``lr=1e3`` typed for ``1e-3``), and the script stops itself
+  once the loss is not finite, as DETR's and MAE's loops do (``stop_if_nonfinite``).
+- ``reversed_ema``: from ``onset``, after each optimizer step, a reversed EMA update pulls the trained weights
+  toward a copy taken at the onset and never updated (``p.copy_(decay * ema_p + (1 - decay) * p)`` into the model
+  instead of the EMA copy; ``PullBack``): the weights move between optimizer steps and training stalls.
 """
 from __future__ import annotations
 
@@ -60,10 +63,11 @@ START_FAULTS = frozenset({"lr_start", "shuffled_labels", "eval_mode", "tiny_subs
                           "not_landing", "eval_wrong"})
 ALL_FAULTS = ("nan", "lr1000", "no_zero", "lr_start", "shuffled_labels", "eval_mode", "wiped_grads",
               "tiny_subset", "crash_nan", "same_batch", "runaway", "detached", "frozen_majority", "not_landing",
-              "eval_wrong", "crash_lr")
+              "eval_wrong", "crash_lr", "reversed_ema")
 #: the alert kind each silent fault is judged by (the first warning-or-worse alert must be of it)
 SILENT_KINDS = {"runaway": "loss_runaway", "detached": "stale_params", "frozen_majority": "stale_params",
-                "not_landing": "stale_params", "eval_wrong": ("eval_mismatch", "eval_frozen"), "crash_lr": "crash"}
+                "not_landing": "stale_params", "eval_wrong": ("eval_mismatch", "eval_frozen"), "crash_lr": "crash",
+                "reversed_ema": "weights_moved"}
 SAME_BATCH = "the loader restarted every step from onset (next(iter(loader)) in the loop): one batch, fresh copies"
 
 
@@ -145,13 +149,19 @@ def active(fault: str | None, name: str, step: int, onset: int) -> bool:
     return fault == name and (step >= onset or name in START_FAULTS)
 
 
-def lr_scale(fault: str | None, step: int, onset: int) -> float:
-    """The learning-rate factor at ``step``: 1000 under ``lr_start`` and under ``lr1000``/``crash_lr`` from ``onset``."""
-    return 1000.0 if fault == "lr_start" or (fault in ("lr1000", "crash_lr") and step >= onset) else 1.0
+#: ``crash_lr``'s factor: the exponent's sign lost in a config (``lr=1e3`` typed for ``1e-3``). At x1000 Adam keeps
+#: the loss finite in all but 5 styles (its update is ~lr whatever the gradient); at x1e6 15 of 31 die
+CRASH_LR_FACTOR = 1e6
+
+
+def jump_factor(fault: str | None) -> float:
+    """The factor every learning rate is multiplied by at the jump: ``CRASH_LR_FACTOR`` under ``crash_lr``, else 1000
+    (``lr1000``, ``lr_start``)."""
+    return CRASH_LR_FACTOR if fault == "crash_lr" else 1000.0
 
 
 def lr_jump(fault: str | None, step: int, onset: int) -> bool:
-    """Whether the loop multiplies every learning rate by 1000 at ``step`` (``lr1000`` and ``crash_lr``)."""
+    """Whether the loop multiplies every learning rate by :func:`jump_factor` at ``step`` (``lr1000``, ``crash_lr``)."""
     return fault in ("lr1000", "crash_lr") and step == onset
 
 
@@ -202,6 +212,28 @@ def orphan_params(model: nn.Module, fault: str | None) -> None:
     for mod in model.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
             setattr(mod, name, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+
+
+class PullBack:
+    """The ``reversed_ema`` fault, called after the step's optimizer steps: from ``onset`` every trainable parameter
+    of ``modules`` is pulled toward a copy taken at the onset, ``p.copy_(DECAY * ema_p + (1 - DECAY) * p)`` (an EMA
+    update written into the trained model, the EMA copy never updated). Healthy and other faults: nothing."""
+
+    DECAY = 0.99
+
+    def __init__(self, fault: str | None, onset: int, *modules: nn.Module) -> None:
+        self.onset = onset
+        self.params = [p for m in modules for p in m.parameters() if p.requires_grad] if fault == "reversed_ema" else []
+        self.ema: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def __call__(self, step: int) -> None:
+        if not self.params or step < self.onset:
+            return
+        if self.ema is None:
+            self.ema = [p.detach().clone() for p in self.params]
+        for p, e in zip(self.params, self.ema):
+            p.copy_(self.DECAY * e + (1 - self.DECAY) * p)
 
 
 class StaleEval:

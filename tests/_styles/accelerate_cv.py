@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, digits,
-                      fault_onset, one_thread, session, shuffle, Runaway, freeze_all_but_last, lr_jump, orphan_params)
+                      fault_onset, one_thread, session, shuffle, Runaway, freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite)
 
 NAME = "accelerate_cv"
 DESCRIPTION = "accelerate complete_cv_example + gradient_accumulation: prepare(), accumulate(), clip, OneCycleLR"
 FAULTS = {
     "nan": "log(0) inside the second conv `features.3` from onset",
     "lr1000": "OneCycleLR's max/initial/min lr x1000 from onset",
+    "crash_lr": "OneCycleLR's max/initial/min lr x1e6 from onset; the script stops once the loss is not finite",
     "lr_start": "OneCycleLR's max_lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "eval_mode": "model.eval() left on (Dropout off)",
@@ -89,13 +90,14 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             model.train(fault != "eval_mode")
             for inputs, targets in train_dataloader:
                 if lr_jump(fault, step, onset) and accelerator.sync_gradients:
-                    bump_lr(optimizer.optimizer, 1000.0)
+                    bump_lr(optimizer.optimizer, jump_factor(fault))
                 model.features[3].arm(active(fault, "nan", step, onset))
                 if fault == "shuffled_labels":
                     targets = shuffle(targets, gen)
                 with accelerator.accumulate(model):
                     outputs = model(inputs)
                     loss = runaway(F.cross_entropy(outputs, targets), step)
+                    stop_if_nonfinite(fault, loss)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         wiped = active(fault, "wiped_grads", step, onset)

@@ -19,7 +19,7 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard, digits,
                       fault_onset, one_thread, session, shuffle, wipe_grads, Runaway, StaleEval, freeze_all_but_last,
-                      lr_jump, orphan_params, stop_if_nonfinite)
+                      lr_jump, orphan_params, stop_if_nonfinite, jump_factor)
 
 NAME = "adversarial_fgsm"
 DESCRIPTION = "fast FGSM adversarial training: random-start delta, a backward for the input, zero_grad, the real backward"
@@ -35,7 +35,7 @@ FAULTS = {
     "frozen_majority": "every parameter but the last (the output bias) frozen; SGD over all",
     "not_landing": "the model's parameters replaced by copies after SGD was built",
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
-    "crash_lr": "SGD lr x1000 from onset; the script stops once the loss is not finite",
+    "crash_lr": "SGD lr x1e6 from onset; the script stops once the loss is not finite",
 }
 EPS, ALPHA = 0.1, 0.125
 
@@ -73,7 +73,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
         model.train()
         for step in range(steps):
             if lr_jump(fault, step, onset):
-                bump_lr(optimizer, 1000.0)
+                bump_lr(optimizer, jump_factor(fault))
             model[2].arm(active(fault, "nan", step, onset))
             xb, yb = next(loader)
             if fault == "shuffled_labels":

@@ -21,13 +21,14 @@ from torch.utils.checkpoint import checkpoint
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, SAME_BATCH, restart_loader, Runaway,
-                      freeze_all_but_last, lr_jump, orphan_params)
+                      freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite)
 
 NAME = "checkpointed_warmup"
 DESCRIPTION = "HF-style: blocks under torch.utils.checkpoint (forward replayed in backward), warmup from lr 0, clip 1.0"
 FAULTS = {
     "nan": "log(0) inside block 1's second MLP linear `blocks.1.mlp.2` from onset",
     "lr1000": "AdamW lr (and the schedule's base lrs) x1000 from onset",
+    "crash_lr": "AdamW lr (and the schedule's base lrs) x1e6 from onset; the script stops once the loss is not finite",
     "lr_start": "AdamW lr (and the schedule's base lrs) x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "eval_mode": "model.eval() left on (dropout off, no checkpointing: the model checkpoints in training mode only)",
@@ -106,11 +107,12 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if fault == "eval_mode":
                 model.eval()
             if lr_jump(fault, step, onset):
-                bump_lr(optimizer, 1000.0, scheduler)
+                bump_lr(optimizer, jump_factor(fault), scheduler)
             model.blocks[1].mlp[2].arm(active(fault, "nan", step, onset))
             x, y = next(loader)
             logits = model(x)
             loss = runaway(F.cross_entropy(logits, y), step)
+            stop_if_nonfinite(fault, loss)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.0 if active(fault, "wiped_grads", step, onset) else 1.0)
             optimizer.step()

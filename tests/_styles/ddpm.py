@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, mean, one_thread, session, wipe_grads)
+                      digits, fault_onset, mean, one_thread, session, wipe_grads, jump_factor, lr_jump, stop_if_nonfinite)
 
 NAME = "ddpm"
 DESCRIPTION = "lucidrains denoising-diffusion-pytorch: GaussianDiffusion.forward returns the loss, diag.step(loss) only"
 FAULTS = {
     "nan": "log(0) inside the denoiser's second layer `model.net.2` from onset",
     "lr1000": "Adam lr x1000 from onset",
+    "crash_lr": "Adam lr x1e6 from onset; the script stops once the loss is not finite",
     "lr_start": "Adam lr x1000 from step 0",
     "no_zero": "opt.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) instead of 1.0 from onset",
@@ -100,13 +101,14 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     diag = session(diffusion, opt, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         for step in range(steps):
-            if fault == "lr1000" and step == onset:
-                bump_lr(opt, 1000.0)
+            if lr_jump(fault, step, onset):
+                bump_lr(opt, jump_factor(fault))
             diffusion.model.net[2].arm(active(fault, "nan", step, onset))
             total_loss = torch.zeros(())
             for _ in range(ACCUMULATE):
                 data, _labels = next(dl)
                 loss = diffusion(data) / ACCUMULATE
+                stop_if_nonfinite(fault, loss)
                 total_loss += loss.detach()
                 loss.backward()
             max_norm = 0.0 if active(fault, "wiped_grads", step, onset) else 1.0

@@ -20,13 +20,14 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader,
-                      Runaway, StaleEval, lr_jump, orphan_params)
+                      Runaway, StaleEval, lr_jump, orphan_params, jump_factor, stop_if_nonfinite)
 
 NAME = "finetune_frozen"
 DESCRIPTION = "fine-tuning tutorials: backbone.requires_grad_(False) before AdamW(model.parameters()); head trains"
 FAULTS = {
     "nan": "log(0) inside the frozen backbone's second conv `backbone.3` from onset",
     "lr1000": "AdamW lr x1000 from onset",
+    "crash_lr": "AdamW lr x1e6 from onset; the script stops once the loss is not finite",
     "lr_start": "AdamW lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "eval_mode": "model.eval() left on (BatchNorm frozen, Dropout off)",
@@ -104,7 +105,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             model.eval()
         for step in range(steps):
             if lr_jump(fault, step, onset):
-                bump_lr(optimizer, 1000.0)
+                bump_lr(optimizer, jump_factor(fault))
             model.backbone[3].arm(active(fault, "nan", step, onset))
             x, y = next(loader)
             if fault == "shuffled_labels":
@@ -113,6 +114,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
                 optimizer.zero_grad()
             logits = model(x)
             loss = runaway(F.cross_entropy(logits, y), step)
+            stop_if_nonfinite(fault, loss)
             loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())

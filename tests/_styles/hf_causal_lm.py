@@ -19,13 +19,15 @@ import torch
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
                       mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, Runaway, StaleEval,
-                      freeze_all_but_last, orphan_params)
+                      freeze_all_but_last, orphan_params, jump_factor, lr_jump, stop_if_nonfinite)
+from ._common import PullBack
 
 NAME = "hf_causal_lm"
 DESCRIPTION = "transformers run_clm_no_trainer.py: tiny GPT2LMHeadModel, model(**batch).loss with labels=input_ids"
 FAULTS = {
     "nan": "log(0) inside the second block's attention `transformer.h.1.attn` from onset",
     "lr1000": "AdamW lr (and the scheduler's base lr) x1000 from onset",
+    "crash_lr": "AdamW lr (and the scheduler's base lr) x1e6 from onset; the script stops once the loss is not finite",
     "lr_start": "AdamW lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
@@ -36,6 +38,7 @@ FAULTS = {
     "frozen_majority": "every parameter but the last (the final LayerNorm's bias) frozen; AdamW over all",
     "not_landing": "the model's parameters replaced by copies after AdamW was built",
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
+    "reversed_ema": "from onset a reversed EMA update pulls the model toward a copy taken at onset after each step",
 }
 BLOCK, BSZ = 32, 4
 
@@ -93,20 +96,23 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     loader = restart_loader(loader, fault, onset)
     eval_batch = {"input_ids": val_blocks[:32], "labels": val_blocks[:32]}
     losses: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
         for step in range(steps):
-            if fault == "lr1000" and step == onset:
-                bump_lr(optimizer, 1000.0, lr_scheduler)
+            if lr_jump(fault, step, onset):
+                bump_lr(optimizer, jump_factor(fault), lr_scheduler)
             model.transformer.h[1].attn.arm(active(fault, "nan", step, onset))
             batch = fixed[step % 2] if fault == "tiny_subset" else next(loader)
             outputs = model(**batch)
             loss = runaway(outputs.loss, step)
+            stop_if_nonfinite(fault, loss)
             loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(step)
             lr_scheduler.step()
             if not active(fault, "no_zero", step, onset):
                 optimizer.zero_grad()

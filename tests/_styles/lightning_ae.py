@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, digits,
-                      fault_onset, one_thread, quiet_probes, wipe_grads)
+                      fault_onset, one_thread, quiet_probes, wipe_grads, jump_factor, lr_jump, stop_if_nonfinite)
 
 NAME = "lightning_ae"
 DESCRIPTION = "Lightning README LitAutoEncoder: LightningModule + Trainer, trackdiag through DiagnosticsCallback"
 FAULTS = {
     "nan": "log(0) inside the encoder's second layer `encoder.2` from onset",
     "lr1000": "Adam lr x1000 from onset (set in on_train_batch_start)",
+    "crash_lr": "Adam lr x1e6 from onset (set in on_train_batch_start); the script stops once the loss is not finite",
     "lr_start": "Adam lr x1000 from step 0",
     "no_zero": "optimizer_zero_grad overridden to do nothing from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) in on_after_backward from onset",
@@ -53,6 +54,7 @@ def lit_autoencoder(fault: str | None, onset: int, lr: float) -> Any:
             x = x.view(x.size(0), -1)
             x_hat = self(x)
             loss = F.mse_loss(x_hat, x)
+            stop_if_nonfinite(fault, loss)
             self.log("train_loss", loss)
             return loss
 
@@ -68,8 +70,8 @@ def lit_autoencoder(fault: str | None, onset: int, lr: float) -> Any:
         # fault plumbing: what a user's overrides would do
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             step = self.trainer.global_step
-            if fault == "lr1000" and step == onset:
-                bump_lr(self.trainer.optimizers[0], 1000.0)
+            if lr_jump(fault, step, onset):
+                bump_lr(self.trainer.optimizers[0], jump_factor(fault))
             self.encoder[2].arm(active(fault, "nan", step, onset))
 
         def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:

@@ -20,13 +20,14 @@ from torch import nn
 from torch.func import functional_call
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, digits,
-                      fault_onset, one_thread, session, wipe_grads)
+                      fault_onset, one_thread, session, wipe_grads, jump_factor, lr_jump, stop_if_nonfinite)
 
 NAME = "maml_second_order"
 DESCRIPTION = "MAML-Pytorch style: inner autograd.grad(create_graph=True) steps via functional_call, second-order meta-Adam"
 FAULTS = {
     "nan": "log(0) inside the second linear layer `2` from onset",
     "lr1000": "the meta-optimizer's lr x1000 from onset",
+    "crash_lr": "the meta-optimizer's lr x1e6 from onset; the script stops once the loss is not finite",
     "lr_start": "the meta-optimizer's lr x1000 from step 0",
     "no_zero": "meta_opt.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between the meta backward and step from onset",
@@ -60,8 +61,8 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     diag = session(model, meta_opt, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         for step in range(steps):
-            if fault == "lr1000" and step == onset:
-                bump_lr(meta_opt, 1000.0)
+            if lr_jump(fault, step, onset):
+                bump_lr(meta_opt, jump_factor(fault))
             model[2].arm(active(fault, "nan", step, onset))
             if not active(fault, "no_zero", step, onset):
                 meta_opt.zero_grad()
@@ -77,6 +78,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
                 logits = functional_call(model, params, (xq,))
                 meta_loss = meta_loss + F.cross_entropy(logits, yq) / TASKS
                 acc += float((logits.argmax(1) == yq).float().mean()) / TASKS
+            stop_if_nonfinite(fault, meta_loss)
             meta_loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())

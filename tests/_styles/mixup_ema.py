@@ -22,13 +22,14 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, shuffle, wipe_grads, Runaway, StaleEval,
-                      freeze_all_but_last, lr_jump, orphan_params)
+                      freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite)
 
 NAME = "mixup_ema"
 DESCRIPTION = "timm train.py: mixup/cutmix soft targets + label smoothing, SoftTargetCE, AdamW+cosine, EMA copy"
 FAULTS = {
     "nan": "log(0) inside the second conv `features.3` from onset",
     "lr1000": "AdamW lr (and the schedule's base lr) x1000 from onset",
+    "crash_lr": "AdamW lr (and the schedule's base lr) x1e6 from onset; the script stops once the loss is not finite",
     "lr_start": "AdamW lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "eval_mode": "model.eval() left on (BatchNorm frozen at init statistics, Dropout off)",
@@ -137,7 +138,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             model.eval()
         for num_updates in range(steps):
             if lr_jump(fault, num_updates, onset):
-                bump_lr(optimizer, 1000.0, lr_scheduler)
+                bump_lr(optimizer, jump_factor(fault), lr_scheduler)
             model.features[3].arm(active(fault, "nan", num_updates, onset))
             x, y = next(loader)
             if fault == "shuffled_labels":
@@ -145,6 +146,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             x, target = mixup_fn(x, y)
             output = model(x)
             loss = runaway(soft_target_cross_entropy(output, target), num_updates)
+            stop_if_nonfinite(fault, loss)
             if not active(fault, "no_zero", num_updates, onset):
                 optimizer.zero_grad()
             loss.backward()

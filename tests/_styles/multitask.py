@@ -20,6 +20,7 @@ from torch import nn
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, Runaway,
                       StaleEval, freeze_all_but_last, lr_jump, orphan_params)
+from ._common import PullBack
 
 NAME = "multitask"
 DESCRIPTION = "hard-parameter-sharing tutorials: shared trunk, 3 heads (CE, BCE, MSE), dict outputs, weighted sum"
@@ -38,6 +39,7 @@ FAULTS = {
     "frozen_majority": "every parameter but the last frozen; Adam over all",
     "not_landing": "the model's parameters replaced by copies after Adam was built",
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
+    "reversed_ema": "from onset a reversed EMA update pulls the trunk and heads toward a copy taken at onset after each step",
 }
 WEIGHTS = {"digit": 1.0, "parity": 0.5, "ink": 10.0}
 
@@ -84,6 +86,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     loader = restart_loader(loader, fault, onset)
     val_targets = make_targets(xva, yva)
     accs: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
@@ -107,6 +110,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(step)
             diag.step(loss, outputs=outputs, batch=(x, targets))
             if step % 20 == 0 or step == steps - 1:
                 was_training, net = model.training, evaluated.at(step)

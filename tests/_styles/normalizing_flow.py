@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
-                      mean, one_thread, session, wipe_grads)
+                      mean, one_thread, session, wipe_grads, jump_factor, lr_jump, stop_if_nonfinite)
 
 NAME = "normalizing_flow"
 DESCRIPTION = "normflows RealNVP examples: affine couplings on two moons, loss = forward_kld (NLL, goes negative)"
 FAULTS = {
     "nan": "log(0) inside the second coupling's MLP `flows.2.net` from onset (the script's guard skips the steps)",
     "lr1000": "Adam lr x1000 from onset",
+    "crash_lr": "Adam lr x1e6 from onset; the script stops once the loss is not finite (in place of the example's skip guard)",
     "lr_start": "Adam lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
@@ -99,13 +100,14 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         for it in range(steps):
-            if fault == "lr1000" and it == onset:
-                bump_lr(optimizer, 1000.0)
+            if lr_jump(fault, it, onset):
+                bump_lr(optimizer, jump_factor(fault))
             model.flows[2].net.arm(active(fault, "nan", it, onset))
             if not active(fault, "no_zero", it, onset):
                 optimizer.zero_grad()
             x = two_moons(NUM_SAMPLES, gen)
             loss = model.forward_kld(x)
+            stop_if_nonfinite(fault, loss)
             if ~(torch.isnan(loss) | torch.isinf(loss)):
                 loss.backward()
                 if active(fault, "wiped_grads", it, onset):

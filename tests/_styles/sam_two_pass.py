@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      digits, fault_onset, one_thread, session, wipe_grads, lr_jump, stop_if_nonfinite)
+                      digits, fault_onset, one_thread, session, wipe_grads, lr_jump, stop_if_nonfinite, jump_factor)
 
 NAME = "sam_two_pass"
 DESCRIPTION = "davda54/sam example: SAM(SGD) first_step/second_step, two passes per step, p.data swapped back"
@@ -31,7 +31,7 @@ FAULTS = {
     "no_zero": "first_step and second_step called with zero_grad=False from onset",
     "eval_mode": "model.eval() left on (BatchNorm frozen at init statistics)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between the second backward and second_step from onset",
-    "crash_lr": "the base SGD's lr x1000 from onset; the script stops once the loss is not finite",
+    "crash_lr": "the base SGD's lr x1e6 from onset; the script stops once the loss is not finite",
 }
 
 
@@ -120,7 +120,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if fault == "eval_mode":
                 model.eval()
             if lr_jump(fault, step, onset):
-                bump_lr(optimizer.base_optimizer, 1000.0, scheduler)
+                bump_lr(optimizer.base_optimizer, jump_factor(fault), scheduler)
             model[3].arm(active(fault, "nan", step, onset))
             zero = not active(fault, "no_zero", step, onset)
             inputs, targets = next(loader)

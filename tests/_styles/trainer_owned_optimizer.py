@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
-                      fault_onset, one_thread, session, shuffle, sk_table, wipe_grads, lr_jump, stop_if_nonfinite)
+                      fault_onset, one_thread, session, shuffle, sk_table, wipe_grads, lr_jump, stop_if_nonfinite, jump_factor)
+from ._common import PullBack
 
 NAME = "trainer_owned_optimizer"
 DESCRIPTION = "a home-grown Trainer that builds SGD+StepLR inside fit(); Diagnostics(model) without an optimizer"
@@ -31,8 +32,9 @@ FAULTS = {
     "eval_mode": "model.eval() left on before fit (BatchNorm frozen at init statistics, Dropout off)",
     "shuffled_labels": "targets shuffled within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
-    "tiny_subset": "trains on two batches; validation every epoch",
-    "crash_lr": "the trainer's SGD lr x1000 from onset; the script stops once the loss is not finite",
+    "tiny_subset": "trains on two batches; validation every 10 epochs (20 steps: the corpus' tiny_subset cadence)",
+    "crash_lr": "the trainer's SGD lr x1e6 from onset; the script stops once the loss is not finite",
+    "reversed_ema": "from onset a reversed EMA hook pulls the model toward a copy taken at onset before each batch",
 }
 
 
@@ -48,6 +50,7 @@ class WineNet(nn.Module):
 
 
 class Trainer:
+    val_every_epochs = 1  # Lightning's check_val_every_n_epoch
     def __init__(self, model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor],
                  *, lr: float, max_steps: int, batch_size: int, seed: int, callbacks: list[Any]) -> None:
         self.model, self.train_data, self.val_data = model, train, val
@@ -71,7 +74,9 @@ class Trainer:
         steps_per_epoch = max(1, len(self.train_data[0]) // self.batch_size)
         self.model.train()
         self.on_fit_start()
+        epoch = 0
         while self.global_step < self.max_steps:
+            epoch += 1
             for _ in range(steps_per_epoch):
                 batch = self.on_before_batch(next(loader))
                 if self.zero_grad_enabled():
@@ -87,7 +92,8 @@ class Trainer:
                 self.global_step += 1
                 if self.global_step >= self.max_steps:
                     break
-            self.validate()
+            if epoch % self.val_every_epochs == 0:
+                self.validate()
 
     # overridable hooks (no-ops here)
     def on_fit_start(self) -> None: ...
@@ -118,14 +124,16 @@ class FaultyTrainer(Trainer):
     def __init__(self, *args: Any, fault: str | None, onset: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fault, self.onset = fault, onset
+        self.pull = PullBack(fault, onset, self.model)  # a user's EMA hook run before each batch, written backwards
 
     def on_fit_start(self) -> None:
         if self.fault == "eval_mode":
             self.model.eval()
 
     def on_before_batch(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.pull(self.global_step - 1)  # after the previous step's optimizer step
         if lr_jump(self.fault, self.global_step, self.onset):
-            bump_lr(self.optimizer, 1000.0, self.scheduler)
+            bump_lr(self.optimizer, jump_factor(self.fault), self.scheduler)
         self.model.body[4].arm(active(self.fault, "nan", self.global_step, self.onset))
         return (batch[0], shuffle(batch[1], self.gen)) if self.fault == "shuffled_labels" else batch
 
@@ -166,6 +174,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     bridge = DiagnosticsHook(diag)
     trainer = FaultyTrainer(model, (xtr, ytr), (xva, yva), lr=0.05 * (1000 if fault == "lr_start" else 1),
                             max_steps=steps, batch_size=16, seed=seed, callbacks=[bridge], fault=fault, onset=onset)
+    trainer.val_every_epochs = 10 if fault == "tiny_subset" else 1  # two batches: an epoch is 2 steps
     with crash_guard(fault) as crash, one_thread(), diag:
         trainer.fit()
     accs = bridge.accs or [0.0]

@@ -18,13 +18,15 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, digits,
                       fault_onset, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, Runaway, StaleEval,
-                      freeze_all_but_last, lr_jump, orphan_params)
+                      freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite)
+from ._common import PullBack
 
 NAME = "triplet_metric"
 DESCRIPTION = "siamese-triplet tutorials: TripletMarginLoss(margin=1) on (anchor, positive, negative), Adam, batch 8"
 FAULTS = {
     "nan": "log(0) inside the embedding net's second layer `net.2` from onset",
     "lr1000": "Adam lr x1000 from onset",
+    "crash_lr": "Adam lr x1e6 from onset; the script stops once the loss is not finite",
     "lr_start": "Adam lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "shuffled_labels": "triplets drawn with shuffled class labels (positives are random images)",
@@ -36,6 +38,7 @@ FAULTS = {
     "frozen_majority": "every parameter but the last frozen; Adam over all",
     "not_landing": "the model's parameters replaced by copies after Adam was built",
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
+    "reversed_ema": "from onset a reversed EMA update pulls the embedding net toward a copy taken at onset after each step",
 }
 BSZ = 8
 
@@ -95,21 +98,24 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     loader = restart_loader(loader, fault, onset)
     val_triplets = next(triplets(xva, yva, torch.Generator().manual_seed(5), bsz=256))
     accs: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
         for step in range(steps):
             if lr_jump(fault, step, onset):
-                bump_lr(optimizer, 1000.0)
+                bump_lr(optimizer, jump_factor(fault))
             model.net[2].arm(active(fault, "nan", step, onset))
             anchor, positive, negative = next(loader)
             if not active(fault, "no_zero", step, onset):
                 optimizer.zero_grad()
             loss = runaway(criterion(model(anchor), model(positive), model(negative)), step)
+            stop_if_nonfinite(fault, loss)
             loss.backward()
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(step)
             diag.step(loss, batch=(anchor, positive, negative))
             if step % 20 == 0 or step == steps - 1:
                 net = evaluated.at(step)

@@ -20,7 +20,8 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, lr_jump,
-                      freeze_all_but_last, orphan_params)
+                      freeze_all_but_last, orphan_params, jump_factor, stop_if_nonfinite)
+from ._common import PullBack
 
 NAME = "vae_sum"
 DESCRIPTION = "pytorch/examples vae/main.py: BCE(sum)+KL per batch on digits, Adam, unused labels in batch"
@@ -32,11 +33,12 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
     "tiny_subset": "trains on two batches; test loss every 20 steps",
-    "crash_lr": "Adam lr x1000 from onset: the next forward overflows and binary_cross_entropy raises",
+    "crash_lr": "Adam lr x1e6 from onset: the next forward overflows and binary_cross_entropy raises",
     "runaway": "from onset the KL term subtracted (its sign flipped, a KL weight annealed below zero)",
     "detached": "the output of the encoder's first layer `fc1` detached: it never gets a gradient",
     "frozen_majority": "every parameter but the last (the decoder's output bias) frozen; Adam over all",
     "not_landing": "the model's parameters replaced by copies after Adam was built",
+    "reversed_ema": "from onset a reversed EMA update pulls the VAE toward a copy taken at onset after each step",
 }
 
 
@@ -93,12 +95,13 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     loader = batches(xtr, ytr, bsz, gen)
     loader = restart_loader(loader, fault, onset)
     losses: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
         for step in range(steps):
             if lr_jump(fault, step, onset):
-                bump_lr(optimizer, 1000.0)
+                bump_lr(optimizer, jump_factor(fault))
             model.fc1.arm(active(fault, "crash_nan", step, onset))
             data, labels = next(loader)
             if not active(fault, "no_zero", step, onset):
@@ -109,6 +112,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(step)
             losses.append(loss.item() / len(data))
             diag.step(loss, outputs=recon_batch, batch=(data, labels))
             if step % eval_every == eval_every - 1:
