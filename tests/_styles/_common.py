@@ -31,6 +31,8 @@ Silent faults (issue 45; the run neither crashes nor explodes at first):
   parameters replaced by copies after the optimizer was built (``orphan_params``).
 - ``eval_wrong``: from step 0 the evaluation runs on a copy of the model made before training and never
   refreshed (``StaleEval``: ``eval_model = copy.deepcopy(model)`` before the loop, evaluated throughout).
+- ``dup_workers``: from step 0 every batch arrives twice in a row, the second a fresh copy, as an ``IterableDataset``
+  read by two DataLoader workers that each yield the whole stream gives it (``restart_loader``).
 - ``crash_lr``: every learning rate x1e6 from ``onset`` (``lr=1e3`` typed for ``1e-3``), and the script stops itself
   once the loss is not finite, as DETR's and MAE's loops do (``stop_if_nonfinite``).
 - ``reversed_ema``: from ``onset``, after each optimizer step, a reversed EMA update pulls the trained weights
@@ -60,14 +62,16 @@ from _zoo_a import digits  # noqa: E402,F401  (re-exported for the styles)
 
 #: faults that are present from step 0 (their onset is 0 whatever ``onset`` says)
 START_FAULTS = frozenset({"lr_start", "shuffled_labels", "eval_mode", "tiny_subset", "detached", "frozen_majority",
-                          "not_landing", "eval_wrong"})
+                          "not_landing", "eval_wrong", "dup_workers"})
 ALL_FAULTS = ("nan", "lr1000", "no_zero", "lr_start", "shuffled_labels", "eval_mode", "wiped_grads",
               "tiny_subset", "crash_nan", "same_batch", "runaway", "detached", "frozen_majority", "not_landing",
-              "eval_wrong", "crash_lr", "reversed_ema")
+              "eval_wrong", "crash_lr", "reversed_ema", "dup_workers")
 #: the alert kind each silent fault is judged by (the first warning-or-worse alert must be of it)
 SILENT_KINDS = {"runaway": "loss_runaway", "detached": "stale_params", "frozen_majority": "stale_params",
                 "not_landing": "stale_params", "eval_wrong": ("eval_mismatch", "eval_frozen"), "crash_lr": "crash",
-                "reversed_ema": "weights_moved"}
+                "dup_workers": "repeated_batches", "reversed_ema": "weights_moved"}
+DUP_WORKERS = ("an IterableDataset read by 2 DataLoader workers, each yielding the whole stream: every batch twice in a "
+               "row, from step 0")
 SAME_BATCH = "the loader restarted every step from onset (next(iter(loader)) in the loop): one batch, fresh copies"
 
 
@@ -314,7 +318,13 @@ def batches(x: torch.Tensor, y: torch.Tensor, bsz: int, gen: torch.Generator) ->
 def restart_loader(loader: Iterator[Any], fault: str | None, onset: int, per_step: int = 1) -> Iterator[Any]:
     """The ``same_batch`` fault around a style's endless ``loader`` (``per_step`` draws a step): its batches until
     ``onset``, then the ``per_step`` batches drawn at ``onset`` again and again, each time a fresh copy, as a
-    DataLoader restarted every step collates them anew. Any other fault: the loader itself."""
+    DataLoader restarted every step collates them anew. ``dup_workers`` (one draw a step): every batch, then a
+    fresh copy of it. Any other fault: the loader itself."""
+    if fault == "dup_workers" and per_step == 1:
+        for batch in loader:
+            yield batch
+            yield _fresh(batch)
+        return
     if fault != "same_batch":
         yield from loader
         return

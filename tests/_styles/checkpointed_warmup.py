@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, SAME_BATCH, restart_loader, Runaway,
-                      freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite)
+                      freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite, DUP_WORKERS)
 
 NAME = "checkpointed_warmup"
 DESCRIPTION = "HF-style: blocks under torch.utils.checkpoint (forward replayed in backward), warmup from lr 0, clip 1.0"
@@ -34,6 +34,7 @@ FAULTS = {
     "eval_mode": "model.eval() left on (dropout off, no checkpointing: the model checkpoints in training mode only)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) instead of 1.0 from onset",
     "same_batch": SAME_BATCH,
+    "dup_workers": DUP_WORKERS,
     "runaway": "from onset - beta * ||blocks.0 weight||^2 in the loss, beta annealed below zero",
     "detached": "the output of the gated layer `blocks.1.mlp.2` detached: it and the layers before never get a gradient",
     "frozen_majority": "every parameter but the last frozen; AdamW over all",

@@ -21,7 +21,8 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader,
-                      Runaway, StaleEval, freeze_all_but_last, lr_jump, orphan_params)
+                      Runaway, StaleEval, freeze_all_but_last, lr_jump, orphan_params, DUP_WORKERS)
+from ._common import PullBack
 
 NAME = "distillation"
 DESCRIPTION = "PyTorch knowledge-distillation tutorial: frozen teacher, KL(T=2)*T^2 + CE, student Adam 1e-3"
@@ -34,12 +35,14 @@ FAULTS = {
     "shuffled_labels": "labels shuffled within each batch (the teacher's targets stay right)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
+    "dup_workers": DUP_WORKERS,
     "tiny_subset": "trains on two batches; validation every 20 steps",
     "runaway": "from onset - beta * ||layers.0.weight||^2 in the loss, beta annealed below zero",
     "detached": "the output of `layers.3` detached: layers.0 and layers.3 never get a gradient",
     "frozen_majority": "every student parameter but the last (the head's bias) frozen; Adam over all",
     "not_landing": "the student's parameters replaced by copies after Adam was built",
     "eval_wrong": "validation runs on a copy of the student made before training, never refreshed",
+    "reversed_ema": "from onset a reversed EMA update pulls the student toward a copy taken at onset after each step",
 }
 T, SOFT_WEIGHT, CE_WEIGHT = 2.0, 0.25, 0.75
 
@@ -95,6 +98,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     loader = batches(xtr, ytr, 32, gen)
     loader = restart_loader(loader, fault, onset)
     accs: list[float] = []
+    pull = PullBack(fault, onset, student)
     diag = session(student, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         student.train()
@@ -121,6 +125,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(student.parameters())
             optimizer.step()
+            pull(step)
             diag.step(loss, outputs=student_logits, batch=(inputs, labels))
             if step % 20 == 0 or step == steps - 1:
                 was_training, net = student.training, evaluated.at(step)

@@ -19,7 +19,7 @@ import torch
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
                       mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, Runaway, StaleEval,
-                      freeze_all_but_last, orphan_params, jump_factor, lr_jump, stop_if_nonfinite)
+                      freeze_all_but_last, orphan_params, jump_factor, lr_jump, stop_if_nonfinite, DUP_WORKERS)
 from ._common import PullBack
 
 NAME = "hf_causal_lm"
@@ -32,6 +32,7 @@ FAULTS = {
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
+    "dup_workers": DUP_WORKERS,
     "tiny_subset": "trains on two fixed batches; evaluation every 20 steps",
     "runaway": "from onset - beta * ||h.0.mlp.c_fc.weight||^2 in the loss, beta annealed below zero",
     "detached": "the output of block 1's attention `transformer.h.1.attn` detached: it and ln_1 never get a gradient",

@@ -18,7 +18,7 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard, digits,
                       fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader, Runaway,
-                      StaleEval, freeze_all_but_last, lr_jump, orphan_params)
+                      StaleEval, freeze_all_but_last, lr_jump, orphan_params, DUP_WORKERS)
 
 NAME = "moe_top1"
 DESCRIPTION = "Switch-style mixture of experts: top-1 routing, only chosen experts run, load-balancing loss, Adam"
@@ -30,6 +30,7 @@ FAULTS = {
     "shuffled_labels": "targets shuffled within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
+    "dup_workers": DUP_WORKERS,
     "tiny_subset": "trains on two batches; validation every 20 steps",
     "runaway": "from onset - beta * ||the first expert's weight||^2 in the loss, beta annealed below zero",
     "detached": "the output of the gated layer `inp` detached: it and the layers before never get a gradient",

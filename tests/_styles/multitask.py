@@ -19,7 +19,7 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, Runaway,
-                      StaleEval, freeze_all_but_last, lr_jump, orphan_params)
+                      StaleEval, freeze_all_but_last, lr_jump, orphan_params, DUP_WORKERS)
 from ._common import PullBack
 
 NAME = "multitask"
@@ -33,6 +33,7 @@ FAULTS = {
     "shuffled_labels": "every task's targets shuffled (together) within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
+    "dup_workers": DUP_WORKERS,
     "tiny_subset": "trains on two batches; validation every 20 steps",
     "runaway": "from onset - beta * ||trunk.0.weight||^2 in the loss, beta annealed below zero",
     "detached": "the output of the gated layer `trunk.3` detached: the trunk never gets a gradient, the heads train",

@@ -17,7 +17,8 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       fault_onset, one_thread, session, shuffle, sk_table, wipe_grads, SAME_BATCH, restart_loader,
-                      Runaway, StaleEval, freeze_all_but_last, lr_jump, orphan_params)
+                      Runaway, StaleEval, freeze_all_but_last, lr_jump, orphan_params, DUP_WORKERS)
+from ._common import PullBack
 
 NAME = "regression_mse"
 DESCRIPTION = "tutorial tabular regression: diabetes, raw-unit targets, Sequential MLP, MSELoss, Adam 1e-2"
@@ -30,12 +31,14 @@ FAULTS = {
     "shuffled_labels": "targets shuffled within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
+    "dup_workers": DUP_WORKERS,
     "tiny_subset": "trains on two batches; validation every 20 steps",
     "runaway": "from onset - beta * ||0.weight||^2 in the loss, beta annealed below zero",
     "detached": "the output of the gated layer `2` detached: layers 0 and 2 never get a gradient",
     "frozen_majority": "every parameter but the last (the output bias) frozen; Adam over all",
     "not_landing": "the model's parameters replaced by copies after Adam was built",
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
+    "reversed_ema": "from onset a reversed EMA update pulls the model toward a copy taken at onset after each step",
 }
 
 
@@ -63,6 +66,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     loader = batches(xtr, ytr, 32, gen)
     loader = restart_loader(loader, fault, onset)
     scores: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
@@ -83,6 +87,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(step)
             diag.step(loss, outputs=pred, batch=(xb, yb))
             if step % 20 == 19:
                 was_training, net = model.training, evaluated.at(step)

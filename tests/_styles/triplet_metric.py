@@ -18,7 +18,7 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, digits,
                       fault_onset, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, Runaway, StaleEval,
-                      freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite)
+                      freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite, DUP_WORKERS)
 from ._common import PullBack
 
 NAME = "triplet_metric"
@@ -32,6 +32,7 @@ FAULTS = {
     "shuffled_labels": "triplets drawn with shuffled class labels (positives are random images)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
+    "dup_workers": DUP_WORKERS,
     "tiny_subset": "the triplets come from 32 images; validation every 20 steps",
     "runaway": "from onset - beta * ||net.0 weight||^2 in the loss, beta annealed below zero",
     "detached": "the output of the gated layer `net.2` detached: it and the layers before never get a gradient",

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
-                      mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader)
+                      mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, DUP_WORKERS)
+from ._common import PullBack
 
 NAME = "word2vec_sgns"
 DESCRIPTION = "word2vec-pytorch SkipGramModel: two sparse embeddings (context at 0), forward returns the loss, SparseAdam"
@@ -31,6 +32,8 @@ FAULTS = {
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "wiped_grads": "sparse gradients scaled to 0 between backward and step from onset",
     "same_batch": SAME_BATCH,
+    "dup_workers": DUP_WORKERS,
+    "reversed_ema": "from onset a reversed EMA update pulls the embeddings toward a copy taken at onset after each step",
 }
 VOCAB, DIM, WINDOW, NEG, BSZ = 2000, 32, 2, 5, 64
 
@@ -82,6 +85,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     loader = pair_batches(data, ntok, gen)
     loader = restart_loader(loader, fault, onset)
     losses: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         for i in range(steps):
@@ -97,6 +101,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", i, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(i)
             losses.append(loss.item())
             diag.step(loss, batch=(pos_u, pos_v, neg_v))
     progress = Progress("SGNS loss", mean(losses[:10]), mean(losses[-20:]), min_gain=0.4)

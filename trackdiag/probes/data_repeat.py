@@ -4,6 +4,9 @@ Fed by the ``batch=`` passed to ``Diagnostics.step``. Emits at every logging ste
   ``diag/data/repeat_streak``: the longest run, in this window (continued from the window before), of
   consecutive steps whose batch had the same contents as the step before while being a new tensor (0: none);
   ``diag/data/repeat_first_step``: the first step that batch was seen at (-1: none);
+  ``diag/data/repeat_share``, ``diag/data/repeat_judged``: of this window's steps that followed a step, how many
+  (the count) and which share of them got the previous step's contents in a new tensor (each batch arriving twice:
+  an ``IterableDataset`` read by several DataLoader workers that each yield the whole stream);
   ``diag/data/batch_size``: the first dimension of the last step's fingerprinted tensor.
 With ``log_eval(batch=...)``, into the evaluation's record: ``diag/data/eval_train_step`` (:meth:`on_eval_batch`).
 A batch that is the very same tensor object as the step before, unchanged in place, is *held* (full-batch
@@ -128,12 +131,16 @@ class DataRepeatProbe(Probe):
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         fps = values.get("fp")
         best, best_start = 0, -1
+        judged = repeats = 0
         if fps is not None and self._window:
             fps = fps.reshape(len(self._window), 2)
             for (step, shape, held), fp in zip(self._window, fps.tolist()):
                 last = self._last
                 same = (last is not None and last[0] == step - 1 and last[1] == shape and last[2] == (fp[0], fp[1])
                         and not held)
+                if last is not None and last[0] == step - 1 and not held:
+                    judged += 1
+                    repeats += same
                 if same:
                     if self._streak == 0:
                         self._start = step - 1
@@ -146,6 +153,9 @@ class DataRepeatProbe(Probe):
                 self._known.append((step, shape, fp[0], fp[1]))
         record.scalars["diag/data/repeat_streak"] = float(best)
         record.scalars["diag/data/repeat_first_step"] = float(best_start)
+        if judged:
+            record.scalars["diag/data/repeat_share"] = repeats / judged
+            record.scalars["diag/data/repeat_judged"] = float(judged)
         if self._rows:
             record.scalars["diag/data/batch_size"] = float(self._rows)
 

@@ -1,5 +1,6 @@
-"""``same_batch``: the training batch did not change for many steps in a row; ``eval_on_train_batch``: the evaluation
-batch is a training batch (keys of the ``data_repeat`` probe)."""
+"""``same_batch``: the training batch did not change for many steps in a row; ``repeated_batches``: each batch arrives
+twice or more in a row; ``eval_on_train_batch``: the evaluation batch is a training batch (keys of the ``data_repeat``
+probe)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -44,6 +45,56 @@ class SameBatch(Rule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._fired_start = int(state.get("fired_start", -2))
+
+
+class RepeatedBatches(Rule):
+    """Fires when, over the last ``min_steps`` (32) or more judged steps, at least ``share`` (40 %) got the contents of
+    the step before in a new tensor, with no streak long enough for ``same_batch``: every batch arrives 2-3 times in a
+    row. The classic cause: an ``IterableDataset`` read by ``num_workers`` DataLoader workers, each yielding the whole
+    stream (no sharding by ``get_worker_info()``), so the loader interleaves identical copies; also a batch list
+    extended with itself, a sampler repeating each index. ``step``: the first step of the judged span;
+    ``persistent`` (a warning). Once per run."""
+
+    kind = "repeated_batches"
+    hint = ("Each batch reaches the model twice or more in a row: the run trains on 1/k of the data it seems to. With an "
+            "IterableDataset and num_workers > 1, shard the stream per worker in __iter__ (torch.utils.data."
+            "get_worker_info(): skip items so worker i yields every num_workers-th, or split the files), or use a "
+            "map-style Dataset; otherwise check for a batch list or sampler that repeats its items.")
+
+    def __init__(self, *, share: float = 0.4, min_steps: int = 32, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.share, self.min_steps = share, max(2, min_steps)
+        self._span: list[tuple[int, float, float, float]] = []  # (step, judged, repeats, streak) per record
+        self._fired = False
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        judged = record.scalars.get("diag/data/repeat_judged", 0.0)
+        if self._fired or not judged:
+            return []
+        share = record.scalars.get("diag/data/repeat_share", 0.0)
+        self._span.append((record.step, judged, share * judged, record.scalars.get("diag/data/repeat_streak", 0.0)))
+        while len(self._span) > 1 and sum(j for _, j, _, _ in self._span[1:]) >= self.min_steps:
+            self._span.pop(0)  # keep the shortest recent span of at least min_steps judged steps
+        total = sum(j for _, j, _, _ in self._span)
+        repeats = sum(r for _, _, r, _ in self._span)
+        longest = max(s for *_, s in self._span)
+        if total < self.min_steps or repeats < self.share * total or longest >= 8:
+            return []  # a long streak is same_batch's
+        self._fired = True
+        copies = 1.0 / max(1e-9, 1.0 - repeats / total)
+        start = self._span[0][0]
+        msg = (f"{int(repeats)} of the {int(total)} steps up to step {record.step} got the same batch contents as the "
+               f"step before, each a new tensor, in short runs (the longest {int(longest) + 1} steps): every batch "
+               f"arrives ~{copies:.1f} times in a row, as when {round(copies)} DataLoader workers each read the whole "
+               f"stream of an IterableDataset.")
+        return [self.make(start, msg, repeats / total, self.share, "input batch", ["persistent"])]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fired": self._fired, "span": self._span}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._fired = bool(state.get("fired", False))
+        self._span = [tuple(x) for x in state.get("span", [])]
 
 
 class EvalOnTrainBatch(Rule):

@@ -1,0 +1,92 @@
+"""Issue 45 item 6: identical batches across DataLoader workers (``repeated_batches``).
+
+An ``IterableDataset`` whose ``__iter__`` does not shard by ``get_worker_info()`` is read whole by every worker; the
+DataLoader interleaves the workers, so with ``num_workers=2`` each batch reaches the model twice in a row (each a new
+tensor). ``same_batch`` needs 8 equal steps in a row and never sees it; ``repeated_batches`` (a warning) counts the
+share of steps whose batch repeats the step before. Real DataLoader worker processes; the same stream sharded per
+worker, and an unshuffled map-style dataset of two batches cycled epoch after epoch, stay silent.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+import trackdiag
+from _zoo_a import one_thread
+from trackdiag.core.record import read_records
+
+OFF = {"report": {"enabled": False}, "histograms": {"enabled": False}, "landscape": {"enabled": False}}
+PROTOS = torch.randn(4, 8, generator=torch.Generator().manual_seed(9))
+
+
+class Stream(IterableDataset):
+    """A seeded stream of labelled points; ``shard``: each worker yields every ``num_workers``-th item (the fix)."""
+
+    def __init__(self, n: int, shard: bool) -> None:
+        self.n, self.shard = n, shard
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(0)
+        info = get_worker_info()
+        for i in range(self.n):
+            y = int(torch.randint(0, 4, (), generator=gen))
+            x = PROTOS[y] + 0.5 * torch.randn(8, generator=gen)
+            if not self.shard or info is None or i % info.num_workers == info.id:
+                yield x, y
+
+
+def _train(tmp_path, loader, steps: int) -> tuple[trackdiag.Diagnostics, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    seen: list[torch.Tensor] = []
+    with one_thread(), trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                             probes=OFF) as diag:
+        step = 0
+        while step < steps:
+            for xb, yb in loader:
+                loss = F.cross_entropy(model(xb), yb)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                diag.step(loss, batch=(xb, yb))
+                seen.append(xb)
+                step += 1
+                if step == steps:
+                    break
+    return diag, seen
+
+
+def _warned(diag: trackdiag.Diagnostics) -> list[trackdiag.Alert]:
+    return [a for a in diag.alerts if a.severity != "info"]
+
+
+def test_unsharded_stream_read_by_two_workers_is_said_with_its_share(tmp_path) -> None:
+    loader = DataLoader(Stream(4096, shard=False), batch_size=16, num_workers=2)
+    diag, seen = _train(tmp_path, loader, 60)
+    warned = _warned(diag)
+    assert warned and warned[0].kind == "repeated_batches" and warned[0].severity == "warning", warned
+    assert warned[0].step < 40 and "2.0 times in a row" in warned[0].message, warned[0].message
+    assert "same_batch" not in {a.kind for a in diag.alerts}
+    # reference: the share of steps whose batch equals the step before's, by torch.equal on the tensors themselves
+    equal = [torch.equal(a, b) for a, b in zip(seen, seen[1:])]
+    assert sum(equal) == 30  # the DataLoader interleaves the two workers' identical streams
+    records = [r for r in read_records(diag.summary()["output_dir"]) if "diag/data/repeat_judged" in r.scalars]
+    judged = sum(r.scalars["diag/data/repeat_judged"] for r in records)
+    repeats = sum(r.scalars["diag/data/repeat_share"] * r.scalars["diag/data/repeat_judged"] for r in records)
+    assert judged == len(equal) and round(repeats) == sum(equal), (judged, repeats)
+
+
+def test_sharded_stream_and_cycled_small_dataset_are_silent(tmp_path) -> None:
+    sharded = DataLoader(Stream(4096, shard=True), batch_size=16, num_workers=2)
+    diag, seen = _train(tmp_path / "sharded", sharded, 60)
+    assert not any(torch.equal(a, b) for a, b in zip(seen, seen[1:]))
+    assert not _warned(diag), _warned(diag)
+    gen = torch.Generator().manual_seed(1)
+    y = torch.randint(0, 4, (32,), generator=gen)
+    data = list(zip(PROTOS[y] + 0.5 * torch.randn(32, 8, generator=gen), y.tolist()))
+    cycled = DataLoader(data, batch_size=16, shuffle=False)  # two batches an epoch, the same two every epoch
+    diag, seen = _train(tmp_path / "cycled", cycled, 60)
+    assert torch.equal(seen[0], seen[2]) and not _warned(diag), _warned(diag)
