@@ -23,6 +23,7 @@ from torch.distributions import Categorical
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
                       mean, one_thread, play, session, wipe_grads)
+from ._common import PullBack
 
 NAME = "actor_critic"
 DESCRIPTION = "pytorch/examples reinforcement_learning/actor_critic.py: CartPole, episode-summed loss, Adam 3e-2"
@@ -34,6 +35,7 @@ FAULTS = {
     "lr_start": "Adam lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
+    "reversed_ema": "from onset a reversed EMA update pulls the policy/value net toward a copy taken at onset after each step",
 }
 SavedAction = namedtuple("SavedAction", ["log_prob", "value"])
 EPS = float(np.finfo(np.float32).eps)
@@ -92,6 +94,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     model.action_head = NanGate(model.action_head)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-2 * (1000 if fault == "lr_start" else 1))
     ep_rewards: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **{"objective": "rl", **diag_overrides})  # README: RL losses are not minimised
     with crash_guard(fault) as crash, one_thread(), diag:
         state, _ = env.reset(seed=seed)
@@ -111,6 +114,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", i_episode, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(i_episode)
             del model.rewards[:], model.saved_actions[:]
             diag.step(loss)
     env.close()

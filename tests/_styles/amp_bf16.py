@@ -21,6 +21,7 @@ from torch import nn
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, check_fault, crash_guard, digits,
                       fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader, Runaway,
                       StaleEval, freeze_all_but_last, orphan_params)
+from ._common import PullBack
 
 NAME = "amp_bf16"
 DESCRIPTION = "nanoGPT train.py loop: bf16 autocast, 2-step accumulation, clip 1.0, AdamW groups, warm-up+cosine"
@@ -38,6 +39,7 @@ FAULTS = {
     "frozen_majority": "every parameter but the last frozen; AdamW over all",
     "not_landing": "the model's parameters replaced by copies after AdamW was built",
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
+    "reversed_ema": "from onset a reversed EMA update pulls the model toward a copy taken at onset after each step",
 }
 GRAD_ACCUM, MICRO_BATCH, LR, WARMUP = 2, 16, 3e-3, 20
 
@@ -98,6 +100,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     loader = batches(xtr, ytr, MICRO_BATCH, gen)
     loader = restart_loader(loader, fault, onset, per_step=GRAD_ACCUM)
     accs: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
@@ -121,6 +124,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
+            pull(it)
             if not active(fault, "no_zero", it, onset):
                 optimizer.zero_grad(set_to_none=True)
             diag.step(total, outputs=logits, batch=(X, Y))

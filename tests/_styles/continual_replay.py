@@ -21,6 +21,7 @@ from torch import nn
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, shuffle, wipe_grads, Runaway, freeze_all_but_last,
                       lr_jump, orphan_params)
+from ._common import PullBack
 
 NAME = "continual_replay"
 DESCRIPTION = "split-digits class-incremental learning with a replay buffer (Avalanche-style): tasks switch every 100 steps"
@@ -36,6 +37,7 @@ FAULTS = {
     "detached": "the output of the hidden layer `0` detached: it never gets a gradient, the head trains",
     "frozen_majority": "every parameter but the last (the head's bias) frozen; Adam over all",
     "not_landing": "the model's parameters replaced by copies after Adam was built",
+    "reversed_ema": "from onset a reversed EMA update pulls the model toward a copy taken at onset after each step",
 }
 TASK_STEPS = 100
 REPLAY = 16
@@ -58,6 +60,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     memory_y: list[torch.Tensor] = []
     accs: list[float] = []
     loader = None
+    pull = PullBack(fault, onset, model)
     diag = session(model, opt, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         if fault == "eval_mode":
@@ -91,6 +94,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             opt.step()
+            pull(step)
             diag.step(loss, outputs=logits, batch=(x, y))
             if step % 50 == 49:
                 seen = yva < 2 * task + 2

@@ -21,6 +21,7 @@ from torch import nn
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, mean, one_thread, session, wipe_grads, Runaway, freeze_all_but_last,
                       orphan_params)
+from ._common import PullBack
 
 NAME = "contrastive_infonce"
 DESCRIPTION = "sthalles/SimCLR: two views, InfoNCE as CE over logits with all-zero labels, T=0.07, Adam + cosine"
@@ -35,6 +36,7 @@ FAULTS = {
     "detached": "the output of the gated conv `backbone.3` detached: the backbone never gets a gradient, the head trains",
     "frozen_majority": "every parameter but the last (the projection's bias) frozen; Adam over all",
     "not_landing": "the model's parameters replaced by copies after Adam was built",
+    "reversed_ema": "from onset a reversed EMA update pulls the encoder toward a copy taken at onset after each step",
 }
 BATCH, N_VIEWS, TEMPERATURE = 24, 2, 0.07
 
@@ -92,6 +94,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     criterion = nn.CrossEntropyLoss()
     loader = batches(xtr, ytr, BATCH, gen)
     losses: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
@@ -112,6 +115,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", n_iter, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(n_iter)
             if n_iter >= steps // 10:  # "warmup for the first 10 epochs"
                 scheduler.step()
             losses.append(loss.item())

@@ -19,6 +19,7 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, wipe_grads)
+from ._common import PullBack
 
 NAME = "gan"
 DESCRIPTION = "pytorch/examples dcgan/main.py loop: alternating D/G Adam steps, BCEWithLogits, dict models"
@@ -29,6 +30,7 @@ FAULTS = {
     "no_zero": "netD.zero_grad() and netG.zero_grad() dropped from onset",
     "eval_mode": "netG.eval() and netD.eval() left on (BatchNorm running stats, Dropout off)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) on each net between its backward and its step from onset",
+    "reversed_ema": "from onset a reversed EMA update pulls both nets toward a copy taken at onset after each step",
 }
 NZ = 16
 
@@ -88,6 +90,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     fixed_noise = torch.randn(512, NZ, generator=gen)
     loader = batches(xtr, ytr, bsz, gen)
     gaps = [moment_gap(netG.eval()(fixed_noise).detach(), xtr)]
+    pull = PullBack(fault, onset, netG, netD)
     diag = session({"G": netG, "D": netD}, {"G": optG, "D": optD}, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         netG.train()
@@ -126,6 +129,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if wipe:
                 wipe_grads(netG.parameters())
             optG.step()
+            pull(step)
             diag.step(loss={"G": errG, "D": errD}, outputs={"G": fake, "D": output}, batch=(real, labels))
             if step % 50 == 49:
                 netG.eval()

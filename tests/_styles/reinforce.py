@@ -20,6 +20,7 @@ from torch.distributions import Categorical
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
                       mean, one_thread, play, session, wipe_grads)
+from ._common import PullBack
 
 NAME = "reinforce"
 DESCRIPTION = "pytorch/examples reinforcement_learning/reinforce.py: CartPole, sum(-log_prob*R), Adam 1e-2"
@@ -30,6 +31,7 @@ FAULTS = {
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "eval_mode": "policy.eval() left on (Dropout off)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
+    "reversed_ema": "from onset a reversed EMA update pulls the policy toward a copy taken at onset after each step",
 }
 EPS = float(np.finfo(np.float32).eps)
 MAX_EPISODE_STEPS = 40
@@ -80,6 +82,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     policy.affine2 = NanGate(policy.affine2)
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2 * (1000 if fault == "lr_start" else 1))
     ep_rewards: list[float] = []
+    pull = PullBack(fault, onset, policy)
     diag = session(policy, optimizer, out, level, **{"objective": "rl", **diag_overrides})  # README: RL losses are not minimised
     with crash_guard(fault) as crash, one_thread(), diag:
         if fault == "eval_mode":
@@ -100,6 +103,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", i_episode, onset):
                 wipe_grads(policy.parameters())
             optimizer.step()
+            pull(i_episode)
             del policy.rewards[:], policy.saved_log_probs[:]
             diag.step(loss)
     env.close()

@@ -19,6 +19,7 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
                       mean, one_thread, session, wipe_grads)
+from ._common import PullBack
 
 NAME = "two_opt_disjoint"
 DESCRIPTION = "word LM: nn.Embedding(sparse=True)+SparseAdam and Adam for the rest, one model, dict of optimizers"
@@ -29,6 +30,7 @@ FAULTS = {
     "no_zero": "both zero_grad() calls dropped from onset",
     "wiped_grads": "gradients scaled to 0 (clip max_norm=0) between backward and step from onset",
     "tiny_subset": "trains on two fixed batches; validation every 20 steps",
+    "reversed_ema": "from onset a reversed EMA update pulls both optimizers' parameters toward a copy taken at onset after each step",
 }
 VOCAB, BLOCK, BSZ = 1000, 16, 8
 
@@ -72,6 +74,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     fixed = [next(train) for _ in range(2)]
     xv, yv = next(get_batches(data[split:], torch.Generator().manual_seed(99)))
     losses: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, {"sparse": sparse_opt, "dense": dense_opt}, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
@@ -92,6 +95,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             torch.nn.utils.clip_grad_norm_(dense_params, 5.0)
             sparse_opt.step()
             dense_opt.step()
+            pull(step)
             losses.append(loss.item())
             diag.step(loss, outputs=logits, batch=(x, y))
             if step % 20 == 19:
