@@ -141,3 +141,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 #: this session's collection in the order xdist gets it (tests/test_suite_order.py checks it)
 COLLECTED: list[str] = []
+
+
+#: ``TRACKDIAG_TEST_CPU=<file>``: each test's CPU seconds (this process and the children it waited for, setup to
+#: teardown) and wall seconds appended as ``nodeid<TAB>cpu<TAB>wall`` lines, for issue 47's "where the suite's CPU
+#: goes" (``python scripts/test_cpu_report.py <file>`` sums them by module)
+CPU_LOG = os.environ.get("TRACKDIAG_TEST_CPU")
+
+
+def _cpu() -> float:
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if not CPU_LOG:
+        yield
+        return
+    import time
+
+    c0, t0 = _cpu(), time.perf_counter()
+    yield
+    with open(CPU_LOG, "a") as f:
+        f.write(f"{item.nodeid}\t{_cpu() - c0:.2f}\t{time.perf_counter() - t0:.2f}\n")
