@@ -1,14 +1,14 @@
-"""Generalisation rules: ``overfitting`` (from ``log_eval``) and ``plateau`` (eval and train loss)."""
+"""Generalisation: ``overfitting`` (from ``log_eval``); ``plateau`` lives in :mod:`trackdiag.rules.plateau`."""
 from __future__ import annotations
 
 import math
 import statistics
 from typing import Any, Sequence
 
-from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
-from trackdiag.rules.base import Rule, where_of
+from trackdiag.rules._eval_series import after_descent, curve_noise, noise_of, recent_train_loss, smoothed_best
+from trackdiag.rules.base import Rule
 
 _TRAIN_EMA = "diag/loss/ema"
 
@@ -27,40 +27,16 @@ def latest_train_loss(history: Sequence[Record]) -> float:
     return math.nan
 
 
-def smoothed_best(vals: Sequence[float]) -> float:
-    """The lowest value once each is replaced by the median of it and its two neighbours: a lone
-    low reading between two higher ones does not count as the best (the first and the newest
-    value, with one neighbour, count as they are)."""
-    inner = [sorted(vals[i - 1:i + 2])[1] for i in range(1, len(vals) - 1)]
-    return min([vals[0], vals[-1], *inner])
-
-
-def noise_of(vals: Sequence[float]) -> float:
-    """The spread of one value around the trend, from the median absolute successive change
-    (robust to a trend and to outliers): ``median|d| / (0.6745 * sqrt 2)``; 0 with fewer than 4."""
-    if len(vals) < 4:
-        return 0.0
-    return statistics.median(abs(b - a) for a, b in zip(vals, vals[1:])) / 0.954
-
-
-def after_descent(vals: Sequence[float]) -> Sequence[float]:
-    """``vals`` from the end of their first strictly falling run on: the early descent's big steps are trend,
-    not the evaluations' noise (a steep fall read as noise hides the turn after it)."""
-    i = 0
-    while i + 1 < len(vals) and vals[i + 1] < vals[i]:
-        i += 1
-    return vals[i:]
-
-
 class Overfitting(Rule):
     """Fires at an evaluation where the validation loss has turned upward while the train loss
     (the newest ``diag/loss/ema``) did not:
 
     - **trend**: each of the last ``patience`` (2) evaluations sits above the best validation loss by
       more than ``min_rise`` (5%) of it, ``giveback`` (0: off; a share of the improvement since the
-      first evaluation, which counts a step-0 evaluation at chance level) and ``noise`` (1.5) times
-      the evaluation-to-evaluation noise (robust: from the
-      median successive change), the newest is ``min_rise`` above the one ``patience``
+      first evaluation, which counts a step-0 evaluation at chance level) and ``rise_noise`` (3) times
+      the evaluations' scatter around a smooth curve (:func:`curve_noise`, from the median second difference: a
+      steady rise is not scatter; 1.5x the successive changes before, which a noisy plateau's lowest reading
+      cleared in 1 of 12 healthy runs), the newest is ``min_rise`` above the one ``patience``
       evaluations earlier and above the train loss, and the train loss fell meanwhile. A lone low
       reading between two higher ones is not the best (each evaluation counts as the median of it
       and its neighbours): one lucky reading of a noisy validation loss does not make everything
@@ -70,13 +46,18 @@ class Overfitting(Rule):
       noisy reading, with the validation loss still improving, is not overfitting) and the train loss
       no higher than ``min_rise`` above what it was at the best validation loss (a train loss that rose
       too is new data or a changed objective: a continual-learning task switch, an eval set that grew).
+    - **climb**: or the validation loss rose at each of the last ``patience`` evaluations (as many as span ``min_span``
+      steps), by more than ``min_rise`` of its best and ``climb_noise`` (4) times that scatter in all
+      (:meth:`_climb`), held like the trend (``sustained``), while the train loss now (the median of its newest
+      every-step values: the 50-step EMA lags a fast fall) fell over those evaluations and sits below it: a steady
+      turn of a few % an evaluation is raised by the second evaluation after it, not when two readings clear 5 %.
 
     - **gap**: or the validation loss went flat while training keeps fitting (:meth:`_gap`): every evaluation
       within ``min_rise`` (or the later evaluations' noise) of the best for ``2 * min_span`` steps and
       ``patience`` + 1 evaluations, its later half no lower than its first, the train loss ``gap_fall`` (2x)
       lower since the flat stretch began and val/train above ``ratio``; ``step`` is where it began.
 
-    The evaluations' noise is read after their first falling run (the early descent's steps are trend, not noise).
+    The evaluations' scatter (and the gap's noise, ``noise`` (1.5) times the median successive change) is read after their first falling run (the early descent's steps are trend, not noise).
     The evaluations judged span at least ``min_span`` (20) steps (more of them when the loop evaluates
     more often than that), and the validation loss stayed above the margin for at least ``sustained``
     (half) of the steps since its best: a loop evaluating every step sees a validation loss that
@@ -94,25 +75,27 @@ class Overfitting(Rule):
 
     def __init__(self, *, ratio: float = 2.0, patience: int = 2, min_rise: float = 0.05, giveback: float = 0.0,
                  noise: float = 1.5, leak_ratio: float = 20.0, metric: str = "loss", min_span: int = 20,
-                 sustained: float = 0.5, gap_fall: float = 2.0, **kw: Any) -> None:
+                 sustained: float = 0.5, gap_fall: float = 2.0, rise_noise: float = 3.0, climb_noise: float = 4.0,
+                 **kw: Any) -> None:
         super().__init__(**kw)
-        self.gap_fall = gap_fall
+        self.gap_fall, self.rise_noise, self.climb_noise = gap_fall, rise_noise, climb_noise
         self.min_span, self.sustained = min_span, sustained
         self.ratio, self.patience, self.metric = ratio, max(1, patience), metric
         self.min_rise, self.giveback, self.noise, self.leak_ratio = min_rise, giveback, noise, leak_ratio
-        self._evals: list[tuple[int, float, float]] = []  # (step, val, train), bounded below
+        self._evals: list[tuple[int, float, float, float]] = []  # (step, val, train EMA, train now), bounded
         self._active = False
         self._gap_at = math.inf  # the best validation loss when the gap path last fired
         self._onset = -1  # the onset last said: an episode that ends and resumes from the same best is one
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         val = record.scalars.get(f"diag/eval/{self.metric}")
-        train = latest_train_loss(history)
+        train, train_now = latest_train_loss(history), recent_train_loss(history)
         if val is None or not math.isfinite(val) or not math.isfinite(train) or train <= 0:
             return []
-        self._evals.append((record.step, val, train))
+        train_now = train_now if math.isfinite(train_now) else train
+        self._evals.append((record.step, val, train, train_now))
         del self._evals[:-200]
-        vals = [v for _, v, _ in self._evals]
+        vals = [e[1] for e in self._evals]
         best_i = min(range(len(vals)), key=vals.__getitem__)
         best = smoothed_best(vals)
         # the last `patience` evaluations, and as many more as it takes to span `min_span` steps (a loop
@@ -123,37 +106,36 @@ class Overfitting(Rule):
         recent = vals[-k:]
         # every one of them sits above the best, by a margin that counts what the run gained so far and
         # the evaluations' own noise: sustained, not a noisy reading
-        margin = max(best * self.min_rise, self.giveback * (vals[0] - best), self.noise * noise_of(after_descent(vals)))
+        scatter = curve_noise(after_descent(vals))
+        margin = max(best * self.min_rise, self.giveback * (vals[0] - best), self.rise_noise * scatter)
         spanned = len(recent) >= self.patience and self._evals[-1][0] - self._evals[-len(recent)][0] >= self.min_span
-        above = spanned and min(recent) > best + margin + 1e-12
-        if above:  # the excursion above the best is most of the time since it, not a drift up and back
-            best_at = max(i for i, v in enumerate(vals) if v <= best)  # the last reading at the (smoothed) best
-            since = next((i for i in range(len(vals) - 1, best_at, -1) if vals[i] <= best + margin), best_at)
-            best_step, left_step, now = self._evals[best_at][0], self._evals[since][0], self._evals[-1][0]
-            above = now - left_step >= self.sustained * (now - best_step)
+        # the excursion above the best is most of the time since it, not a drift up and back
+        held = self._held(vals, best, margin)
+        above = spanned and min(recent) > best + margin + 1e-12 and held
         trend = False
         if len(self._evals) > k:
-            s0, v0, t0 = self._evals[-1 - k]
+            s0, v0, t0, _ = self._evals[-1 - k]
             # a loop that evaluates every few steps: the levels of the last `min_span` steps and of those
             # before them, not two single noisy readings (with sparse evaluations: the readings themselves)
             now, before = self._level(self._evals[-1][0]), self._level(s0)
             trend = above and now > before * (1 + self.min_rise) and train < t0 and val > train
         ratio = val / train
+        climb = held and self._climb(vals, max(best * self.min_rise, self.climb_noise * scatter), train_now)
         # overfitting fits the training data better while the validation data gets worse: a train loss that rose
         # since the best validation loss (new data in continual learning, an eval set that grew) is not it
         fitting = train <= self._evals[best_i][2] * (1 + self.min_rise)
         # flat: within ``min_rise`` of the best, or the noise of the later evaluations (early ones are trend)
         level = best + max(best * self.min_rise, self.noise * noise_of(after_descent(vals)))
-        gap = self._gap(vals, level, train, ratio) if not (trend or above) else None
+        gap = self._gap(vals, level, train, ratio) if not (trend or above or climb) else None
         if gap is not None and best > self._gap_at * (1 - self.min_rise):  # said, and nothing learned since
             gap = None
-        hit = trend or (above and ratio > self.ratio and fitting) or gap is not None
+        hit = trend or climb or (above and ratio > self.ratio and fitting) or gap is not None
         fire = hit and not self._active
         # an episode ends when the validation loss is back near its best, not at one softer reading
         self._active = hit or (self._active and val > best + margin)
         if not fire:
             return []
-        if gap is not None and not trend and not above:
+        if gap is not None and not trend and not above and not climb:
             onset, since_train = gap
             self._gap_at, self._onset = best, onset
             why = (f"the validation {self.metric} has stayed within {level / best - 1:.0%} of its best {best:.4g} since step "
@@ -165,7 +147,7 @@ class Overfitting(Rule):
             return []
         self._onset = onset
         why = (f"the validation {self.metric} rose from its best {best:.4g} to {val:.4g} while the train loss fell to "
-               f"{train:.4g}" if trend else f"validation {self.metric} {val:.4g} is {ratio:.1f}x the train loss {train:.4g} "
+               f"{train:.4g}" if trend or climb else f"validation {self.metric} {val:.4g} is {ratio:.1f}x the train loss {train:.4g} "
                f"and above its best {best:.4g}")
         leak = (" The train loss is ~0 while the validation loss is far higher: also check for label/data leakage "
                 "(targets visible in the training inputs, duplicates across the split)." if ratio > self.leak_ratio else "")
@@ -187,14 +169,38 @@ class Overfitting(Rule):
         flat, half = vals[i:], (len(vals) - i) // 2
         if statistics.median(flat[half:]) < statistics.median(flat[:half]) * (1 - self.min_rise):
             return None  # still improving through the noise (its later half lower than its first): not flat
-        start, _, train0 = self._evals[i]
+        start, _, train0, _ = self._evals[i]
         if self._evals[-1][0] - start < 2 * self.min_span or train0 < self.gap_fall * train:
             return None
         return start, train0
 
+    def _held(self, vals: Sequence[float], best: float, margin: float) -> bool:
+        """The validation loss has stayed above ``best + margin`` for at least ``sustained`` (half) of the steps
+        since its last reading at the best: one excursion that began there, not a drift up and back."""
+        best_at = max(i for i, v in enumerate(vals) if v <= best)  # the last reading at the (smoothed) best
+        since = next((i for i in range(len(vals) - 1, best_at, -1) if vals[i] <= best + margin), best_at)
+        best_step, left_step, now = self._evals[best_at][0], self._evals[since][0], self._evals[-1][0]
+        return now - left_step >= self.sustained * (now - best_step)
+
+    def _climb(self, vals: Sequence[float], rise: float, now: float) -> bool:
+        """The validation loss rose at every one of its last ``patience`` (or more: as many as span ``min_span``
+        steps) evaluations, by more than ``rise`` in all (``min_rise`` of its best, ``climb_noise`` times its scatter
+        around a smooth curve: a steady climb is not noise), while the train loss now (the median of
+        its newest every-step values: the EMA lags a fast fall) is below the validation loss and below what it
+        was where the climb began."""
+        k = self.patience
+        while k < len(vals) - 1 and self._evals[-1][0] - self._evals[-1 - k][0] < self.min_span:
+            k += 1
+        if len(vals) <= k or self._evals[-1][0] - self._evals[-1 - k][0] < self.min_span:
+            return False
+        climb = vals[-1 - k:]
+        if any(b <= a for a, b in zip(climb, climb[1:])):
+            return False
+        return climb[-1] - climb[0] > rise and now < self._evals[-1 - k][3] and now < vals[-1]
+
     def _level(self, step: int) -> float:
         """The median of the evaluations in the ``min_span`` steps up to ``step`` (at least the one at it)."""
-        window = [v for s, v, _ in self._evals if step - self.min_span < s <= step]
+        window = [e[1] for e in self._evals if step - self.min_span < e[0] <= step]
         return statistics.median(window) if window else math.nan
 
     def state_dict(self) -> dict[str, Any]:
@@ -202,70 +208,6 @@ class Overfitting(Rule):
                 "onset": self._onset}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._evals = [tuple(e) for e in state.get("evals", [])]  # type: ignore[misc]
+        self._evals = [tuple(e) if len(e) == 4 else (*e, e[2]) for e in state.get("evals", [])]  # type: ignore[misc]
         self._active = bool(state.get("active", False))
         self._gap_at, self._onset = float(state.get("gap_at", math.inf)), int(state.get("onset", -1))
-
-
-class Plateau(Rule):
-    """Fires when a loss stops improving:
-
-    - evaluation: ``diag/eval/<metric>`` has not improved on its best by more than ``min_delta``
-      (1e-4) for ``patience`` (10) evaluations (the guides' early-stopping rule);
-    - training: the smoothed train loss (``loss/ema``) has not improved on its best by more than
-      ``max(min_delta, rel_delta x |best|)`` (``rel_delta`` 0.01) for ``patience_steps`` (1000) steps.
-
-    Fires once per plateau. ``where``: ``eval/<metric>``, or the loss (``loss`` / ``<component>``).
-    A converged run plateaus too: the severity is ``info``.
-    """
-
-    kind = "plateau"
-    hint = ("If not converged: raise or lower the LR (check diag/update/ratio_median, ~1e-3 is healthy), use an LR "
-            "schedule (ReduceLROnPlateau, warm restarts), look for dead units, vanishing gradients or a frozen "
-            "layer; if converged: stop early and keep the best checkpoint.")
-
-    def __init__(self, *, patience: int = 10, min_delta: float = 1e-4, patience_steps: int = 1000,
-                 rel_delta: float = 0.01, metric: str = "loss", **kw: Any) -> None:
-        super().__init__(**kw)
-        self.patience, self.min_delta, self.metric = max(1, patience), min_delta, metric
-        self.patience_steps, self.rel_delta = max(1, patience_steps), rel_delta
-        self._eval = {"best": math.inf, "since": 0, "step": -1}
-        self._train: dict[str, dict[str, float]] = {}
-
-    def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
-        val = record.scalars.get(f"diag/eval/{self.metric}")
-        if val is None or not math.isfinite(val):
-            return []
-        st = self._eval
-        if val < st["best"] - self.min_delta:
-            st.update(best=val, since=0, step=record.step)
-            return []
-        st["since"] += 1
-        if st["since"] != self.patience:
-            return []
-        msg = (f"validation {self.metric} has not improved by more than {self.min_delta:g} for {self.patience} "
-               f"evaluations (best {st['best']:.4g} at step {int(st['step'])}, now {val:.4g}).")
-        return [self.make(record.step, msg, val, st["best"] - self.min_delta, f"eval/{self.metric}")]
-
-    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
-        out = []
-        for key, v in record.scalars.items():
-            if not key.endswith("loss/ema") or not math.isfinite(v) or not self.minimised(where_of(key[: -len("/ema")])):
-                continue  # an RL or GAN loss is not expected to fall (docs/alert-policy.md)
-            st = self._train.setdefault(key, {"best": math.inf, "step": record.step, "fired": 0.0})
-            if v < st["best"] - max(self.min_delta, self.rel_delta * abs(st["best"])) or not math.isfinite(st["best"]):
-                st.update(best=v, step=record.step, fired=0.0)
-            elif record.step - st["step"] >= self.patience_steps and not st["fired"]:
-                st["fired"] = 1.0
-                where = where_of(key[: -len("/ema")]) or "loss"
-                msg = (f"train loss (EMA {v:.4g}) has not improved by {self.rel_delta:.0%} on its best {st['best']:.4g} "
-                       f"(step {int(st['step'])}) for {record.step - int(st['step'])} steps.")
-                out.append(self.make(record.step, msg, v, st["best"], where))
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"eval": dict(self._eval), "train": {k: dict(s) for k, s in self._train.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._eval.update(state.get("eval", {}))
-        self._train = {k: dict(s) for k, s in state.get("train", {}).items()}
