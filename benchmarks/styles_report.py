@@ -10,9 +10,9 @@ names / of the logging step that raised it), "missed", or "n/a"; a silent fault'
 step 0; for ``crash_lr``, when the crash finding leads with the learning-rate jump), and a line above the table
 counts them. A ``tiny_subset`` cell (issue 45 item 9) ends with "by 2nd eval", "late +N evals", "missed", "no turn"
 or "end" (:func:`turn_verdict`), judged against the turn of the run's validation loss: the first evaluation after
-its lowest reading, when the last evaluation is still 5 % or more above the lowest of the evaluations smoothed (each
-the median of it and its neighbours) and the train loss (mean of the every-step loss since the evaluation before) is
-lower there than at the lowest reading (:func:`turn_of`); a line above the table counts them. ``--json`` writes (b): every alert
+its lowest reading, when the evaluations after it (their median, and the last) stay 5 % or more above it and the
+train loss (mean of the every-step loss since the evaluation before) is lower at the last than at the lowest reading
+(:func:`turn_of`); a line above the table counts them. ``--json`` writes (b): every alert
 (kind, severity, step, where, message, value, threshold), wall and CPU seconds and progress per run,
 and for healthy and ``tiny_subset`` runs the every-step series the local record holds (``diag/loss``,
 ``diag/grad/global_norm``, per component under dict models), per-layer update ratios and eval metrics
@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import multiprocessing
+import statistics
 import sys
 import tempfile
 import time
@@ -87,13 +88,11 @@ def verdict(row: dict[str, Any]) -> str:
 
 def turn_of(row: dict[str, Any]) -> tuple[int, int] | None:
     """The turn of a run's validation loss (``diag/eval/loss`` at the logging steps): the first evaluation after its
-    lowest reading, provided the validation loss rose for real and the train loss kept falling: the last evaluation
-    is at least ``TURN_RISE`` (5 %) above the lowest of the smoothed evaluations (each the median of it and its two
-    neighbours, the first and the last as they are: a lone lucky reading of a flat, noisy validation loss is no
-    bottom to rise from) and the train loss (the mean of the every-step ``diag/loss`` since the evaluation before)
-    is lower at the last evaluation than at the lowest one. ``(the turn's index among the evaluations, its step)``;
-    None when there is no turn (lowest at the last evaluation, ended within 5 % of the smoothed lowest, or the train
-    loss rose too)."""
+    lowest reading, provided the validation loss stayed up and the train loss kept falling: the median of the
+    evaluations after the lowest reading, and the last one, are at least ``TURN_RISE`` (5 %) above it (a lone
+    lucky reading of a flat, noisy validation loss is no bottom it rose from), and the train loss (the mean of the
+    every-step ``diag/loss`` since the evaluation before) is lower at the last evaluation than at the lowest one.
+    ``(the turn's index among the evaluations, its step)``; None when there is no turn."""
     series = row.get("series") or {}
     evals = [(int(s), v) for s, v in series.get("logging_steps", {}).get("diag/eval/loss", []) if isinstance(v, float)]
     losses = {int(s): v for s, v in series.get("every_step", {}).get("diag/loss", []) if isinstance(v, float)}
@@ -101,14 +100,13 @@ def turn_of(row: dict[str, Any]) -> tuple[int, int] | None:
         return None
     vals = [v for _, v in evals]
     m = min(range(len(vals)), key=vals.__getitem__)
-    smooth = [vals[0], vals[-1], *(sorted(vals[i - 1:i + 2])[1] for i in range(1, len(vals) - 1))]
 
     def train_at(i: int) -> float:
         lo = evals[i - 1][0] if i else -1
         pts = [v for s, v in losses.items() if lo < s <= evals[i][0]]
         return sum(pts) / len(pts) if pts else math.nan
 
-    if m == len(vals) - 1 or vals[-1] < min(smooth) * (1 + TURN_RISE) or not train_at(len(vals) - 1) < train_at(m):
+    if m == len(vals) - 1 or min(vals[-1], statistics.median(vals[m + 1:])) < vals[m] * (1 + TURN_RISE) or not train_at(len(vals) - 1) < train_at(m):
         return None
     return m + 1, evals[m + 1][0]
 
