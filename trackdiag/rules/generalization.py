@@ -34,9 +34,9 @@ class Overfitting(Rule):
     - **trend**: each of the last ``patience`` (2) evaluations sits above the best validation loss by
       more than ``min_rise`` (5%) of it, ``giveback`` (0: off; a share of the improvement since the
       first evaluation, which counts a step-0 evaluation at chance level) and ``rise_noise`` (3) times
-      the evaluations' scatter around a smooth curve (:func:`curve_noise`, from the median second difference: a
-      steady rise is not scatter; 1.5x the successive changes before, which a noisy plateau's lowest reading
-      cleared in 1 of 12 healthy runs), the newest is ``min_rise`` above the one ``patience``
+      the scatter around a smooth curve of the evaluations before those judged (:func:`curve_noise`, from the median
+      second difference: a steady rise is not scatter; 1.5x the successive changes before, which a noisy
+      plateau's lowest reading cleared in ~1 of 12 healthy runs), the newest is ``min_rise`` above the one ``patience``
       evaluations earlier and above the train loss, and the train loss fell meanwhile. A lone low
       reading between two higher ones is not the best (each evaluation counts as the median of it
       and its neighbours): one lucky reading of a noisy validation loss does not make everything
@@ -106,8 +106,11 @@ class Overfitting(Rule):
         recent = vals[-k:]
         # every one of them sits above the best, by a margin that counts what the run gained so far and
         # the evaluations' own noise: sustained, not a noisy reading
-        scatter = curve_noise(after_descent(vals))
-        margin = max(best * self.min_rise, self.giveback * (vals[0] - best), self.rise_noise * scatter)
+        # the scatter of the evaluations before the ones judged (a sharp turn's own kink is not scatter)
+        margin = max(best * self.min_rise, self.giveback * (vals[0] - best),
+                     self.rise_noise * curve_noise(after_descent(vals[:-k])))
+        tail = after_descent(vals)
+        scatter = curve_noise(tail)
         spanned = len(recent) >= self.patience and self._evals[-1][0] - self._evals[-len(recent)][0] >= self.min_span
         # the excursion above the best is most of the time since it, not a drift up and back
         held = self._held(vals, best, margin)
@@ -120,7 +123,8 @@ class Overfitting(Rule):
             now, before = self._level(self._evals[-1][0]), self._level(s0)
             trend = above and now > before * (1 + self.min_rise) and train < t0 and val > train
         ratio = val / train
-        climb = held and self._climb(vals, max(best * self.min_rise, self.climb_noise * scatter), train_now)
+        # a climb is judged against the scatter once there is one to measure (two second differences after the descent)
+        climb = held and len(tail) >= 4 and self._climb(vals, max(best * self.min_rise, self.climb_noise * scatter), train_now)
         # overfitting fits the training data better while the validation data gets worse: a train loss that rose
         # since the best validation loss (new data in continual learning, an eval set that grew) is not it
         fitting = train <= self._evals[best_i][2] * (1 + self.min_rise)
