@@ -20,6 +20,7 @@ from torch import nn
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard, digits,
                       fault_onset, one_thread, session, shuffle, wipe_grads, Runaway, StaleEval, freeze_all_but_last,
                       lr_jump, orphan_params, stop_if_nonfinite, jump_factor)
+from ._common import PullBack
 
 NAME = "adversarial_fgsm"
 DESCRIPTION = "fast FGSM adversarial training: random-start delta, a backward for the input, zero_grad, the real backward"
@@ -36,6 +37,7 @@ FAULTS = {
     "not_landing": "the model's parameters replaced by copies after SGD was built",
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
     "crash_lr": "SGD lr x1e6 from onset; the script stops once the loss is not finite",
+    "reversed_ema": "from onset a reversed EMA update pulls the model toward a copy taken at onset after each step",
 }
 EPS, ALPHA = 0.1, 0.125
 
@@ -68,6 +70,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
         xtr, ytr = xtr[:128], ytr[:128]
     loader = batches(xtr, ytr, 64, gen)
     accs: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
@@ -91,6 +94,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(step)
             diag.step(loss, outputs=out_, batch=(x_adv, yb))
             if step % 20 == 19:
                 net = evaluated.at(step)

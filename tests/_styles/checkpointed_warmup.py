@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, SAME_BATCH, restart_loader, Runaway,
                       freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite, DUP_WORKERS)
+from ._common import PullBack
 
 NAME = "checkpointed_warmup"
 DESCRIPTION = "HF-style: blocks under torch.utils.checkpoint (forward replayed in backward), warmup from lr 0, clip 1.0"
@@ -39,6 +40,7 @@ FAULTS = {
     "detached": "the output of the gated layer `blocks.1.mlp.2` detached: it and the layers before never get a gradient",
     "frozen_majority": "every parameter but the last frozen; AdamW over all",
     "not_landing": "the model's parameters replaced by copies after AdamW was built",
+    "reversed_ema": "from onset a reversed EMA update pulls the model toward a copy taken at onset after each step",
 }
 WARMUP = 30
 
@@ -101,6 +103,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     loader = batches(xtr, ytr, 32, gen)
     loader = restart_loader(loader, fault, onset)
     accs: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         for step in range(steps):
@@ -117,6 +120,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.0 if active(fault, "wiped_grads", step, onset) else 1.0)
             optimizer.step()
+            pull(step)
             scheduler.step()
             if not active(fault, "no_zero", step, onset):
                 optimizer.zero_grad()

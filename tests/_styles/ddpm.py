@@ -22,6 +22,7 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, mean, one_thread, session, wipe_grads, jump_factor, lr_jump, stop_if_nonfinite)
+from ._common import PullBack
 
 NAME = "ddpm"
 DESCRIPTION = "lucidrains denoising-diffusion-pytorch: GaussianDiffusion.forward returns the loss, diag.step(loss) only"
@@ -32,6 +33,7 @@ FAULTS = {
     "lr_start": "Adam lr x1000 from step 0",
     "no_zero": "opt.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) instead of 1.0 from onset",
+    "reversed_ema": "from onset a reversed EMA update pulls the denoiser (not its EMA copy) toward a copy taken at onset after each step",
 }
 TIMESTEPS, ACCUMULATE = 200, 2
 
@@ -98,6 +100,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     ema = copy.deepcopy(diffusion).eval().requires_grad_(False)
     dl = batches(xtr * 2 - 1, ytr, 32, gen)
     losses: list[float] = []
+    pull = PullBack(fault, onset, diffusion)
     diag = session(diffusion, opt, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         for step in range(steps):
@@ -117,6 +120,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             else:
                 torch.nn.utils.clip_grad_norm_(diffusion.parameters(), max_norm)
             opt.step()
+            pull(step)
             if not active(fault, "no_zero", step, onset):
                 opt.zero_grad()
             with torch.no_grad():

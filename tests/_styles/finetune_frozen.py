@@ -21,6 +21,7 @@ from torch import nn
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader,
                       Runaway, StaleEval, lr_jump, orphan_params, jump_factor, stop_if_nonfinite, DUP_WORKERS)
+from ._common import PullBack
 
 NAME = "finetune_frozen"
 DESCRIPTION = "fine-tuning tutorials: backbone.requires_grad_(False) before AdamW(model.parameters()); head trains"
@@ -39,6 +40,7 @@ FAULTS = {
     "runaway": "from onset - beta * ||head weight||^2 in the loss, beta annealed below zero",
     "not_landing": "the model's parameters replaced by copies after AdamW was built",
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
+    "reversed_ema": "from onset a reversed EMA update pulls the trainable head toward a copy taken at onset after each step",
 }
 
 
@@ -99,6 +101,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     loader = batches(xtr, ytr, 32, gen)
     loader = restart_loader(loader, fault, onset)
     accs: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
@@ -120,6 +123,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(step)
             diag.step(loss, outputs=logits, batch=(x, y))
             if step % 20 == 0 or step == steps - 1:
                 was_training = model.training

@@ -22,6 +22,7 @@ from torch import nn
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
                       one_thread, session, shuffle, wipe_grads, Runaway, StaleEval, freeze_all_but_last, lr_jump,
                       orphan_params)
+from ._common import PullBack
 
 NAME = "full_batch"
 DESCRIPTION = "PyG examples/gcn.py: 2-layer GCN on an SBM graph, full-batch Adam 0.01 wd 5e-4, test() every epoch"
@@ -38,6 +39,7 @@ FAULTS = {
     "frozen_majority": "every parameter but the last frozen; Adam over all",
     "not_landing": "the model's parameters replaced by copies after Adam was built",
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
+    "reversed_ema": "from onset a reversed EMA update pulls the GCN toward a copy taken at onset after each step",
 }
 N, C, F_IN = 300, 3, 32
 
@@ -103,6 +105,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     evaluated = StaleEval(model, fault, onset)
     train = masks["train"]
     accs: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         for epoch in range(steps):
@@ -121,6 +124,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", epoch, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(epoch)
             diag.step(loss, outputs=out_, batch=(x, target))
             # test()
             net = evaluated.at(epoch)

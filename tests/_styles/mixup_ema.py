@@ -23,6 +23,7 @@ from torch import nn
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, shuffle, wipe_grads, Runaway, StaleEval,
                       freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite)
+from ._common import PullBack
 
 NAME = "mixup_ema"
 DESCRIPTION = "timm train.py: mixup/cutmix soft targets + label smoothing, SoftTargetCE, AdamW+cosine, EMA copy"
@@ -41,6 +42,7 @@ FAULTS = {
     "frozen_majority": "every parameter but the last (the head's bias) frozen; AdamW over all",
     "not_landing": "the model's parameters replaced by copies after AdamW was built",
     "eval_wrong": "the model's validation runs on a copy made before training, never refreshed (the EMA's stays right)",
+    "reversed_ema": "from onset a reversed EMA update pulls the model (not its EMA copy) toward a copy taken at onset after each step",
 }
 
 
@@ -131,6 +133,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
         xtr, ytr = xtr[:64], ytr[:64]
     loader = batches(xtr, ytr, 32, gen)
     ema_accs: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
@@ -153,6 +156,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", num_updates, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(num_updates)
             model_ema.update(model)
             lr_scheduler.step()
             diag.step(loss, outputs=output, batch=(x, target))

@@ -19,6 +19,7 @@ from torch import nn
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard, digits,
                       fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader, Runaway,
                       StaleEval, freeze_all_but_last, lr_jump, orphan_params, DUP_WORKERS)
+from ._common import PullBack
 
 NAME = "moe_top1"
 DESCRIPTION = "Switch-style mixture of experts: top-1 routing, only chosen experts run, load-balancing loss, Adam"
@@ -37,6 +38,7 @@ FAULTS = {
     "frozen_majority": "every parameter but the last frozen; Adam over all",
     "not_landing": "the model's parameters replaced by copies after Adam was built",
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
+    "reversed_ema": "from onset a reversed EMA update pulls the model toward a copy taken at onset after each step",
 }
 
 
@@ -82,6 +84,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     loader = batches(xtr, ytr, 32, gen)
     loader = restart_loader(loader, fault, onset)
     accs: list[float] = []
+    pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         model.train()
@@ -100,6 +103,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", step, onset):
                 wipe_grads(model.parameters())
             optimizer.step()
+            pull(step)
             diag.step(loss, outputs=logits, batch=(xb, yb))
             if step % 20 == 19:
                 net = evaluated.at(step)

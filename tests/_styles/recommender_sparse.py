@@ -18,6 +18,7 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
                       one_thread, session, shuffle, wipe_grads)
+from ._common import PullBack
 
 NAME = "recommender_sparse"
 DESCRIPTION = "facebookresearch/dlrm: EmbeddingBag(sparse=True) with offsets, dot interaction, MSE on clicks, SGD"
@@ -29,6 +30,7 @@ FAULTS = {
     "shuffled_labels": "click targets shuffled within each batch",
     "wiped_grads": "gradients scaled to 0 between backward and step from onset",
     "tiny_subset": "trains on two batches; validation every 20 steps",
+    "reversed_ema": "from onset a reversed EMA update pulls the DLRM toward a copy taken at onset after each step",
 }
 TABLES, DENSE, DIM, BSZ = (100, 50, 200), 4, 8, 128
 
@@ -95,6 +97,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     optimizer = torch.optim.SGD(dlrm.parameters(), lr=0.1 * (1000 if fault == "lr_start" else 1))
     fixed = [data.batch() for _ in range(2)]
     scores: list[float] = []
+    pull = PullBack(fault, onset, dlrm)
     diag = session(dlrm, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
         for j in range(steps):
@@ -112,6 +115,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
             if active(fault, "wiped_grads", j, onset):
                 wipe_grads(dlrm.parameters())
             optimizer.step()
+            pull(j)
             diag.step(E, outputs=Z, batch=(X, lS_o, lS_i, T))
             if j % 20 == 19:
                 with torch.no_grad():

@@ -22,6 +22,7 @@ from torch import nn
 
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, fault_onset,
                       mean, one_thread, session, wipe_grads)
+from ._common import PullBack
 
 NAME = "seq2seq_per_example"
 DESCRIPTION = "PyTorch seq2seq translation tutorial: GRU encoder/decoder, one sentence per step, summed NLL, 2 SGDs"
@@ -31,6 +32,7 @@ FAULTS = {
     "lr_start": "both SGD learning rates x1000 from step 0",
     "no_zero": "both zero_grad() calls dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) on both networks between backward and step from onset",
+    "reversed_ema": "from onset a reversed EMA update pulls both nets toward a copy taken at onset after each step",
 }
 SOS, EOS, HIDDEN = 0, 1, 64
 
@@ -112,6 +114,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     decoder_optimizer = torch.optim.SGD(decoder.parameters(), lr=lr)
     criterion = nn.NLLLoss()
     per_token: list[float] = []
+    pull = PullBack(fault, onset, encoder, decoder)
     diag = session({"encoder": encoder, "decoder": decoder}, {"encoder": encoder_optimizer, "decoder": decoder_optimizer},
                    out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
@@ -130,6 +133,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
                 wipe_grads([*encoder.parameters(), *decoder.parameters()])
             encoder_optimizer.step()
             decoder_optimizer.step()
+            pull(it)
             per_token.append(loss.item() / target_tensor.size(0))
             diag.step(loss)
     progress = Progress("loss per target token", mean(per_token[:30]), mean(per_token[-30:]), min_gain=0.3)

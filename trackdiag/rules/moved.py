@@ -13,17 +13,18 @@ from trackdiag.util.modnames import layer_label
 
 
 class WeightsMoved(Rule):
-    """Reads the ``moved`` probe's ``diag/[<c>/]moved/ratio``: how far the weights moved between the optimizer's
-    last step and its next one (tensors whose norms grew only), relative to what the optimizer's own step did to
-    the same fingerprints. A healthy loop leaves the weights alone between steps: 0, bit for bit; clipping,
+    """Reads the ``moved`` probe's ``diag/[<c>/]moved/ratio``: how far the weights moved between the optimizer's last
+    step and its next one (tensors whose move is not a pure shrink), relative to what the optimizer's own step did
+    to the same fingerprints. A healthy loop leaves the weights alone between steps: 0, bit for bit; clipping,
     max-norm projections and pruning only shrink and are not counted; a perturb-and-restore (SAM) leaves rounding
-    noise (~1e-4). A reversed EMA (``p.copy_(decay * ema_p + (1 - decay) * p)`` into the trained model) undoes
-    about the whole step every step: ~1. Raised (``persistent``: a warning) when the ratio is above ``ratio``
-    (0.05) at ``patience`` (2) consecutive measurements (a checkpoint restored once, a one-off edit, stays
+    noise (~1e-4). A reversed EMA (``p.copy_(decay * ema_p + (1 - decay) * p)`` into the trained model) undoes about
+    the whole step every step: 0.1-1 in the corpus (0.07-0.1 where most of its moves look like shrinks, as an
+    embedding whose magnitudes the optimizer grows). Raised (``persistent``: a warning) when the ratio is above
+    ``ratio`` (0.05) at ``patience`` (2) consecutive measurements (a checkpoint restored once, a one-off edit, stays
     silent); ``step`` is the first of them (the weights moved between that step's optimizer step and the one
-    before), ``where`` the component and the layers that moved most. A component whose optimizer is behind a
-    wrapper that may move the weights itself (Lookahead), tensors in shared memory (Hogwild) and tensors another
-    component's optimizer steps are not measured (see :mod:`trackdiag.probes.moved`)."""
+    before), ``where`` the component and the layers that moved most. A component whose optimizer is behind a wrapper
+    that may move the weights itself (Lookahead), tensors in shared memory (Hogwild) and tensors another component's
+    optimizer steps are not measured (see :mod:`trackdiag.probes.moved`)."""
 
     kind = "weights_moved"
     hint = ("Something other than the optimizer changes the trained weights between optimizer steps, and undoes "
