@@ -139,9 +139,10 @@ class MovedProbe(Probe):
             num = (np.abs(between) / scale).sum(axis=0) * unexplained
             den = (np.abs(step) / scale).sum(axis=0) * mask
             total = float(den.sum())
-            record.scalars[comp.key("moved/ratio")] = float(num.sum()) / total if total > 0 else math.nan
+            ratio = float(num.sum()) / total if total > 0 else math.nan  # nan too where a weight is not finite
+            record.scalars[comp.key("moved/ratio")] = ratio
             record.scalars[comp.key("moved/tensors")] = float((mask & (between != 0).any(axis=0)).sum())
-            if num.any() and total > 0:
+            if ratio > 0 and math.isfinite(ratio):
                 layers: dict[str, list[float]] = {}
                 for i in np.flatnonzero(num):
                     layers.setdefault(comp.index.layers[comp.index.index_of[i]], []).append(float(num[i]))
