@@ -60,3 +60,45 @@ def test_a_warm_up_is_not_a_jump(tmp_path) -> None:
 
     run = load("accelerate_cv").run(tmp_path, level="advanced", seed=0, steps=300)
     assert [a for a in run.diag.alerts if a.kind == "update_scale"] == []
+
+
+def test_a_warm_restart_is_not_a_jump(tmp_path) -> None:
+    """SGDR (``CosineAnnealingWarmRestarts``): every 60 steps the rate returns from ~0 to its base, a 10-1000x rise
+    in one step, by design. Before: ``update_scale`` took the restart for a blow-up (the steps measured late in a
+    cycle are tiny, the first after the restart 3x their median). A rise to no more than 1.5x the run's largest
+    rate so far is a revisit, not a jump; a planted x1000 after the restarts is still said (by the gradient, under SGD)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import trackdiag
+    from _zoo_a import one_thread
+
+    def run(out, plant: bool) -> trackdiag.Diagnostics:
+        torch.manual_seed(4)
+        gen = torch.Generator().manual_seed(13)
+        teacher = torch.randn(16, 4, generator=gen)
+        x = torch.randn(1024, 16, generator=gen)
+        y = (x @ teacher).argmax(1)
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=60)
+        with one_thread(), trackdiag.Diagnostics(model, opt, level="extreme", sinks=["local"], output_dir=str(out),
+                                                 probes={"report": {"enabled": False}}) as diag:
+            for step in range(200):
+                i = torch.randint(0, 1024, (32,), generator=gen)
+                loss = F.cross_entropy(model(x[i]), y[i])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+                if plant and step == 150:
+                    sched.base_lrs = [b * 1000 for b in sched.base_lrs]
+                diag.step(loss, batch=(x[i], y[i]))
+        return diag
+
+    healthy = run(tmp_path / "healthy", plant=False)
+    assert [a for a in healthy.alerts if a.kind == "update_scale"] == [], said(healthy)
+    planted = run(tmp_path / "planted", plant=True)
+    first = [a for a in planted.alerts if a.severity != "info"]
+    assert first and first[0].kind == "grad_explosion" and 150 <= first[0].step <= 160, said(planted)

@@ -16,7 +16,9 @@ class UpdateScale(Rule):
     measurement is ``jump`` (10) x or more above the largest of this phase's earlier measurements (at least
     ``history`` (5) of them), or ``WITH_LR`` (3) x above their median where the learning rate also jumped ``jump`` x or more
     between two logging steps since the previous measurement (the weights a blown-up rate inflates shrink the ratio
-    within steps; a warm-up ramps the rate over many logging steps: accelerate_cv's 15x from step 9 to 50 is no jump), while the pre-clip gradient norm there is no more than ``GRAD_FACTOR`` (3) x its
+    within steps; a warm-up ramps the rate over many logging steps: accelerate_cv's 15x from step 9 to 50 is no jump; nor
+    is a rise back to no more than ``REVISIT`` (1.5) x the largest rate of the run so far, as a warm restart's: SGDR's
+    cosine back to its base rate, 18x in one step), while the pre-clip gradient norm there is no more than ``GRAD_FACTOR`` (3) x its
     median over those measurements: the update, not the gradient, changed. Under Adam (which normalises the
     gradient) or clipping, a learning rate blown up shows nowhere else at first: the loss may only double and
     the gradient stays clipped to its usual size, while the weights are rewritten until units saturate.
@@ -29,7 +31,7 @@ class UpdateScale(Rule):
             "scaled lr for a larger batch), a reset or replaced optimizer state, and a patched optimizer step. "
             "Adam and gradient clipping hide a learning rate blow-up from the gradient: the update carries it.")
 
-    GRAD_FACTOR, WITH_LR = 3.0, 3.0
+    GRAD_FACTOR, WITH_LR, REVISIT = 3.0, 3.0, 1.5
 
     def __init__(self, *, jump: float = 10.0, history: int = 5, **kw: Any) -> None:
         super().__init__(**kw)
@@ -37,6 +39,7 @@ class UpdateScale(Rule):
         self._sizes: dict[str, list[float]] = {}  # component -> this phase's step sizes
         self._grads: dict[str, list[float]] = {}  # component -> the gradient norm at those measurements
         self._lr: dict[str, float] = {}  # component -> its largest learning rate at the previous logging step
+        self._lr_top: dict[str, float] = {}  # component -> the largest learning rate of the run so far
         self._at: dict[str, float] = {}  # component -> its learning rate at the previous measurement
         self._rose: dict[str, float] = {}  # component -> the rate before a jump x10 between two logging steps, since the last measurement
 
@@ -48,10 +51,12 @@ class UpdateScale(Rule):
         for comp in components:
             lr = self._top_lr(record, comp)
             last = self._lr.get(comp.name, math.nan)
-            if last > 0 and lr >= self.jump * last:  # a jump between two logging steps; a warm-up ramps over many
-                self._rose.setdefault(comp.name, last)
+            top = self._lr_top.get(comp.name, math.nan)
+            if last > 0 and lr >= self.jump * last and not lr <= self.REVISIT * top:
+                self._rose.setdefault(comp.name, last)  # a jump between two logging steps, to a rate never used before
             if math.isfinite(lr):
                 self._lr[comp.name] = lr
+                self._lr_top[comp.name] = max(lr, top) if math.isfinite(top) else lr
             size = record.scalars.get(comp.key("update/step_size"))
             grad = latest(record, comp.key("grad/global_norm"))
             if size is None or grad is None or not (math.isfinite(size) and math.isfinite(grad)):
@@ -90,10 +95,11 @@ class UpdateScale(Rule):
                          ["weights", "corroborated"] if raised else ["weights"])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sizes": self._sizes, "grads": self._grads, "lr": self._lr, "rose": self._rose}
+        return {"sizes": self._sizes, "grads": self._grads, "lr": self._lr, "rose": self._rose, "lr_top": self._lr_top}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._sizes = {k: [float(x) for x in v] for k, v in state.get("sizes", {}).items()}
         self._grads = {k: [float(x) for x in v] for k, v in state.get("grads", {}).items()}
         self._lr = {k: float(v) for k, v in state.get("lr", {}).items()}
         self._rose = {k: float(v) for k, v in state.get("rose", {}).items()}
+        self._lr_top = {k: float(v) for k, v in state.get("lr_top", {}).items()}
