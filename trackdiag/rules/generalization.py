@@ -104,16 +104,15 @@ class Overfitting(Rule):
         while k < len(self._evals) and self._evals[-1][0] - self._evals[-k][0] < self.min_span:
             k += 1
         recent = vals[-k:]
-        # every one of them sits above the best, by a margin that counts what the run gained so far and
-        # the evaluations' own noise: sustained, not a noisy reading
-        # the scatter of the evaluations before the ones judged (a sharp turn's own kink is not scatter)
-        margin = max(best * self.min_rise, self.giveback * (vals[0] - best),
-                     self.rise_noise * curve_noise(after_descent(vals[:-k])))
+        # every one of them sits above the best, by a margin that counts what the run gained so far and the
+        # scatter of the evaluations before the ones judged (a sharp turn's own kink is not scatter): not a noisy reading
+        floor, pre = max(best * self.min_rise, self.giveback * (vals[0] - best)), curve_noise(after_descent(vals[:-k]))
+        margin = max(floor, self.rise_noise * pre)
         tail = after_descent(vals)
         scatter = curve_noise(tail)
         spanned = len(recent) >= self.patience and self._evals[-1][0] - self._evals[-len(recent)][0] >= self.min_span
         # the excursion above the best is most of the time since it, not a drift up and back
-        held = self._held(vals, best, margin)
+        held = self._held(vals, best, max(floor, self.noise * pre))  # a noisy climb's start: where it left 1.5x
         above = spanned and min(recent) > best + margin + 1e-12 and held
         trend = False
         if len(self._evals) > k:
