@@ -61,3 +61,29 @@ def recent_train_loss(history: Sequence[Record], steps: int = 10) -> float:
         if len(pts) >= steps:
             break
     return statistics.median(pts[-steps:]) if pts else math.nan
+
+
+class LrRestarts:
+    """The last warm restart in the records seen: a learning rate that, after falling to half its run-high or
+    lower, rises ``factor`` (2) x or more between two logging steps (SGDR's cosine back to its base rate, a manual
+    bump after a decay). A warm-up from a small rate never fell first: no restart. Host work on the records."""
+
+    def __init__(self, factor: float = 2.0) -> None:
+        self.factor = factor
+        self._seen, self._prev, self._top = -1, math.nan, 0.0
+
+    def update(self, history: Sequence[Record]) -> int | None:
+        """The step of the newest restart among the records after the last call, else None."""
+        found = None
+        for rec in history:
+            if rec.step <= self._seen:
+                continue
+            self._seen = rec.step
+            lrs = [v for k, v in rec.scalars.items() if "/opt/lr" in k and math.isfinite(v)]
+            if not lrs:
+                continue
+            lr = max(lrs)
+            if self._prev > 0 and lr >= self.factor * self._prev and self._prev <= 0.5 * self._top:
+                found = rec.step
+            self._prev, self._top = lr, max(self._top, lr)
+        return found

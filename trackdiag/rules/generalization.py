@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
-from trackdiag.rules._eval_series import after_descent, curve_noise, noise_of, recent_train_loss, smoothed_best
+from trackdiag.rules._eval_series import LrRestarts, after_descent, curve_noise, noise_of, recent_train_loss, smoothed_best
 from trackdiag.rules.base import Rule
 
 _TRAIN_EMA = "diag/loss/ema"
@@ -66,7 +66,9 @@ class Overfitting(Rule):
     ``step`` is the onset: the evaluation right after the best validation loss. Fires once per
     episode (again once the validation loss came back to within the margin of its best). When the train loss is ~0 while the validation
     loss is many times larger (``leak_ratio``, 20x), the message names label/data leakage as well.
-    ``where`` is ``eval/<metric>``.
+    ``where`` is ``eval/<metric>``. A warm restart of the learning rate (:class:`LrRestarts`: SGDR, a bump after a
+    decay) starts the series again from the evaluations ``settle`` (60) steps after it: both losses jump back up and
+    the validation loss wanders while the rate is high, by design.
     """
 
     kind = "overfitting"
@@ -76,8 +78,9 @@ class Overfitting(Rule):
     def __init__(self, *, ratio: float = 2.0, patience: int = 2, min_rise: float = 0.05, giveback: float = 0.0,
                  noise: float = 1.5, leak_ratio: float = 20.0, metric: str = "loss", min_span: int = 20,
                  sustained: float = 0.5, gap_fall: float = 2.0, rise_noise: float = 3.0, climb_noise: float = 4.0,
-                 **kw: Any) -> None:
+                 settle: int = 60, **kw: Any) -> None:
         super().__init__(**kw)
+        self.settle = settle
         self.gap_fall, self.rise_noise, self.climb_noise = gap_fall, rise_noise, climb_noise
         self.min_span, self.sustained = min_span, sustained
         self.ratio, self.patience, self.metric = ratio, max(1, patience), metric
@@ -86,6 +89,7 @@ class Overfitting(Rule):
         self._active = False
         self._gap_at = math.inf  # the best validation loss when the gap path last fired
         self._onset = -1  # the onset last said: an episode that ends and resumes from the same best is one
+        self._restarts, self._settled = LrRestarts(), -1
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         val = record.scalars.get(f"diag/eval/{self.metric}")
@@ -93,6 +97,11 @@ class Overfitting(Rule):
         if val is None or not math.isfinite(val) or not math.isfinite(train) or train <= 0:
             return []
         train_now = train_now if math.isfinite(train_now) else train
+        restart = self._restarts.update(history)
+        if restart is not None:  # another cycle: its evaluations are judged once the restart has settled
+            self._evals, self._active, self._settled = [], False, restart + self.settle
+        if record.step < self._settled:
+            return []
         self._evals.append((record.step, val, train, train_now))
         del self._evals[:-200]
         vals = [e[1] for e in self._evals]
