@@ -72,3 +72,19 @@ class Judged:
             if any((a.kind, a.step, a.where) == (alert.kind, alert.step, alert.where) for a in rec.alerts):
                 return rec.step
         return -1
+
+
+def styles_report() -> Any:
+    """``benchmarks/styles_report.py`` as a module (one instance per process): the corpus judged by the report's own
+    code in the tests."""
+    import importlib.util
+    import sys
+
+    if "styles_report" in sys.modules:
+        return sys.modules["styles_report"]
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "styles_report.py"
+    spec = importlib.util.spec_from_file_location("styles_report", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["styles_report"] = mod
+    spec.loader.exec_module(mod)
+    return mod

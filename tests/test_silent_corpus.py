@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,22 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import trackdiag
-from _harness import one_thread
+from _harness import styles_report, one_thread
 from trackdiag.core.record import Record
 from trackdiag.forensics import crash_evidence
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _report():
-    spec = importlib.util.spec_from_file_location("styles_report", ROOT / "benchmarks" / "styles_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("styles_report", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-REPORT = _report()
+REPORT = styles_report()
 
 
 def _ddp():

@@ -12,8 +12,6 @@ Hogwild loop without ``share_memory()`` is the control: an optimizer trackdiag w
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,21 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _harness import local_session, one_thread
+from _harness import styles_report, local_session, one_thread
 from trackdiag.core.record import read_records
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def _report() -> Any:
-    spec = importlib.util.spec_from_file_location("styles_report", ROOT / "benchmarks" / "styles_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("styles_report", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-REPORT = _report()
+REPORT = styles_report()
 STYLES = ["gan", "two_opt_disjoint"]  # two components with one optimizer each; one model with two optimizers
 
 
