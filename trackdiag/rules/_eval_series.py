@@ -75,9 +75,12 @@ class LrRestarts:
     def update(self, history: Sequence[Record]) -> int | None:
         """The step of the newest restart among the records after the last call, else None."""
         found = None
-        for rec in history:
+        fresh = []
+        for rec in reversed(history):  # only the records since the last call, oldest first
             if rec.step <= self._seen:
-                continue
+                break
+            fresh.append(rec)
+        for rec in reversed(fresh):
             self._seen = rec.step
             lrs = [v for k, v in rec.scalars.items() if "/opt/lr" in k and math.isfinite(v)]
             if not lrs:
