@@ -92,10 +92,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     for wname in a.workloads.split(","):
         wl = workloads.get(wname)
-        bare = Arm("bare", wl, tmp, torch.device("cpu"))
-        bare.turn(50, timed=False)
         for level in a.presets.split(","):
+            bare = Arm("bare", wl, tmp, torch.device("cpu"))  # the same batches, step for step, as the preset's
             arm = Arm(f"{level}+nobudget", wl, tmp, torch.device("cpu"))
+            bare.turn(a.warmup, timed=False)
             arm.turn(a.warmup, timed=False)
             tb: list[list[int]] = []
             ta: list[list[int]] = []

@@ -29,9 +29,15 @@ class Marginal:
         self.binary = False  # the counts are (labels, 2): each label's 0s and 1s
         self.soft: torch.Tensor | None = None  # (B, C) float targets: each class's summed mass (soft targets)
 
+    @property
+    def wants(self) -> bool:
+        """Whether :meth:`add` still looks at steps (checked by the caller: after the first steps, a step pays
+        no call and no ``no_grad`` context for it)."""
+        return not self.done and self.seen < self.steps and self.tries < 2 * self.steps
+
     @torch.no_grad()
     def add(self, outputs: Any, batch: Any) -> None:
-        if self.done or self.seen >= self.steps or self.tries >= 2 * self.steps:
+        if not self.wants:
             return
         self.tries += 1
         logits, t = logits_of(outputs), targets_of(batch)

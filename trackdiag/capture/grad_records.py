@@ -138,6 +138,31 @@ def sentinel_norm(g: torch.Tensor) -> torch.Tensor:
 
 
 
+def plain_tap(comp: Component, grads: list[torch.Tensor], step: int, number: int,
+              sentinel: torch.Tensor | None) -> Tap | None:
+    """The measurement of a plain pass (no detail due, one optimizer, no scaler, a few tensors on one device; see
+    :meth:`~trackdiag.capture.gradtap.GradTap.measure`): the per-tensor norms (one ``_foreach_norm``) kept for
+    :func:`totals`, the sentinel's norm one of them. One kernel, no host read; None when the kernel refuses these
+    gradients (sparse, mixed): the caller takes the general way."""
+    grad_mode = torch.is_grad_enabled()  # a create_graph backward: no graph for these norms
+    try:
+        torch._C._set_grad_enabled(False)
+        parts = torch._foreach_norm(grads, 2, dtype=torch.float32) if comp.index.low_precision else \
+            torch._foreach_norm(grads)
+    except (RuntimeError, NotImplementedError):
+        return None
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
+    tap = Tap(None, None, step, number, comp.generation, parts=parts)
+    g = sentinel.grad if sentinel is not None else None
+    if g is not None:
+        at = comp.index.position(sentinel)
+        raw = parts[at] if at is not None and grads[at] is g else sentinel_norm(g)
+        tap.sentinel = raw if raw.dtype is torch.float32 else raw.float()
+        tap.sentinel_grad, tap.sentinel_version = g, g._version
+    return tap
+
+
 @dataclass(slots=True)
 class GradView:
     """A component's gradients at the moment a step consumes them (what gradient probes read).

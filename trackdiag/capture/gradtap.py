@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from trackdiag.capture.context import Component, ProbeContext
-from trackdiag.capture.grad_records import GradView, Pass, Tap, sentinel_norm, totals
+from trackdiag.capture.grad_records import GradView, Pass, Tap, plain_tap, sentinel_norm, totals
 from trackdiag.capture.tap_hooks import TAP_QUEUE, CompTap, firing, pick_sentinel
 from trackdiag.util.norms import global_norm, grad_norms, max_abs
 
@@ -176,6 +176,10 @@ class GradTap:
         several = len(comp.optimizers) > 1  # a later optimizer's own pass may be merged in: per-tensor norms kept
         if scale is False:
             scale = self.scale() if unscale else None
+        if scale is None and not detail and not several and idx.foreach and len(grads) <= LAZY_TENSORS:
+            tap = plain_tap(comp, grads, self.ctx.step, number, sentinel)  # the usual pass: one kernel, few calls
+            if tap is not None:
+                return tap
         grad_mode = torch.is_grad_enabled()  # a create_graph backward: no graph for these norms
         try:  # set inside the try: a KeyboardInterrupt right after it must not leave grad mode off
             torch._C._set_grad_enabled(False)

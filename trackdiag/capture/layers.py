@@ -1,6 +1,8 @@
 """Map parameter tensors to layers (their owning modules) and layers to metric-key groups."""
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,6 +11,9 @@ from torch import nn
 
 from trackdiag.util.norms import DOT, all_finite, grad_norms
 from trackdiag.util.ranks import is_sharded, local
+
+#: ``g is None`` as a C callable (``any(map(...))`` walks the gradients without a Python frame per tensor)
+_is_none = functools.partial(operator.is_, None)
 
 ROOT = "(root)"
 
@@ -100,7 +105,7 @@ class LayerIndex:
         grads = [p.grad for p in self.params]
         if self.sharded:
             grads = [local(g) if g is not None else None for g in grads]
-        if any(g is None for g in grads):
+        if any(map(_is_none, grads)):  # no Python frame per tensor
             grads = [g if g is not None else self._zero(p.device) for g, p in zip(grads, self.params)]
         self._cache["grads"] = grads
         return grads

@@ -56,6 +56,11 @@ from trackdiag.util.norms import stack_scalars
 from trackdiag.util.tensors import HIGH_IGNORE, class_dim, float_tensors, inputs_of, logits_of, targets_of
 
 
+#: a batch that is a short tuple or list of plain tensors (``(x, y)``): its paths as :func:`float_tensors` names them
+_PATHS = tuple(f"batch[{i}]" for i in range(8))
+_PLAIN = {torch.Tensor}
+
+
 class DataFiniteProbe(Probe):
     """See module docstring (``data_finite``). Per step and float tensor of the batch: one
     ``aminmax`` (min/max propagate NaN and show Inf; no batch-sized temporary) whose result is kept
@@ -74,6 +79,8 @@ class DataFiniteProbe(Probe):
             return
         if isinstance(batch, torch.Tensor):  # the common cases without the generic walk
             found = [("batch", batch)] if batch.is_floating_point() or batch.is_complex() else []
+        elif type(batch) in (tuple, list) and len(batch) <= len(_PATHS) and set(map(type, batch)) == _PLAIN:
+            found = [(_PATHS[i], t) for i, t in enumerate(batch) if t.is_floating_point() or t.is_complex()]
         else:
             found = float_tensors(batch)
         for path, t in found:
