@@ -36,10 +36,10 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _loop(tmp: Path, steps: int, on: bool = True, plant: int = -1):
+def _loop(tmp: Path, steps: int, on: bool = True, plant: int = -1, level: str = "basic"):
     model = make_mlp(hidden=32, depth=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    diag = trackdiag.Diagnostics(model, opt, level="basic", sinks=["local"], output_dir=str(tmp), budget=None,
+    diag = trackdiag.Diagnostics(model, opt, level=level, sinks=["local"], output_dir=str(tmp), budget=None,
                                  probes=LEAN_PROBES) if on else None
     gen = torch.Generator().manual_seed(0)
 
@@ -62,11 +62,11 @@ def _loop(tmp: Path, steps: int, on: bool = True, plant: int = -1):
     return diag, step
 
 
-def _traced(step: Any, i: int) -> int:
+def _traced(step: Any, i: int, where: str = PKG) -> int:
     n = [0]
 
     def prof(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(PKG):
+        if event == "call" and frame.f_code.co_filename.startswith(where):
             n[0] += 1
 
     sys.setprofile(prof)
@@ -100,3 +100,13 @@ def test_nan_gradient_between_logging_steps_is_named_at_its_step(tmp_path: Path)
     diag.close()
     first = diag.summary()["alerts"]
     assert first["nonfinite_grad"]["first_step"] == 73, first
+
+
+def test_due_checks_between_logging_steps_call_no_schedule_of_the_plan(tmp_path: Path) -> None:
+    """``advanced``: a dozen probes ask ``ctx.is_due`` in a step; between logging steps the plan answers for every
+    probe's schedule (11-12 schedule calls a step before, 3-4 now: schedules of a probe's own)."""
+    diag, step = _loop(tmp_path, 61, level="advanced")
+    where = str(Path(PKG) / "util" / "schedule.py")
+    calls = [_traced(step, i, where) for i in range(61, 70)]  # logging steps at 60 and 70
+    assert diag is not None and max(calls) <= 4, calls
+    diag.close()

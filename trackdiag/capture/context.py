@@ -102,5 +102,16 @@ class ProbeContext:
     #: components a pass reached, whose optimizers step later): a check made at one component's step can read them too
     waiting: Callable[[], list[tuple[Component, Any]]] | None = None
 
+    #: the step plan (``session/step_plan.py``): no schedule whose ``id`` is in ``planned`` fires on a step from
+    #: ``quiet_from`` to before ``quiet_until`` (the steps after the one that made the plan, before the next logging step)
+    quiet_from: int = 0
+    quiet_until: int = 0
+    planned: frozenset[int] = frozenset()
+
     def is_due(self, schedule: Callable[[int], bool]) -> bool:
-        return schedule(self.step) or (self.step <= self.anomaly_until and getattr(schedule, "anomaly", True))
+        """Whether ``schedule`` fires at the step in progress, or the step is in an anomaly window. Between logging
+        steps a schedule of the plan is not called: two comparisons and a set look-up answer it."""
+        step = self.step
+        if self.quiet_from <= step < self.quiet_until and step > self.anomaly_until and id(schedule) in self.planned:
+            return False
+        return schedule(step) or (step <= self.anomaly_until and getattr(schedule, "anomaly", True))

@@ -12,6 +12,9 @@ probe whose per-step hook would return at once, such as the AMP probe without an
 called). It is worked out again after each logging step and whenever the session's shape changes (an optimizer
 adopted, parameters re-indexed, a phase begun): :meth:`_replan`.
 
+The probes' own due checks (``ctx.is_due``) read the same plan: before the next logging step a schedule of the plan
+is not called (:meth:`_tell`).
+
 Cost: a non-logging step pays two integer comparisons for the logging decision and one call per busy probe.
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ class StepPlan:
 
     def _init_plan(self) -> None:
         self._next_check = 0  # every step up to here asks nothing: not a logging step, no window check
+        self._tell(0)
         self._busy: list[Probe] | None = None  # the on_step probes with work to do (None: all, until planned)
 
     # the schedules that decide logging steps; a new list drops the plan
@@ -42,6 +46,7 @@ class StepPlan:
     def _schedules(self, value: list[Any]) -> None:
         self.__dict__["_plan_schedules"] = value
         self._next_check = self.__dict__["_next_detail"] = 0  # both plans are asked again at the next step
+        self._tell(0)
 
     @property
     def _checks(self) -> list[Any]:
@@ -51,6 +56,7 @@ class StepPlan:
     def _checks(self, value: list[Any]) -> None:
         self.__dict__["_plan_checks"] = value
         self._next_check = self.__dict__["_next_detail"] = 0  # both plans are asked again at the next step
+        self._tell(0)
 
     def _plain_step(self, step: int) -> bool:
         """Whether ``step`` is certainly not a logging step and needs no window check (two comparisons)."""
@@ -59,6 +65,18 @@ class StepPlan:
     def _plan_after(self, step: int) -> None:
         """After ``step`` asked the schedules: the next step any of them fires on."""
         self._next_check = min((next_due(s, step) for s in (*self._schedules, *self._checks)), default=NEVER)
+        self._tell(self._next_check, step + 1)
+
+    def _tell(self, until: int, since: int = 0) -> None:
+        """The probes' ``ctx.is_due`` answers the plan's schedules without calling them on the steps from ``since``
+        to before ``until`` (not on the step that made the plan: its logging step asks them after the plan)."""
+        ctx = self.__dict__.get("_ctx")
+        if ctx is not None:
+            ctx.quiet_until = 0
+            ctx.quiet_from = since
+            # every enabled probe's schedule: equal to one of ``_schedules`` (those are deduplicated by equality)
+            ctx.planned = frozenset(id(p.schedule) for p in self.__dict__.get("probes", ()) if p.enabled) if until else frozenset()
+            ctx.quiet_until = until
 
     def _replan(self) -> None:
         """Which probes' ``on_step`` has work until the next logging step (host work, once per logging step and
