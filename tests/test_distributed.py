@@ -1,16 +1,13 @@
 """torch.distributed: 2 gloo processes on CPU (DDP and FSDP2), rank-0-only sinks, reduced records,
-collective stop. Each test launches ``_dist_worker.py`` twice (ranks 0 and 1) and kills both on timeout."""
+collective stop. Each test runs ``_dist_worker.py`` as ranks 0 and 1 (forks of one start-up: ``_fork_ranks.py``) and kills both on timeout."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _ranks import launch_ranks
 from trackdiag.core.record import Record
 from trackdiag.rules.straggler import Straggler
 from trackdiag.core.record import read_records
@@ -19,30 +16,9 @@ WORKER = Path(__file__).with_name("_dist_worker.py")
 TIMEOUT = 90
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario: str, out: Path, **env: str) -> list[dict]:
-    """Run ranks 0 and 1 of ``scenario``; every process is gone when this returns."""
-    out.mkdir(parents=True, exist_ok=True)
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), **env}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env={**base, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode for p in procs):
-        pytest.fail("worker failed:\n" + "\n----\n".join(logs[-1:] + logs[:1]))
+    """Run ranks 0 and 1 of ``scenario`` (:func:`_ranks.launch_ranks`); every process is gone when this returns."""
+    launch_ranks(WORKER, scenario, out, 2, TIMEOUT, **env)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -1,17 +1,15 @@
 """Runs that are quietly wrong across ranks (issue 45 items 5 and 6): DDP replicas whose weights part, and
-ranks that read the same batches. Each test launches ``_rank_sync_worker.py`` as 2 or 4 gloo processes on
-loopback (CPU) and reads back what every rank saw; the rule tests at the end need no process group."""
+ranks that read the same batches. Each test runs ``_rank_sync_worker.py`` as 2 or 4 gloo processes on
+loopback (CPU; forks of one start-up: ``_fork_ranks.py``) and reads back what every rank saw; the rule
+tests at the end need no process group."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _ranks import launch_ranks
 from trackdiag.capture.context import Component
 from trackdiag.capture.layers import LayerIndex
 from trackdiag.core.record import Record
@@ -23,30 +21,9 @@ EVERY, EDIT_AT, STEPS = 2, 5, 14  # as in the worker
 LOGGED = list(range(0, STEPS, EVERY))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario: str, out: Path, world: int) -> list[dict]:
-    """Run every rank of ``scenario``; every process is gone when this returns."""
-    out.mkdir(parents=True, exist_ok=True)
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
-            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env={**base, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode for p in procs):
-        pytest.fail("worker failed:\n" + "\n----\n".join(logs))
+    """Run every rank of ``scenario`` (:func:`_ranks.launch_ranks`); every process is gone when this returns."""
+    launch_ranks(WORKER, scenario, out, world, TIMEOUT)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
