@@ -18,23 +18,26 @@ switched off (trackdiag prints the run's link in the model-training view). It im
 (for a new store) creates its tables at normal priority, then lowers its priority (``nice`` +5)
 once the run exists: a worker niced from its start got ~10 % of a core on a busy machine and had
 not made its first call when training ended.
+
+A worker whose session closed cleanly is kept for the next session of the same process, directory and
+environment (:mod:`trackdiag.sinks.mlflow.pipe`): importing MLflow (~2 s of CPU, ~4 s with a new SQLite
+store's tables) is paid once per process instead of once per run.
 """
 from __future__ import annotations
 
 import gc
 import logging
 import os
-import pickle
 import signal
-import struct
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from trackdiag.sinks.mlflow.ops import is_permanent
+from trackdiag.sinks.mlflow.pipe import park, pool_key, receive, send, take
 from trackdiag.sinks.mlflow.run import NoRun
 
 
@@ -62,6 +65,16 @@ class ProcessRunner:
         # trackdiag prints the run's link itself, in the UI's model-training view (``_mlflow_note``)
         env.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         self.calls = 0  # MLflow calls the worker made so far
+        self._lock = threading.Lock()  # held while a request is in flight: only an idle worker is parked
+        self._key = pool_key(env)
+        parked = take(self._key)
+        if parked is not None:
+            self._proc = parked
+            try:
+                self._call({"init": state})
+                return
+            except ConnectionError:  # it died while parked: start a fresh one
+                pass
         # its own session: a terminal's Ctrl-C reaches the training process only (see the module doc)
         self._proc = subprocess.Popen(child_command("trackdiag.sinks.mlflow.worker"), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env=env, start_new_session=True)
@@ -79,10 +92,15 @@ class ProcessRunner:
         """One round trip for a whole group (see ``Runner.run_many``); the ops skipped."""
         return self._call({"ops": ops})
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def _call(self, msg: dict[str, Any]) -> dict[int, str]:
         try:
-            _send(self._proc.stdin, msg)  # type: ignore[arg-type]
-            reply = _receive(self._proc.stdout)  # type: ignore[arg-type]
+            with self._lock:
+                send(self._proc.stdin, msg)  # type: ignore[arg-type]
+                reply = receive(self._proc.stdout)  # type: ignore[arg-type]
         except (OSError, ValueError, EOFError) as exc:
             raise ConnectionError(f"MLflow worker process gone ({type(exc).__name__}: {exc}; "
                                   f"exit code {self._proc.poll()})") from None
@@ -95,10 +113,17 @@ class ProcessRunner:
         return dict(reply.get("refused") or {})
 
     def close(self, wait: float = 0.0) -> None:
-        """End the child: close its stdin (it exits on EOF: MLflow's own shutdown takes ~1 s, nobody
-        waits for that); with ``wait``, kill it if it has not exited after that many seconds."""
+        """Park the child for the next session (:func:`pipe.park`) when it is idle and alive; else end it:
+        close its stdin (it exits on EOF: MLflow's own shutdown takes ~1 s, nobody waits for that); with
+        ``wait``, kill it if it has not exited after that many seconds."""
+        if not wait and self._lock.acquire(blocking=False):  # no request in flight
+            try:
+                if park(self._key, self._proc):
+                    return
+            finally:
+                self._lock.release()
         try:
-            _send(self._proc.stdin, {"bye": True})  # type: ignore[arg-type]  # a goodbye: not killed
+            send(self._proc.stdin, {"bye": True})  # type: ignore[arg-type]  # a goodbye: not killed
         except (OSError, ValueError):
             pass
         try:
@@ -123,23 +148,6 @@ def child_command(module: str, *args: str) -> list[str]:
     never needs (it was a third of the worker's start-up on a busy machine)."""
     package = Path(__file__).resolve().parents[2]  # trackdiag/sinks/mlflow/worker.py -> trackdiag/
     return [sys.executable, "-c", _BOOT, str(package), module, *args]
-
-
-def _send(stream: IO[bytes], msg: Any) -> None:
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(struct.pack("<I", len(data)) + data)
-    stream.flush()
-
-
-def _receive(stream: IO[bytes]) -> Any:
-    head = stream.read(4)
-    if len(head) < 4:
-        raise EOFError("pipe closed")
-    (size,) = struct.unpack("<I", head)
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError("pipe closed mid-message")
-    return pickle.loads(data)
 
 
 _abandon_lock = threading.Lock()
@@ -201,7 +209,7 @@ def _serve() -> None:
     niced = False
     while True:
         try:
-            msg = _receive(sys.stdin.buffer)
+            msg = receive(sys.stdin.buffer)
         except EOFError:  # no goodbye: the parent died (a parent alive here closed us without one: not killed)
             time.sleep(0.2)
             if os.getppid() != ppid:
@@ -209,6 +217,11 @@ def _serve() -> None:
             return
         if msg.get("bye"):
             return
+        if msg.get("release"):  # the session closed: kept for the next one, holding no run
+            runner = None
+            holder[:] = []
+            send(proto, {"released": True})
+            continue
         if os.getppid() != ppid:  # the parent died with requests still in the pipe: make no new run for it
             _abandon(runner)
             return
@@ -230,7 +243,7 @@ def _serve() -> None:
                      "no_run": isinstance(exc, NoRun), "error_code": code if isinstance(code, str) else None,
                      "state": runner.state if runner else {}, "calls": runner.calls if runner else 0}
         try:
-            _send(proto, reply)
+            send(proto, reply)
         except OSError:  # the parent is gone mid-request (killed): nobody reads the reply
             time.sleep(0.2)
             if os.getppid() != ppid:
