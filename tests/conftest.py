@@ -70,15 +70,11 @@ def _close_sessions_left_open():
 
 
 #: modules whose module-scoped fixtures start something costly (a tracking server, PostgreSQL, a training
-#: run, a browser story) -> their xdist group: a group's tests go to one worker (``--dist loadgroup``) so it
-#: starts once. The two sweep modules share one group: their PostgreSQL + MLflow server is one per worker
-#: process (_sweeps.server_fixture), started once instead of on every worker that drew a sweep test (~30 s
-#: of waiting and ~10 s of CPU each); their four tests keep that worker busy ~6 minutes while the others
-#: compute (the Ray sweep runs its own, in a private network namespace).
-SHARED_FIXTURES: dict[str, str] = {m: m for m in (
-    "test_benchmarks", "test_compare", "test_delivery_server", "test_distributed", "test_hydra_app",
-    "test_lightning", "test_mlflow_sink", "test_plots", "test_view_screens", "test_view_story")}
-SHARED_FIXTURES.update(test_sweep_server="sweeps", test_sweep_faults="sweeps")
+#: run, a browser story): their tests go to one xdist worker (``--dist loadgroup``) so it starts once
+SHARED_FIXTURES = {"test_benchmarks", "test_compare", "test_delivery_server", "test_distributed", "test_hydra_app",
+                   "test_lightning", "test_mlflow_sink", "test_plots", "test_view_screens", "test_view_story"}
+# The sweep modules are not grouped: their PostgreSQL + MLflow server is shared by every sweep test of a worker
+# process (_sweeps.server_fixture), and their five tests (80-180 s each) would keep one worker busy for 9 minutes.
 
 #: the costliest tests (a node id or its prefix: a module, or a test and all its parameters) and their seconds
 #: on one worker of a full run on the 2-core VM (--durations=0: a quiet run's, or a busy run's x0.4). They start
@@ -87,9 +83,11 @@ SHARED_FIXTURES.update(test_sweep_server="sweeps", test_sweep_faults="sweeps")
 #: the other idles; a module's figure is the whole module's when it is a group (one scope), each test's when not.
 #: The rest follows in file order. A guess is enough: the order matters, not the figures.
 COSTLY: dict[str, float] = {
-    "tests/test_sweep_server.py": 420,  # the "sweeps" group, both modules: ~420 s in all on one worker
-    "tests/test_sweep_faults.py": 420,
+    "tests/test_sweep_server.py::test_16_parallel_jobs_one_parent_every_point_true_statuses[joblib]": 210,
     "tests/test_sweep_ray.py": 175,
+    "tests/test_sweep_server.py::test_16_parallel_jobs_one_parent_every_point_true_statuses[submitit_local]": 165,
+    "tests/test_sweep_faults.py::test_server_restarted_mid_sweep_loses_nothing": 120,
+    "tests/test_sweep_faults.py::test_killed_job_is_killed_others_unaffected": 110,
     "tests/test_compare.py": 100,
     "tests/test_hydra_app.py": 90,
     "tests/test_view_story.py": 90,
@@ -126,16 +124,15 @@ def cost(nodeid: str) -> float:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one worker per core, plus two. About a quarter of the suite's test time is spent waiting, not
+    """``-n auto``: one worker per core, plus one. About a quarter of the suite's test time is spent waiting, not
     computing (Ray and MLflow servers starting, a sweep's jobs polled, a delay proxy, Hydra's launchers
     waiting on their jobs: 660 of 2,640 test-seconds in the last 2-worker run), and a worker that waits
-    leaves its core idle. A quiet run on 2 cores with 3 workers still used 1.53 cores on average (1,902 CPU-s in
-    1,246 s); 4 fill more of the waits."""
+    leaves its core idle; a third worker on 2 cores fills it."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return cores + 2
+    return cores + 1
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -143,8 +140,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
         if module in SHARED_FIXTURES:
-            item.add_marker(pytest.mark.xdist_group(SHARED_FIXTURES[module]))
-            groups[item.nodeid] = SHARED_FIXTURES[module]
+            item.add_marker(pytest.mark.xdist_group(module))
+            groups[item.nodeid] = module
     # costliest scope first (a group is one scope: its tests stay together, in file order); stable for the rest
     scope_cost: dict[str, float] = {}
     for item in items:

@@ -29,10 +29,10 @@ def test_the_costliest_scopes_come_first() -> None:
     module = lambda nodeid: nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")  # noqa: E731
     scopes: list[str] = []  # xdist's work units in collection order: a group is one, any other test is one
     for nodeid in ids:
-        scope = SHARED_FIXTURES.get(module(nodeid), nodeid)
+        scope = module(nodeid) if module(nodeid) in SHARED_FIXTURES else nodeid
         if not scopes or scopes[-1] != scope:
             assert scope not in scopes, f"{scope}: a group's tests are split in the collection"
             scopes.append(scope)
-    costs = [max(cost(i) for i in ids if SHARED_FIXTURES.get(module(i), i) == s) for s in scopes]
+    costs = [max(cost(i) for i in ids if (module(i) if module(i) in SHARED_FIXTURES else i) == s) for s in scopes]
     assert costs == sorted(costs, reverse=True), list(zip(scopes, costs))[:40]
     assert costs[0] >= 150 and costs[-1] == 0
