@@ -107,6 +107,7 @@ class ProbeContext:
     quiet_from: int = 0
     quiet_until: int = 0
     planned: frozenset[int] = frozenset()
+    planned_refs: tuple[Any, ...] = ()  # the schedules themselves: alive while planned, so no id is reused
 
     def is_due(self, schedule: Callable[[int], bool]) -> bool:
         """Whether ``schedule`` fires at the step in progress, or the step is in an anomaly window. Between logging

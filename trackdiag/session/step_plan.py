@@ -75,7 +75,8 @@ class StepPlan:
             ctx.quiet_until = 0
             ctx.quiet_from = since
             # every enabled probe's schedule: equal to one of ``_schedules`` (those are deduplicated by equality)
-            ctx.planned = frozenset(id(p.schedule) for p in self.__dict__.get("probes", ()) if p.enabled) if until else frozenset()
+            refs = tuple(p.schedule for p in self.__dict__.get("probes", ()) if p.enabled) if until else ()
+            ctx.planned_refs, ctx.planned = refs, frozenset(map(id, refs))
             ctx.quiet_until = until
 
     def _replan(self) -> None:
