@@ -35,7 +35,8 @@ from typing import Callable
 import torch
 
 from trackdiag.capture.context import Component, ProbeContext
-from trackdiag.capture.grad_records import GradView, Pass, Tap, plain_tap, sentinel_norm, totals
+from trackdiag.capture.grad_records import (GradView, Pass, Tap, foreach_norms, plain_tap, sentinel_norm, sentinel_raw,
+                                            totals)
 from trackdiag.capture.tap_hooks import TAP_QUEUE, CompTap, firing, pick_sentinel
 from trackdiag.util.norms import global_norm, grad_norms, max_abs
 
@@ -186,8 +187,7 @@ class GradTap:
             parts = None
             if idx.foreach or detail:
                 try:
-                    parts = torch._foreach_norm(grads, 2, dtype=torch.float32) if idx.low_precision else \
-                        torch._foreach_norm(grads)
+                    parts = foreach_norms(grads, idx.low_precision)
                 except (RuntimeError, NotImplementedError):  # sparse or mixed gradients: the per-tensor way
                     parts = None
             total = norms = None
@@ -199,11 +199,7 @@ class GradTap:
             elif parts is None:
                 norms = grad_norms(grads, idx.low_precision) if detail or several else None
                 total = torch.linalg.vector_norm(norms) if norms is not None else global_norm(grads, idx.low_precision)
-            raw = None
-            if sentinel is not None and sentinel.grad is not None:
-                at = idx.position(sentinel) if parts is not None else None
-                raw = parts[at] if at is not None and grads[at] is sentinel.grad else sentinel_norm(sentinel.grad)
-                raw = raw if raw.dtype is torch.float32 else raw.float()
+            raw = None if sentinel is None or sentinel.grad is None else sentinel_raw(comp, grads, parts, sentinel)
             top = max_abs(grads) if detail else None
             if scale is not None:
                 total = total / scale if total is not None else None

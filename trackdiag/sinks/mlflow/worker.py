@@ -92,10 +92,6 @@ class ProcessRunner:
         """One round trip for a whole group (see ``Runner.run_many``); the ops skipped."""
         return self._call({"ops": ops})
 
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
     def _call(self, msg: dict[str, Any]) -> dict[int, str]:
         try:
             with self._lock:
