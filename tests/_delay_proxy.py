@@ -7,7 +7,10 @@ group and kill the group)::
 
 Every request waits ``delay`` seconds, is forwarded to ``upstream`` (same method, path, headers,
 body) and its answer is returned as is. With ``--log``, one line per request (``METHOD path``) is
-appended to FILE with its arrival time, so callers can count round trips. Only 127.0.0.1 is ever bound or reached.
+appended to FILE with its arrival time, so callers can count round trips. With ``--lose-first PART``,
+the first request whose path contains PART reaches upstream but its answer is replaced by a 503 (a
+server whose answer timed out at a load balancer after the work was done). Only 127.0.0.1 is ever
+bound or reached.
 """
 from __future__ import annotations
 
@@ -25,10 +28,12 @@ from pathlib import Path
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"}
 
 
-def make_handler(upstream: str, delay: float, log: str | None) -> type[http.server.BaseHTTPRequestHandler]:
+def make_handler(upstream: str, delay: float, log: str | None,
+                 lose_first: str | None = None) -> type[http.server.BaseHTTPRequestHandler]:
     """A request handler class forwarding to ``upstream`` after ``delay`` seconds."""
     target = urllib.parse.urlsplit(upstream)
     lock = threading.Lock()
+    to_lose = [lose_first] if lose_first else []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -51,6 +56,13 @@ def make_handler(upstream: str, delay: float, log: str | None) -> type[http.serv
                 return
             finally:
                 conn.close()
+            with lock:
+                lost = bool(to_lose) and to_lose[0] in self.path
+                if lost:
+                    to_lose.clear()
+            if lost:
+                self.send_error(503, "answer lost on the way back")
+                return
             self.send_response(resp.status, resp.reason)
             for k, v in resp.getheaders():
                 if k.lower() not in _HOP and k.lower() != "content-length":
@@ -70,8 +82,10 @@ def make_handler(upstream: str, delay: float, log: str | None) -> type[http.serv
 class DelayProxy:
     """Starts this file as a process in its own group; ``uri`` is the proxied address."""
 
-    def __init__(self, upstream: str, port: int, delay: float, log: Path | None = None) -> None:
+    def __init__(self, upstream: str, port: int, delay: float, log: Path | None = None,
+                 lose_first: str | None = None) -> None:
         self.upstream, self.port, self.delay, self.log = upstream, port, delay, log
+        self.lose_first = lose_first
         self.uri = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -80,6 +94,8 @@ class DelayProxy:
                "--delay", str(self.delay)]
         if self.log is not None:
             cmd += ["--log", str(self.log)]
+        if self.lose_first:
+            cmd += ["--lose-first", self.lose_first]
         self.proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         t0 = time.monotonic()
         while time.monotonic() - t0 < 30:
@@ -118,8 +134,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--delay", type=float, default=0.15)
     ap.add_argument("--log", default=None)
+    ap.add_argument("--lose-first", default=None)
     args = ap.parse_args()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(args.upstream, args.delay, args.log))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port),
+                                             make_handler(args.upstream, args.delay, args.log, args.lose_first))
     server.daemon_threads = True
     server.serve_forever()
 

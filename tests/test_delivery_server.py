@@ -221,3 +221,36 @@ def test_leftover_spools_are_delivered_by_the_next_session(server: MlflowServer,
     assert run.info.status == "FINISHED" and run.data.tags["trackdiag.status"] == "FINISHED"
     _all_points_in_mlflow(client, run.info.run_id, first.run.output_dir)
     assert runs["second"].info.status == "FINISHED"
+
+
+@pytest.mark.parametrize("retries", ["2", "0"], ids=["mlflow_retries", "trackdiag_retries"])
+def test_a_create_run_whose_answer_was_lost_leaves_one_run(server: MlflowServer, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, retries: str) -> None:
+    """The server creates the run but its answer is lost (a 503 instead): MLflow's HTTP client retries
+    the POST itself (``retries=2``), or with its retries off the sink's deliverer tries the run's set-up
+    again (``0``). Either way the store ends with one live run, holding every point, and no twin."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", retries)
+    proxy = DelayProxy(server.uri, free_port(), 0.0, log=tmp_path / "proxy.log", lose_first="runs/create")
+    proxy.start()
+    try:
+        diag, model, opt = _session(tmp_path, proxy.uri, f"lost-{retries}", retry_backoff=0.2)
+        with diag:
+            train(diag, model, opt, range(10))
+        creates = [r for r in proxy.requests() if "runs/create" in r]
+    finally:
+        proxy.stop()
+    # MLflow's client sends the POST again itself; the deliverer first looks the session's run up, finds it, uses it
+    assert len(creates) == (2 if retries == "2" else 1), creates
+    client = MlflowClient(server.uri)
+    eid = client.get_experiment_by_name("delivery").experiment_id
+    live = client.search_runs([eid], f"attributes.run_name = 'lost-{retries}'")
+    assert len(live) == 1, [r.info.run_id for r in live]
+    [run] = live
+    assert run.info.status == "FINISHED"
+    _all_points_in_mlflow(client, run.info.run_id, diag.run.output_dir)
+    made = client.search_runs([eid], f"attributes.run_name = 'lost-{retries}'", run_view_type=3)  # ViewType.ALL
+    if retries == "2":  # MLflow's retry made the twin: deleted
+        assert len(made) == 2 and sum(r.info.lifecycle_stage == "deleted" for r in made) == 1
+    else:  # the deliverer found the first one and used it: no twin was made
+        assert len(made) == 1, [r.info.run_id for r in made]

@@ -14,7 +14,7 @@ from typing import Any
 
 from trackdiag.sinks.mlflow.note import fill_note
 from trackdiag.sinks.mlflow.ops import KeyMap
-from trackdiag.sinks.mlflow.store import default_artifact_location
+from trackdiag.sinks.mlflow.store import default_artifact_location, is_remote
 from trackdiag.sinks.mlflow.sweep import (  # noqa: F401 (re-exported)
     PARENT_TAG,
     ROLE_TAG,
@@ -27,6 +27,7 @@ from trackdiag.sinks.mlflow.upload import Collected, send_batches, upload
 
 log = logging.getLogger("trackdiag")
 
+SESSION_TAG = "trackdiag.session"   # one id per session: a run created twice by retried requests is found by it
 KIND_TAG = "mlflow.experimentKind"   # the MLflow 3 UI's view: "Model training" for this value
 KIND = "custom_model_development"
 
@@ -41,10 +42,11 @@ class Runner:
     parent run); ``open`` fills them in. ``calls``: MLflow calls made. ``ended``: the run's end
     was sent (see :meth:`abandon`)."""
 
-    def __init__(self, state: dict[str, Any]) -> None:
+    def __init__(self, state: dict[str, Any], *, resumed: bool = False) -> None:
         from mlflow import MlflowClient  # lazy: importing mlflow costs ~2 s
 
         self.state = state
+        self.resumed = resumed  # delivering a spool another process left: it may have made the run already
         self.client = MlflowClient(tracking_uri=state["tracking_uri"])
         self.known_params: set[str] | None = None  # params already on the run (None: not read yet)
         self.keys = KeyMap()  # metric/image keys -> MLflow keys (see _mlflow_ops.sanitize_key)
@@ -107,11 +109,36 @@ class Runner:
         tags = {**run_tags(spec.get("source")), **(spec.get("tags") or {})}  # the run is never seen without them
         if parent:
             tags[PARENT_TAG] = parent
-        self.calls += 1
-        run = self.client.create_run(eid, start_time=spec.get("start_ms"), tags=tags, run_name=spec["run_name"])
-        self.known_params = set()  # a run made here has no params yet: no get_run before the first batch
+        session = tags.get(SESSION_TAG)
+        remote = is_remote(self.state["tracking_uri"])
+        made = self._session_runs(eid, session) if session and (remote or self.resumed) else []
+        if made:  # an earlier try's create_run reached the store but its answer did not come back
+            run, self.known_params = made[0], None
+        else:
+            self.calls += 1
+            run = self.client.create_run(eid, start_time=spec.get("start_ms"), tags=tags, run_name=spec["run_name"])
+            self.known_params = set()  # a run made here has no params yet: no get_run before the first batch
+            if session and remote:
+                self._drop_twins(eid, session, run.info.run_id)
         self.state.update(run_id=run.info.run_id, owns_run=True, parent_run_id=parent, experiment_id=eid,
                           sweep_managed=bool(spec.get("sweep_managed")))
+
+    def _session_runs(self, experiment_id: str, session: str) -> list[Any]:
+        """The live runs this session made in ``experiment_id``, earliest first. One call."""
+        self.calls += 1
+        found = self.client.search_runs([experiment_id], f"tags.`{SESSION_TAG}` = '{session}'", max_results=10)
+        return sorted(found, key=lambda r: (r.info.start_time or 0, r.info.run_id))
+
+    def _drop_twins(self, experiment_id: str, session: str, keep: str) -> None:
+        """Delete the other runs one ``create_run`` made: MLflow's HTTP client retries a POST whose
+        answer timed out or came back 5xx, and the first try may have created its run already (a
+        slow server under a sweep's load). Those twins are empty: nothing but this call knew them."""
+        for twin in self._session_runs(experiment_id, session):
+            if twin.info.run_id != keep:
+                self.calls += 1
+                self.client.delete_run(twin.info.run_id)
+                log.info("trackdiag: deleted MLflow run %s, an empty twin of %s made by a retried request",
+                         twin.info.run_id, keep)
 
     def _experiment(self, name: str, artifact_location: str | None) -> str:
         """The experiment's id, created if needed with ``mlflow.experimentKind`` =

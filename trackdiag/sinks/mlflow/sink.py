@@ -33,6 +33,7 @@ import importlib.util
 import logging
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from trackdiag.sinks.mlflow.leftovers import launch, output_root, stop
 from trackdiag.sinks.mlflow.media import artifact_dir, file_op, histogram_ops, to_yaml
 from trackdiag.sinks.mlflow.note import NOTE_TAG, closing_lines, kinds_of, run_note
 from trackdiag.sinks.mlflow.ops import MAX_METRICS, flatten, pair_ops, user_params
-from trackdiag.sinks.mlflow.run import SWEEP_TAG, Runner
+from trackdiag.sinks.mlflow.run import SESSION_TAG, SWEEP_TAG, Runner
 from trackdiag.sinks.mlflow.spool import Spool
 from trackdiag.sinks.mlflow.store import (
     absolute_sqlite,
@@ -155,7 +156,8 @@ class MlflowSink(Sink):
                                   max_memory_ops=self.max_memory_batches, on_open=leftovers,
                                   runner_factory=ProcessRunner if self.delivery == "process" else Runner)
         tags = {"trackdiag.level": run.level, "trackdiag.version": __version__, "trackdiag.run_dir": str(run.output_dir),
-                "trackdiag.run_name": run.name, "trackdiag.components": ",".join(run.components)}
+                "trackdiag.run_name": run.name, "trackdiag.components": ",".join(run.components),
+                SESSION_TAG: uuid.uuid4().hex}
         if run.group:
             tags.update({SWEEP_TAG: run.group, "trackdiag.job_num": str(run.job_num)})
         # set when the run is created as well: a job killed between the run's creation and the next call to the

@@ -228,7 +228,7 @@ def drain(spool: Spool, tracking_uri: str | None = None,
                 return done, spool.counts()[0], "stopped", refusals
             j = group_end(ops, i)
             try:
-                runner = runner or Runner(state)
+                runner = runner or Runner(state, resumed=True)
             except Exception as exc:
                 spool.write(spool.seq_of(seg), ops[i:], state)
                 return done, spool.counts()[0], f"{type(exc).__name__}: {exc}", refusals

@@ -59,6 +59,12 @@ def default_artifact_location(tracking_uri: str, cwd: Path, experiment: str) -> 
     return (base.resolve() / "mlartifacts" / sanitize_key(experiment).replace("/", "_")).as_uri()
 
 
+def is_remote(tracking_uri: str) -> bool:
+    """Whether the store is reached over HTTP (a tracking server, Databricks), where MLflow's client
+    retries requests whose answer was lost."""
+    return tracking_uri.startswith(("http://", "https://", "databricks"))
+
+
 def health_url(tracking_uri: str) -> str | None:
     """``<server>/health`` for an http(s) tracking URI, else None (local stores need no probe)."""
     if tracking_uri.startswith(("http://", "https://")):
