@@ -450,6 +450,29 @@ def test_memory_phases_cuda(tmp_path):
     assert all(not m._forward_hooks for m in model.modules())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory counters need a GPU")
+def test_memory_probe_cuda_counters_are_torch_cuda_s(tmp_path):
+    """The memory probe reads the allocator's counters once per logging step (one ``memory_stats``): each value is
+    what ``torch.cuda.memory_allocated`` and its siblings say at that moment, and the peak is reset after."""
+    from types import SimpleNamespace
+
+    model = mlp(hidden=1024).cuda()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    train(session(model, opt, tmp_path, every=2), model, opt, ((x.cuda(), y.cuda()) for x, y in batches(3, 512)))
+    dev = next(model.parameters()).device
+    spike = torch.empty(64 * 2**20, dtype=torch.uint8, device=dev)  # a peak above what stays allocated
+    del spike
+    want = {"cuda_allocated_mb": torch.cuda.memory_allocated(dev) / 2**20,
+            "cuda_reserved_mb": torch.cuda.memory_reserved(dev) / 2**20,
+            "cuda_peak_mb": torch.cuda.max_memory_allocated(dev) / 2**20,
+            "cuda_peak_frac": torch.cuda.max_memory_reserved(dev) / torch.cuda.mem_get_info(dev)[1]}
+    ctx = SimpleNamespace(components=[SimpleNamespace(index=SimpleNamespace(params=list(model.parameters())))])
+    got = memory_probe.MemoryProbe().collect(ctx)
+    assert {k: got[f"diag/mem/{k}"] for k in want} == pytest.approx(want)
+    assert want["cuda_peak_mb"] >= want["cuda_allocated_mb"] + 63
+    assert torch.cuda.max_memory_allocated(dev) == torch.cuda.memory_allocated(dev)  # reset for the next window
+
+
 # ---------------------------------------------------------------- pre-flight
 class Detached(nn.Module):
     def __init__(self) -> None:
