@@ -1,0 +1,126 @@
+"""A classification loss given the wrong form of scores (``softmax_before_ce``, ``nll_without_log_softmax``).
+
+Planted: a model ending in ``nn.Softmax`` trained with ``F.cross_entropy`` (a flat classifier, a sequence model with
+padding targets -100, a segmentation head), ``F.nll_loss`` on raw logits and on probabilities. Each is found at the
+first step, critical; the cross-entropy and NLL the record keeps equal ``torch.nn.functional``'s on the same scores.
+Healthy twins: logits with cross-entropy, ``log_softmax`` with ``nll_loss``, cross-entropy with label smoothing,
+class weights or the loss computed from another tensor: measured (3 checks) and silent. Out-of-range labels never
+make the probe read an index out of range (``label_range`` says them).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import trackdiag
+from _harness import one_thread
+from trackdiag.core.record import read_records
+
+OFF = {"report": {"enabled": False}, "histograms": {"enabled": False}, "landscape": {"enabled": False}}
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _classify(tmp_path, loss_fn: Loss, *, softmax: bool = False, shape: str = "flat", steps: int = 60,
+              level: str = "basic", bad_label: bool = False):
+    """Digits-like data with 10 classes; ``shape``: ``flat`` (N, C) / (N,), ``seq`` (B, T, C) / (B, T) with -100
+    padding, ``seg`` (N, C, H, W) / (N, H, W). ``softmax``: the model ends in a softmax over the classes."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    protos = torch.randn(10, 16, generator=gen)
+    body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
+    model = nn.Sequential(body, nn.Softmax(dim=-1)) if softmax else body
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    first = None
+    with one_thread(), trackdiag.Diagnostics(model, opt, level=level, every=10, sinks=["local"],
+                                             output_dir=str(tmp_path), probes=OFF) as diag:
+        for step in range(steps):
+            lead = (64,) if shape == "flat" else (8, 12) if shape == "seq" else (4, 5, 6)
+            y = torch.randint(0, 10, lead, generator=gen)
+            x = protos[y] + 0.5 * torch.randn(*lead, 16, generator=gen)
+            if shape == "seq":
+                y[:, -3:] = -100  # padding
+            if bad_label and step == 0:
+                y.view(-1)[0] = 10
+            out = model(x)
+            if shape == "seg":
+                out = out.permute(0, 3, 1, 2)  # (N, C, H, W)
+            loss = loss_fn(out.reshape(-1, 10) if shape == "seq" else out, y.reshape(-1) if shape == "seq" else y)
+            if first is None:
+                first = (out.detach().clone(), y.clone(), loss.detach().clone())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=out, batch=(x, y))
+    return diag, first
+
+
+def _kept(tmp_path) -> dict[str, float]:
+    found = [r.tables["diag/data/loss_form"] for r in read_records(tmp_path) if "diag/data/loss_form" in r.tables]
+    return found[0] if found else {}
+
+
+def _loud(diag) -> list:
+    return [(a.kind, a.step, a.severity) for a in diag.alerts if a.severity != "info"]
+
+
+@pytest.mark.parametrize("shape", ["flat", "seq", "seg"])
+def test_softmax_before_cross_entropy_is_found(tmp_path, shape: str) -> None:
+    diag, (out, y, loss) = _classify(tmp_path, F.cross_entropy, softmax=True, shape=shape)
+    got = [a for a in diag.alerts if a.kind == "softmax_before_ce"]
+    assert [(a.step, a.severity, a.where) for a in got] == [(0, "critical", "loss")], _loud(diag)
+    assert "already probabilities" in got[0].message
+    kept = _kept(tmp_path)
+    flat_out = out.movedim(1, -1).reshape(-1, 10) if shape == "seg" else out.reshape(-1, 10)
+    flat_y = y.reshape(-1)
+    assert kept["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    assert kept["ce"] == pytest.approx(F.cross_entropy(flat_out.double(), flat_y).item(), rel=1e-9)
+    assert kept["nll"] == pytest.approx(F.nll_loss(flat_out.double(), flat_y).item(), rel=1e-9)
+    assert kept["targets"] == int((flat_y >= 0).sum())
+
+
+@pytest.mark.parametrize("probabilities", [False, True], ids=["raw_logits", "probabilities"])
+def test_nll_loss_without_log_softmax_is_found(tmp_path, probabilities: bool) -> None:
+    diag, (out, y, loss) = _classify(tmp_path, F.nll_loss, softmax=probabilities)
+    got = [a for a in diag.alerts if a.kind == "nll_without_log_softmax"]
+    assert [(a.step, a.severity) for a in got] == [(0, "critical")], _loud(diag)
+    assert ("probabilities" if probabilities else "raw scores") in got[0].message
+    assert _kept(tmp_path)["nll"] == pytest.approx(F.nll_loss(out.double(), y).item(), rel=1e-9)
+    assert not [a for a in diag.alerts if a.kind == "softmax_before_ce"]
+
+
+HEALTHY: dict[str, Loss] = {
+    "cross_entropy": F.cross_entropy,
+    "log_softmax_nll": lambda o, y: F.nll_loss(F.log_softmax(o, dim=1), y),
+    "label_smoothing": lambda o, y: F.cross_entropy(o, y, label_smoothing=0.1),
+    "class_weights": lambda o, y: F.cross_entropy(o, y, weight=torch.linspace(0.5, 1.5, 10)),
+    "summed": lambda o, y: F.cross_entropy(o, y, reduction="sum"),
+}
+
+
+@pytest.mark.parametrize("name", list(HEALTHY))
+def test_healthy_classification_losses_are_measured_and_silent(tmp_path, name: str) -> None:
+    diag, _ = _classify(tmp_path, HEALTHY[name], steps=40)
+    assert not [a for a in diag.alerts if a.kind in ("softmax_before_ce", "nll_without_log_softmax")], _loud(diag)
+    assert max(r.scalars.get("diag/data/loss_form_checks", 0) for r in read_records(tmp_path)) == 3
+
+
+def test_log_softmax_model_with_nll_and_padding_is_silent(tmp_path) -> None:
+    """A model returning log-probabilities (``log_softmax`` as its last op, as the PyTorch MNIST example does), NLL with
+    -100 padding: the rows' log-sum-exp is 0, nothing said."""
+    loss = lambda o, y: F.nll_loss(F.log_softmax(o, dim=-1), y)  # noqa: E731
+    diag, _ = _classify(tmp_path, loss, shape="seq", steps=40)
+    assert not [a for a in diag.alerts if a.kind in ("softmax_before_ce", "nll_without_log_softmax")], _loud(diag)
+    assert _kept(tmp_path)["logsumexp"] > 1e-2  # the scores handed over were logits: the loss is not their NLL
+
+
+def test_an_out_of_range_label_is_not_read(tmp_path) -> None:
+    """A label equal to the class count at the first step: the probe leaves it out (no IndexError), label_range says it."""
+    diag, _ = _classify(tmp_path, lambda o, t: F.cross_entropy(o, t.clamp(max=9)), bad_label=True, steps=20,
+                        level="advanced")
+    assert [a.step for a in diag.alerts if a.kind == "label_range"] == [0], _loud(diag)
+    assert _kept(tmp_path)["targets"] == 63
+    assert not [a for a in diag.alerts if a.kind in ("softmax_before_ce", "nll_without_log_softmax")]

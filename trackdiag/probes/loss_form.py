@@ -1,0 +1,111 @@
+"""``loss_form``: a classification loss given the wrong form of scores: cross-entropy on probabilities (a softmax
+already applied: ``nn.Softmax`` at the end of the model, then ``nn.CrossEntropyLoss``, which applies its own), and
+``nll_loss`` on scores that are not log-probabilities (raw logits, or probabilities: ``log_softmax`` forgotten).
+
+Neither crashes. Cross-entropy on probabilities squeezes every logit into [0, 1]: the loss cannot fall below
+``log(1 + (C - 1) / e)`` (1.46 for 10 classes) and the gradients shrink by the softmax's slope, so a model that should
+reach ~0 stalls high. ``nll_loss`` on raw scores is minimised by growing the target's score without bound (the loss
+runs below zero); on probabilities it saturates at -1.
+
+The probe reads the class scores and integer targets handed to ``step(loss, outputs=..., batch=...)`` (the shapes
+``data_labels`` pairs: ``(N, C)`` with ``(N,)``, ``(B, T, C)`` with ``(B, T)``, ``(N, C, H, W)`` with ``(N, H, W)``;
+options ``target`` and ``output`` as there). On at most ``checks`` (3) steps of the first ``steps`` (200), one per
+logging window, it computes in float64 the cross-entropy and the negative log-likelihood of those scores as they
+are (targets outside ``[0, C)``, padding included, left out as ``ignore_index`` leaves them; no index is read out
+of range), how far the score rows are from a probability simplex and from log-probabilities, beside the step's
+loss. The rules compare them on the host: a loop that computes its loss from other tensors, with class weights or
+label smoothing, matches neither and is never judged.
+
+Emits ``diag/data/loss_form_checks`` at every logging step and, after a measured step, the table
+``diag/data/loss_form``: ``step``, ``loss``, ``ce`` and ``nll`` (means over the counted targets), ``targets`` (their
+number), ``simplex`` (the largest distance of a row's sum from 1; negative scores make it large: ``min`` is kept
+too), ``min`` (the smallest score), ``logsumexp`` (the mean absolute log-sum-exp of the rows: 0 for
+log-probabilities), ``eps`` (the loss dtype's machine epsilon).
+
+Cost: host checks per step for the first ``steps`` steps; ~12 device ops on at most ``checks`` steps.
+"""
+from __future__ import annotations
+
+import math
+import numpy as np
+import torch
+
+from trackdiag.capture.context import ProbeContext, StepInputs
+from trackdiag.core.record import Record
+from trackdiag.probes.base import Probe
+from trackdiag.util.tensors import class_dim, logits_of, targets_of
+
+
+class LossFormProbe(Probe):
+    """See module docstring. Args: ``target`` / ``output`` as for ``data_labels``; ``steps`` how many steps to look,
+    ``checks`` how many steps to measure."""
+
+    name = "loss_form"
+    always_collect = True
+
+    def __init__(self, *, enabled: bool = True, every: int | None = None, target: int | str | None = None,
+                 output: int | str | None = None, steps: int = 200, checks: int = 3) -> None:
+        super().__init__(enabled=enabled, every=every)
+        self.target, self.output, self.steps, self.checks = target, output, steps, checks
+        self._measured = 0
+        self._held: tuple[int, torch.Tensor, float] | None = None
+        self._taken: tuple[int, float] | None = None
+
+    def quiet(self, ctx: ProbeContext) -> bool:
+        return self._measured >= self.checks or ctx.step >= self.steps
+
+    def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        if self._held is not None or self.quiet(ctx) or inputs.outputs is None or inputs.batch is None \
+                or len(inputs.losses) != 1:
+            return
+        loss = next(iter(inputs.losses.values()))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            return
+        t = targets_of(inputs.batch, self.target)
+        z = logits_of(inputs.outputs, self.output) if t is not None else None
+        dim = class_dim(z, t) if z is not None and t is not None else None
+        if dim is None or z is None or t is None or t.numel() == 0 or z.shape[dim] < 2 or z.device != t.device:
+            return
+        with torch.no_grad():
+            values = measure(z, t, dim, loss)
+        self._measured += 1
+        self._held = (ctx.step, values, float(torch.finfo(loss.dtype).eps))
+
+    def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
+        out: dict[str, torch.Tensor | float] = {"checks": float(self._measured)}
+        self._taken = None
+        if self._held is not None:
+            step, values, eps = self._held
+            self._held, self._taken = None, (step, eps)
+            out["values"] = values
+        return out
+
+    def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
+        record.scalars["diag/data/loss_form_checks"] = float(self._measured)
+        got = values.get("values")
+        if got is None or self._taken is None:
+            return
+        step, eps = self._taken
+        loss, ce, nll, n, simplex, low, lse = (float(v) for v in got.reshape(-1))
+        if math.isfinite(loss) and n > 0:
+            record.tables["diag/data/loss_form"] = {"step": float(step), "loss": loss, "ce": ce, "nll": nll,
+                                                    "targets": n, "simplex": simplex, "min": low, "logsumexp": lse,
+                                                    "eps": eps}
+
+
+def measure(z: torch.Tensor, t: torch.Tensor, dim: int, loss: torch.Tensor) -> torch.Tensor:
+    """``[loss, CE, NLL, counted targets, max |row sum - 1|, min score, mean |row logsumexp|]``, one device vector
+    (float64 where the device has it: beside the loss's own rounding the recomputed values are exact)."""
+    wide = torch.float64 if z.device.type in ("cpu", "cuda") else torch.float32
+    c = z.shape[dim]
+    rows = z.detach().to(wide).movedim(dim, -1).reshape(-1, c)
+    flat = t.reshape(-1)
+    counted = (flat >= 0) & (flat < c)
+    picked = rows.gather(1, flat.clamp(0, c - 1).unsqueeze(1)).squeeze(1)
+    lse = torch.logsumexp(rows, 1)
+    n = counted.sum()
+    keep = counted.to(wide)
+    denom = n.clamp(min=1).to(wide)
+    return torch.stack([loss.detach().to(wide).reshape(()), ((lse - picked) * keep).sum() / denom,
+                        (-picked * keep).sum() / denom, n.to(wide), (rows.sum(1) - 1).abs().max(), rows.min(),
+                        lse.abs().mean()])

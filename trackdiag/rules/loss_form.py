@@ -1,0 +1,94 @@
+"""``softmax_before_ce``, ``nll_without_log_softmax``: a classification loss given the wrong form of scores (keys of
+the ``loss_form`` probe: its table holds the step's loss beside the cross-entropy and the NLL of the scores handed
+to ``step()``, and how far those are from probabilities and from log-probabilities)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
+from trackdiag.rules.base import Rule
+
+TABLE = "diag/data/loss_form"
+
+
+def matches(loss: float, value: float, count: float, eps: float) -> bool:
+    """Whether ``loss`` is ``value`` (a mean over ``count`` targets) or its sum, to within 64 ulps of the loss's
+    dtype (the probe recomputes in float64: the loss's own rounding is all there is to allow for)."""
+    for v in (value, value * count):
+        if math.isfinite(v) and abs(loss - v) <= 64 * eps * max(abs(loss), abs(v)) + 1e-30:
+            return True
+    return False
+
+
+class _Once(Rule):
+    """Fires once per run, at the measured step (the scores' form is the model's and the loss's, from the start)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._fired = False
+
+    def found(self, table: dict[str, float]) -> bool:  # noqa: D102 - see subclasses
+        raise NotImplementedError
+
+    def say(self, table: dict[str, float]) -> str:  # noqa: D102 - see subclasses
+        raise NotImplementedError
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        table = record.tables.get(TABLE)
+        if self._fired or not table or not self.found(table):
+            return []
+        self._fired = True
+        return [self.make(int(table["step"]), self.say(table), table["loss"], table["ce"], "loss",
+                          ["unambiguous", "loss"])]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fired": self._fired}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._fired = bool(state.get("fired", False))
+
+
+class SoftmaxBeforeCE(_Once):
+    """The step's loss is the cross-entropy of scores that are probabilities (every row non-negative and summing to
+    1): a softmax applied before ``CrossEntropyLoss``/``F.cross_entropy``, which applies its own. The loss cannot
+    fall below ``log(1 + (C - 1) / e)`` and learning crawls. Critical (``unambiguous``, ``loss``)."""
+
+    kind = "softmax_before_ce"
+    hint = ("CrossEntropyLoss takes raw logits: remove the final nn.Softmax / F.softmax from the model (apply it only "
+            "for predictions, e.g. probs = logits.softmax(-1) at evaluation), or use F.nll_loss(torch.log(probs)) if "
+            "the model must output probabilities.")
+
+    def found(self, table: dict[str, float]) -> bool:
+        n, eps = table["targets"], table["eps"]
+        return (table["min"] >= 0 and table["simplex"] <= 1e-3 and matches(table["loss"], table["ce"], n, eps)
+                and not matches(table["loss"], table["nll"], n, eps))
+
+    def say(self, table: dict[str, float]) -> str:
+        return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is the cross-entropy of outputs that are "
+                f"already probabilities (each row sums to 1): a softmax was applied before the cross-entropy, which "
+                f"applies its own, so the loss cannot approach 0 and the gradients are flattened.")
+
+
+class NllWithoutLogSoftmax(_Once):
+    """The step's loss is ``nll_loss`` of scores that are not log-probabilities (their rows' log-sum-exp is not 0):
+    raw logits, whose target score the loss grows without bound, or probabilities (the log forgotten). Critical
+    (``unambiguous``, ``loss``)."""
+
+    kind = "nll_without_log_softmax"
+    hint = ("NLLLoss expects log-probabilities: apply F.log_softmax(logits, dim=1) before it, or pass the raw logits "
+            "to F.cross_entropy instead (log_softmax and NLLLoss in one).")
+
+    def found(self, table: dict[str, float]) -> bool:
+        n, eps = table["targets"], table["eps"]
+        return (table["logsumexp"] > 1e-2 and matches(table["loss"], table["nll"], n, eps)
+                and not matches(table["loss"], table["ce"], n, eps))
+
+    def say(self, table: dict[str, float]) -> str:
+        what = "probabilities" if table["min"] >= 0 and table["simplex"] <= 1e-3 else "raw scores"
+        return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is the negative log-likelihood of "
+                f"outputs that are {what}, not log-probabilities (their rows' log-sum-exp averages "
+                f"{table['logsumexp']:.3g}, 0 for log-probabilities): NLLLoss then rewards growing the target's score "
+                f"without bound (raw scores) or saturates at -1 (probabilities).")
