@@ -55,8 +55,8 @@ class LossFormProbe(Probe):
         return self._measured >= self.checks or ctx.step >= self.steps
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
-        if self._held is not None or self.quiet(ctx) or inputs.outputs is None or inputs.batch is None \
-                or len(inputs.losses) != 1:
+        if self._held is not None or self._measured >= self.checks or ctx.step >= self.steps \
+                or inputs.outputs is None or inputs.batch is None or len(inputs.losses) != 1:  # quiet(), inline
             return
         loss = next(iter(inputs.losses.values()))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():

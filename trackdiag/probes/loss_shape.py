@@ -58,8 +58,9 @@ class LossShapeProbe(Probe):
         return self._found or self._measured >= self.checks or (ctx.step >= self.steps and not self._measured)
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
-        if self._held is not None or self.quiet(ctx) or inputs.outputs is None or inputs.batch is None \
-                or len(inputs.losses) != 1:
+        if self._held is not None or self._found or self._measured >= self.checks \
+                or (ctx.step >= self.steps and not self._measured) \
+                or inputs.outputs is None or inputs.batch is None or len(inputs.losses) != 1:  # quiet(), inline
             return
         pair = self._pair(inputs)
         loss = next(iter(inputs.losses.values()))
