@@ -156,7 +156,8 @@ def test_ray_sweep_9_jobs_one_parent_true_statuses_killed_job_killed(tmp_path: P
         status = {int(r.data.tags["trackdiag.job_num"]): r.info.status for r in kids}
         assert status == {n: "KILLED" if n == KILLED else "FINISHED" for n in range(JOBS)}, logs[-4000:]
         assert all(r.data.tags["trackdiag.status"] == r.info.status for r in kids)
-        assert parent.info.status == "KILLED" and parent.data.tags["trackdiag.status"] == "KILLED"
+        assert parent.info.status == "KILLED" and parent.data.tags["trackdiag.status"] == "KILLED", \
+            (parent.info.status, parent.data.tags.get("trackdiag.status"), done, logs[-6000:])
         assert missing_points(client, kids) == {}  # full series; the killed job's last points from its local record
         for n in range(JOBS):
             if n != KILLED:

@@ -199,8 +199,8 @@ def settle(uri: str, experiment: str, sweep: Path, dead: list[int]) -> tuple[Any
 
 def publish(client: Any, parent: str, statuses: dict[str, str], files: list[Path],
             stops: dict[str, Any] | None = None) -> str:
-    """Log ``files`` to the parent run under ``trackdiag/``, then end it with the sweep's status (the
-    jobs' statuses: FAILED > KILLED > FINISHED), also as tag ``trackdiag.status``. Returns the status.
+    """End the parent run with the sweep's status (the jobs' statuses: FAILED > KILLED > FINISHED), also as
+    tag ``trackdiag.status``, then log ``files`` to it under ``trackdiag/``. Returns the status.
     ``stops`` (an Optuna sweep's :func:`~trackdiag.compare.trials.stop_totals`): logged as tags
     ``trackdiag.trials_stopped``/``steps_saved``/``seconds_saved`` and metrics ``trackdiag/trials``,
     ``trackdiag/trials_stopped``, ``trackdiag/steps_saved``, ``trackdiag/seconds_saved`` (one batch)."""
@@ -215,12 +215,12 @@ def publish(client: Any, parent: str, statuses: dict[str, str], files: list[Path
                          tags=[RunTag("trackdiag.trials_stopped", str(stops["stopped"])),
                                RunTag("trackdiag.steps_saved", str(stops["steps_saved"])),
                                RunTag("trackdiag.seconds_saved", str(stops["seconds_saved"]))], synchronous=True)
-    for f in files:
-        client.log_artifact(parent, str(f), artifact_path="trackdiag")
     status = sweep_status(list(statuses.values()))
-    client.set_tag(parent, STATUS_TAG, status)
+    client.set_tag(parent, STATUS_TAG, status)  # the status first: a file that fails to upload must not leave it RUNNING
     if status != "RUNNING":
         client.set_terminated(parent, status)
+    for f in files:
+        client.log_artifact(parent, str(f), artifact_path="trackdiag")
     log.info("trackdiag: comparison logged to MLflow parent run %s (%d jobs, sweep %s)", parent, len(statuses), status)
     return status
 
