@@ -124,3 +124,13 @@ def test_an_out_of_range_label_is_not_read(tmp_path) -> None:
     assert [a.step for a in diag.alerts if a.kind == "label_range"] == [0], _loud(diag)
     assert _kept(tmp_path)["targets"] == 63
     assert not [a for a in diag.alerts if a.kind in ("softmax_before_ce", "nll_without_log_softmax")]
+
+
+def test_scores_too_large_to_copy_are_not_checked(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check copies the scores to float64: past ``MAX_ELEMENTS`` (a large-vocabulary LM's logits) it is skipped."""
+    from trackdiag.probes import loss_form
+
+    monkeypatch.setattr(loss_form, "MAX_ELEMENTS", 64 * 10 - 1)  # one element less than the (64, 10) scores
+    diag, _ = _classify(tmp_path, F.cross_entropy, softmax=True, steps=30)
+    assert not [a for a in diag.alerts if a.kind == "softmax_before_ce"]
+    assert {r.scalars.get("diag/data/loss_form_checks") for r in read_records(tmp_path)} == {0.0}

@@ -22,7 +22,8 @@ number), ``simplex`` (the largest distance of a row's sum from 1; negative score
 too), ``min`` (the smallest score), ``logsumexp`` (the mean absolute log-sum-exp of the rows: 0 for
 log-probabilities), ``eps`` (the loss dtype's machine epsilon).
 
-Cost: host checks per step for the first ``steps`` steps; ~12 device ops on at most ``checks`` steps.
+Cost: host checks per step for the first ``steps`` steps; ~12 device ops on at most ``checks`` steps, over a float64
+copy of the scores: scores of more than ``MAX_ELEMENTS`` (16.8M: a large-vocabulary LM's) are not checked.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from trackdiag.capture.context import ProbeContext, StepInputs
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
 from trackdiag.util.tensors import class_dim, logits_of, targets_of
+
+MAX_ELEMENTS = 1 << 24  # scores copied to float64 once per check: at most 128 MB (a large-vocabulary LM's are not checked)
 
 
 class LossFormProbe(Probe):
@@ -64,7 +67,8 @@ class LossFormProbe(Probe):
         t = targets_of(inputs.batch, self.target)
         z = logits_of(inputs.outputs, self.output) if t is not None else None
         dim = class_dim(z, t) if z is not None and t is not None else None
-        if dim is None or z is None or t is None or t.numel() == 0 or z.shape[dim] < 2 or z.device != t.device:
+        if dim is None or z is None or t is None or t.numel() == 0 or z.shape[dim] < 2 or z.device != t.device \
+                or z.numel() > MAX_ELEMENTS:
             return
         with torch.no_grad():
             values = measure(z, t, dim, loss)
