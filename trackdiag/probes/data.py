@@ -71,7 +71,7 @@ class DataFiniteProbe(Probe):
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)
-        self._seen: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+        self._seen: dict[str, list[tuple[int, tuple[torch.Tensor, ...]]]] = {}  # path -> [(step, its values)]
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         batch = inputs.batch
@@ -90,19 +90,16 @@ class DataFiniteProbe(Probe):
                 t = t.detach()  # cheaper per step than entering no_grad
             seen = self._seen.get(path)
             if seen is None:
-                seen = self._seen[path] = ([], [])
-            seen[0].append(ctx.step)
-            if t.is_complex():
-                seen[1].append(torch.view_as_real(t).sum().reshape(1))
-            else:
-                seen[1].extend(torch.aminmax(t))
+                seen = self._seen[path] = []
+            # one append per step (a Ctrl-C between two would leave steps and values apart)
+            seen.append((ctx.step, (torch.view_as_real(t).sum(),) if t.is_complex() else torch.aminmax(t)))
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         out = {}
         self._steps = {}
-        for path, (steps, vals) in self._seen.items():
-            self._steps[path] = steps
-            out[path] = stack_scalars(vals)
+        for path, seen in self._seen.items():
+            self._steps[path] = [step for step, _ in seen]
+            out[path] = stack_scalars([v for _, vals in seen for v in vals])
         self._seen = {}
         return out
 

@@ -56,10 +56,12 @@ class _Ring:
 
     def take(self) -> tuple[list[int], torch.Tensor]:
         steps, values = self.steps, self.values
-        self.steps, self.values = [], []
         if all(isinstance(v, torch.Tensor) for v in values):
-            return steps, stack_scalars(values)
-        return steps, torch.tensor([float(v) for v in values], dtype=torch.float64)
+            stacked = stack_scalars(values)
+        else:
+            stacked = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        self.steps, self.values = [], []  # last: a Ctrl-C in the stacking leaves the ring whole for close()
+        return steps, stacked
 
 
 class LossProbe(Probe):

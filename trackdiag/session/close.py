@@ -107,9 +107,12 @@ class RunEnd:
         if self._held_fit is not None and self._opened:  # a run of one step: the pre-flight's fit, judged now
             self._settle_fit()
         if self._unsent is not None and self._logging is not None:  # a Ctrl-C inside a logging step
-            unsent, self._unsent = self._unsent, None  # its record as far as it got, unjudged
-            self._hub.write(unsent if isinstance(unsent, Record) else self._measured(self._logging, unsent))
-            self._last_logged = self._logging
+            unsent, self._unsent = self._unsent, None
+            if isinstance(unsent, Record):  # measured: sent as far as it got, unjudged
+                self._hub.write(unsent)
+                self._last_logged = self._logging
+            else:  # cut short while the probes collected: the others collect now, and the record is judged
+                self._log(self._logging, final=True, resume=unsent)
         last = self._step - 1 if self._logging is None else self._logging  # interrupted while logging
         if self._opened and last > self._last_logged:
             self._log(last, final=True)

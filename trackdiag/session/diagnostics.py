@@ -133,7 +133,7 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
         self._step = 0
         self._last_logged = -1
         self._logging: int | None = None  # the step whose window is being logged (see close())
-        self._unsent: Record | dict[str, Any] | None = None  # collected or measured, not yet sent
+        self._unsent: Record | dict[int, dict[str, Any]] | None = None  # collected (per probe) or measured, not yet sent
         self._overhead = 0.0
         self._window_overhead = 0.0
         self._t_first: float | None = None
@@ -289,14 +289,18 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
         if raised is not None:
             raise AlertRaised(raised)
 
-    def _log(self, step: int, final: bool = False) -> Alert | None:
+    def _log(self, step: int, final: bool = False, resume: dict[int, dict[str, Any]] | None = None) -> Alert | None:
+        """Collect, measure, judge and send the record of ``step``'s window. ``resume``: what a logging step cut
+        short by a Ctrl-C had collected, per probe (close() finishes it: a ``collect`` forgets what it hands over,
+        so the collection holds a Ctrl-C until every probe's values are stored, and a probe collects once)."""
         ctx = self._ctx
-        collected: dict[str, Any] = {}
-        for i, p in enumerate(self.probes):
-            if p.enabled and (p.always_collect or (not final and ctx.is_due(p.schedule))):
-                vals = self._guard(p, "collect", ctx) or {}
-                collected.update({f"{i}\t{k}": v for k, v in vals.items()})
-        self._unsent = collected  # a Ctrl-C from here on: close() still sends what was measured
+        collected: dict[int, dict[str, Any]] = {} if resume is None else resume
+        self._unsent = collected  # a Ctrl-C from here on: close() finishes this record
+        with uninterrupted():  # a collect cut short would drop what it had taken
+            for i, p in enumerate(self.probes):
+                if i not in collected and p.enabled and (
+                        p.always_collect or ((not final or resume is not None) and ctx.is_due(p.schedule))):
+                    collected[i] = self._guard(p, "collect", ctx) or {}
         record = self._measured(step, collected)
         n = max(step - self._last_logged, 1)
         hooks, ctx.hook_seconds = ctx.hook_seconds, 0.0
@@ -315,18 +319,18 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
             if p.enabled:
                 self._guard(p, "after_record", ctx, record)
         self._history.append(record)
-        raised = self._emit(record, alerts)
-        self._last_logged = step  # only once the record is with the sinks
+        with uninterrupted():  # sent once, and known to be sent (a Ctrl-C between: lost, or sent twice by close())
+            raised = self._emit(record, alerts)
+            self._last_logged = step
         return raised
 
-    def _measured(self, step: int, collected: dict[str, Any]) -> Record:
-        """The record of what the probes collected: one host copy, then each probe publishes."""
+    def _measured(self, step: int, collected: dict[int, dict[str, Any]]) -> Record:
+        """The record of what the probes collected (probe index -> values): one host copy, then each probe publishes."""
         ctx = self._ctx
-        host = to_host(collected)
+        host = to_host({f"{i}\t{k}": v for i, vals in collected.items() for k, v in vals.items()})
         if self._dist is not None:  # collective: every rank reduces, then judges the same record
             host, reduced = self._dist.reduce(host, self.probes)
         record = Record(step=step, time=time.time())
-        self._unsent = record
         if ctx.phase and ctx.phase_start > self._last_logged:  # a training phase began in this window
             record.tables["diag/phase"] = {"start": float(ctx.phase_start), "phase": float(ctx.phase)}
             record.scalars["diag/phase"] = float(ctx.phase)
@@ -339,6 +343,7 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
                 self._guard(self.probes[i], "publish", ctx, mine, record)
             if self._dist is not None:
                 reduced.apply(record)
+            self._unsent = record  # measured: a Ctrl-C from here on sends it as it is (before: measured again)
         return record
 
     def _emit(self, record: Record, alerts: list[tuple[Rule, Alert]]) -> Alert | None:

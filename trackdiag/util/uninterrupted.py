@@ -3,8 +3,9 @@
 A logging step's record is published probe by probe from one host copy (``Session._measured``);
 a KeyboardInterrupt in the middle of a probe's ``publish`` left a record with that probe's values
 missing (the loss series of the run's last window, in a Ctrl-C'd example job), and a probe that
-had popped its values cannot publish them again. Publishing takes about a millisecond, so the
-signal is held for that long, then raised as the KeyboardInterrupt it would have been.
+had popped its values cannot publish them again (nor collect them: the collection is held too).
+Collecting and publishing take about a millisecond each, so the signal is held for that long, then
+raised as the KeyboardInterrupt it would have been.
 
 Only on the main thread and only while Python's own SIGINT handler is installed: a handler the
 user (or a framework: Lightning, Accelerate) installed is left alone.
