@@ -10,6 +10,7 @@ never raises. Cost: one signature read and, for enabled built-ins, one cheap con
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import typing
 from typing import Any, Mapping
@@ -112,34 +113,39 @@ def _family_base(family: str) -> type:
 
 def constructor_params(cls: type) -> dict[str, Any]:
     """Keyword options of ``cls.__init__`` with their annotations, following ``**kw`` up the MRO."""
+    return dict(_signature(cls)[0])
+
+
+def constructor_defaults(cls: type) -> dict[str, Any]:
+    """Default values of the keyword options :func:`constructor_params` lists."""
+    return dict(_signature(cls)[1])
+
+
+@functools.lru_cache(maxsize=512)
+def _signature(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(options with annotations, defaults) of ``cls``, read once per class and process: a session checks
+    every component's options (~70 classes), and reading signatures and type hints cost ~75 ms a session."""
     params: dict[str, Any] = {}
+    defaults: dict[str, Any] = {}
+    more = True
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
-        if init is None:
+        if init is None or klass is object:
+            continue
+        signature = inspect.signature(init).parameters.values()
+        for p in signature:
+            if p.default is not p.empty:
+                defaults.setdefault(p.name, p.default)
+        if not more:
             continue
         try:
             hints = typing.get_type_hints(init)
         except Exception:  # noqa: BLE001 - unresolvable forward references: options stay untyped
             hints = {}
         more = False
-        for p in inspect.signature(init).parameters.values():
+        for p in signature:
             if p.kind is p.VAR_KEYWORD:
                 more = True
             elif p.name != "self" and p.kind is not p.VAR_POSITIONAL:
                 params.setdefault(p.name, hints.get(p.name, Any))
-        if not more:
-            break
-    return params
-
-
-def constructor_defaults(cls: type) -> dict[str, Any]:
-    """Default values of the keyword options :func:`constructor_params` lists."""
-    out: dict[str, Any] = {}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        for p in inspect.signature(init).parameters.values():
-            if p.default is not p.empty:
-                out.setdefault(p.name, p.default)
-    return out
+    return params, defaults

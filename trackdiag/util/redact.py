@@ -61,6 +61,11 @@ def normalise_key(key: str) -> str:
     return _NON_ALNUM.sub("_", _CAMEL.sub("_", key).lower()).strip("_")
 
 
+#: ``secret_key``'s verdicts per set of user key regexes (the defaults are fixed), shared by the policies that
+#: have them: every session redacts the same config keys, ~2,000 look-ups
+_KEY_VERDICTS: dict[tuple[str, ...], dict[tuple[str, str], bool]] = {}
+
+
 @dataclass(frozen=True)
 class RedactPolicy:
     """What to hide, by key name and by value shape. Immutable; ``redact`` returns new containers.
@@ -85,7 +90,7 @@ class RedactPolicy:
         set_(self, "_user_key_res", tuple(re.compile(p, re.I) for p in self.keys))
         set_(self, "_value_res", tuple(re.compile(p, re.I if p in self.patterns else 0)
                                        for p in (*DEFAULT_PATTERNS, *self.patterns)))
-        set_(self, "_cache", {})
+        set_(self, "_cache", _KEY_VERDICTS.setdefault(self.keys, {}))  # shared: every session asks the same keys
 
     @classmethod
     def from_config(cls, section: Any) -> "RedactPolicy":
