@@ -43,7 +43,8 @@ Both collect at every logging step (``always_collect``), so no step of a window 
 """
 from __future__ import annotations
 
-from typing import Any
+import collections
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -58,6 +59,9 @@ from trackdiag.util.tensors import HIGH_IGNORE, class_dim, float_tensors, inputs
 
 #: a batch that is a short tuple or list of plain tensors (``(x, y)``): its paths as :func:`float_tensors` names them
 _PATHS = tuple(f"batch[{i}]" for i in range(8))
+#: the smallest batch whose holding a single class is counted (``class_sorted_batches``): 8 samples of 3+ balanced
+#: classes hold one class by chance in < 0.1 % of shuffled batches
+ONE_CLASS_MIN_BATCH = 8
 _PLAIN = {torch.Tensor}
 
 
@@ -135,8 +139,9 @@ class DataLabelsProbe(Probe):
         self.target, self.output = target, output
         self.auto = ignore_index == "auto"
         self.ignore_index: int | None = None if self.auto else ignore_index  # type: ignore[assignment]
-        self._seen: list[tuple[int, int, list[torch.Tensor]]] = []  # (step, classes, [lo, hi, top negative, same, lowest over, highest in])
-        self._window: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # the collected steps and classes
+        # (step, classes, one label per sample, [lo, hi, top negative, same, lowest over, highest in])
+        self._seen: list[tuple[int, int, bool, list[torch.Tensor]]] = []
+        self._window: tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]] = ((), (), ())  # the collected steps
         self._classes = -1
         self._called: tuple[int, list[torch.Tensor]] | None = None  # (step, integer tensors the model's first call got)
         self._stops: list[Any] = []
@@ -197,10 +202,30 @@ class DataLabelsProbe(Probe):
         x = inputs_of(inputs.batch)
         same = (x == t).float().mean() if isinstance(x, torch.Tensor) and x.shape == t.shape \
             and not x.is_floating_point() and not x.is_complex() else lo.new_zeros(()).float() - 1.0
-        self._seen.append((ctx.step, self._classes, [lo, hi, top_neg, same, low_over, high_in]))
+        # one label per sample (class scores (B, C), targets (B,)): a batch's lo == hi says it holds one class
+        per_sample = t.dim() == 1 and logits.dim() == 2 and t.numel() >= ONE_CLASS_MIN_BATCH
+        self._seen.append((ctx.step, self._classes, per_sample, [lo, hi, top_neg, same, low_over, high_in]))
         if ctx.step < self.leak_steps and dim == -1 and ctx.is_due(self.schedule) and isinstance(x, torch.Tensor) \
                 and x.shape == t.shape and not x.is_floating_point() and len(inputs.losses) == 1:
             self._leak_terms(ctx.step, logits, t, inputs.losses)
+
+    @staticmethod
+    def _one_class_batches(classes: Sequence[int], per_sample: Sequence[bool], lo: np.ndarray, hi: np.ndarray,
+                           record: Record) -> None:
+        """``diag/data/label_batches``: the window's batches of one label per sample, all labels within the classes;
+        ``diag/data/one_class_batches``: those holding a single class, counted per class in the table
+        ``diag/data/one_class_labels`` (the ``class_sorted_batches`` rule)."""
+        batches, per_class = 0, collections.Counter()
+        for n, ok, a, b in zip(classes, per_sample, lo.tolist(), hi.tolist()):
+            if ok and 0 <= a and b < n:
+                batches += 1
+                if a == b:
+                    per_class[str(int(a))] += 1
+        if batches:
+            record.scalars["diag/data/label_batches"] = float(batches)
+            record.scalars["diag/data/one_class_batches"] = float(sum(per_class.values()))
+            if per_class:
+                record.tables["diag/data/one_class_labels"] = {k: float(v) for k, v in per_class.items()}
 
     def _leak_terms(self, step: int, logits: torch.Tensor, t: torch.Tensor, losses: Any) -> None:
         """Cross-entropy of the outputs against the targets as they are and shifted one position (device)."""
@@ -237,9 +262,9 @@ class DataLabelsProbe(Probe):
         else; judged on the host (no tensor is built from host values: that copy would sync on CUDA)."""
         if not self._seen:
             return {}
-        steps, classes, stats = zip(*self._seen)
+        steps, classes, per_sample, stats = zip(*self._seen)
+        self._window = (steps, classes, per_sample)
         self._seen = []
-        self._window = (steps, classes)
         out = {"stats": torch.stack([stack_scalars(s, torch.float64) for s in stats])}
         if self._leak is not None:
             out["leak"] = stack_scalars(self._leak[1], torch.float64)
@@ -247,8 +272,9 @@ class DataLabelsProbe(Probe):
         return out
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
-        steps, classes = self._window
+        steps, classes, per_sample = self._window
         lo, hi, top_neg, same, low_over, high_in = values["stats"].reshape(len(steps), 6).T
+        self._one_class_batches(classes, per_sample, lo, hi, record)
         bad = np.zeros(len(steps), dtype=bool)
         lows, highs = [], []
         for i, (a, b) in enumerate(zip(lo.tolist(), top_neg.tolist())):
