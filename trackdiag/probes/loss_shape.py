@@ -31,6 +31,7 @@ import torch
 from trackdiag.capture.context import ProbeContext, StepInputs
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
+from trackdiag.util.stats import rounding_tolerance
 from trackdiag.util.tensors import TARGET_KEYS, logits_of, pick
 
 MAX_ELEMENTS = 1 << 24  # the broadcast difference is materialised (float64) at most ``checks`` times: 128 MB
@@ -156,7 +157,7 @@ def judge(values: np.ndarray, elements: int, aligned_elements: int,
     for fn in range(3):
         b, a = float(values[1 + fn]), float(values[4 + fn])
         for summed, (bb, aa) in ((False, (b, a)), (True, (b * elements, a * aligned_elements))):
-            tol = 64 * eps * max(abs(loss), abs(bb)) + 1e-30
+            tol = rounding_tolerance(loss, bb, eps)
             if math.isfinite(bb) and abs(loss - bb) <= tol and not (math.isfinite(aa) and abs(loss - aa) < 16 * tol):
                 return fn, summed, bb, aa
     return None

@@ -10,6 +10,7 @@ from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules.base import Rule
+from trackdiag.util.stats import rounding_tolerance
 
 TABLE = "diag/data/loss_form"
 
@@ -18,7 +19,7 @@ def matches(loss: float, value: float, count: float, eps: float) -> bool:
     """Whether ``loss`` is ``value`` (a mean over ``count`` targets) or its sum, to within 64 ulps of the loss's
     dtype (the probe recomputes in float64: the loss's own rounding is all there is to allow for)."""
     for v in (value, value * count):
-        if math.isfinite(v) and abs(loss - v) <= 64 * eps * max(abs(loss), abs(v)) + 1e-30:
+        if math.isfinite(v) and abs(loss - v) <= rounding_tolerance(loss, v, eps):
             return True
     return False
 

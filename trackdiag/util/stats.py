@@ -30,3 +30,15 @@ class Ema:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.beta, self._avg, self.count = state["beta"], state["avg"], int(state["count"])
+
+
+#: how far a loss the loop computed may sit from the same loss recomputed in float64 and still be that loss: its own
+#: rounding (a mean of n float32 terms is off by ~sqrt(n) ulps; 64 covers batches of thousands)
+LOSS_ULPS = 64
+
+
+def rounding_tolerance(loss: float, value: float, eps: float) -> float:
+    """The distance within which ``loss`` (computed in a dtype of machine epsilon ``eps``) is ``value`` recomputed
+    exactly: :data:`LOSS_ULPS` ulps of the larger (the loss-form probes' rules and ``loss_shape`` judge with it)."""
+    return LOSS_ULPS * eps * max(abs(loss), abs(value)) + 1e-30
+
