@@ -12,8 +12,9 @@ caller reads run by run.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
+
+from trackdiag.util.pool import thread_map
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,8 @@ def histories(client: Any, expected: dict[str, int], key: str) -> dict[str, list
 
     out: dict[str, list[tuple[int, float]]] = {}
     try:
-        with ThreadPoolExecutor(THREADS) as pool:
-            for part in pool.map(lambda batch: _one_batch(fetch, single, batch, key), _batches(expected)):
-                out.update(part)
+        for part in thread_map(lambda batch: _one_batch(fetch, single, batch, key), _batches(expected), THREADS):
+            out.update(part)
     except LookupError as e:
         log.debug("trackdiag compare: %s; reading run by run", e)
         return None

@@ -26,7 +26,6 @@ import os
 import re
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from trackdiag.compare.runs import (
@@ -41,6 +40,7 @@ from trackdiag.compare.runs import (
     training_health,
 )
 from trackdiag.sinks.mlflow.sweep import literal
+from trackdiag.util.pool import thread_map
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +106,11 @@ def load_mlflow(spec: str, *, tracking_uri: str | None = None, parent: str | Non
                            None if evals is None else [v for _, v in evals.get(rid, [])])
 
     runs: list[RunSummary] = []
-    with ThreadPoolExecutor(threads) as pool:
-        for summary in pool.map(one, found):
-            runs.append(summary)
-            done += 1
-            if progress:
-                progress(done, len(found))
+    for summary in thread_map(one, found, threads):
+        runs.append(summary)
+        done += 1
+        if progress:
+            progress(done, len(found))
     return runs
 
 

@@ -15,11 +15,12 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from trackdiag.util.pool import thread_map
 
 log = logging.getLogger("trackdiag.compare")
 
@@ -101,8 +102,7 @@ def complete_from_record(client: Any, run_id: str, run_dir: Path, fresh: bool = 
     if fresh:
         stored: dict[str, set[int]] = {k: set() for k in local}
     else:
-        with ThreadPoolExecutor(THREADS) as pool:
-            stored = dict(zip(local, pool.map(have, local)))
+        stored = dict(zip(local, thread_map(have, local, THREADS)))  # this may run at the launcher's exit
     missing = [Metric(k, v if not math.isinf(v) else math.copysign(1.7976931348623157e308, v), ts, s)
                for k, pts in local.items() for s, (v, ts) in sorted(pts.items()) if s not in stored[k]]
     for chunk in chunk_metrics(missing, lambda m: len(m.key)):

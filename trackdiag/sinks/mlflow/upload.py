@@ -14,12 +14,12 @@ import json
 import os
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trackdiag.core.record import Record
 from trackdiag.sinks.mlflow.batch import pack
+from trackdiag.util.pool import thread_map
 
 if TYPE_CHECKING:
     from trackdiag.sinks.mlflow.ops import KeyMap
@@ -148,6 +148,5 @@ def upload(runner: Uploader, got: Collected) -> int:
 
         put(files[0])  # first alone: MLflow caches the run's artifact repository (one get_run, not one per thread)
         if len(files) > 1:
-            with ThreadPoolExecutor(min(UPLOAD_THREADS, len(files) - 1), thread_name_prefix="trackdiag-upload") as pool:
-                list(pool.map(put, files[1:]))  # re-raises the first failure
+            list(thread_map(put, files[1:], UPLOAD_THREADS, "trackdiag-upload"))  # re-raises the first failure
         return len(files)
