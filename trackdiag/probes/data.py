@@ -143,6 +143,7 @@ class DataLabelsProbe(Probe):
         self._seen: list[tuple[int, int, bool, list[torch.Tensor]]] = []
         self._window: tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]] = ((), (), ())  # the collected steps
         self._classes = -1
+        self._none: dict[torch.device, torch.Tensor] = {}  # see _no_input
         self._called: tuple[int, list[torch.Tensor]] | None = None  # (step, integer tensors the model's first call got)
         self._stops: list[Any] = []
         self._watching = False  # the models' first calls were watched from some step on (see _watch_calls)
@@ -201,7 +202,7 @@ class DataLabelsProbe(Probe):
         high_in = torch.where(over, small, flat).max()  # the largest target within them
         x = inputs_of(inputs.batch)
         same = (x == t).float().mean() if isinstance(x, torch.Tensor) and x.shape == t.shape \
-            and not x.is_floating_point() and not x.is_complex() else lo.new_zeros(()).float() - 1.0
+            and not x.is_floating_point() and not x.is_complex() else self._no_input(lo.device)
         # one label per sample (class scores (B, C), targets (B,)): a batch's lo == hi says it holds one class
         per_sample = t.dim() == 1 and logits.dim() == 2 and t.numel() >= ONE_CLASS_MIN_BATCH
         self._seen.append((ctx.step, self._classes, per_sample, [lo, hi, top_neg, same, low_over, high_in]))
@@ -226,6 +227,13 @@ class DataLabelsProbe(Probe):
             record.scalars["diag/data/one_class_batches"] = float(sum(per_class.values()))
             if per_class:
                 record.tables["diag/data/one_class_labels"] = {k: float(v) for k, v in per_class.items()}
+
+    def _no_input(self, device: torch.device) -> torch.Tensor:
+        """-1 (no integer input of the targets' shape), one tensor per device: stacked into the window, never written."""
+        none = self._none.get(device)
+        if none is None:
+            none = self._none[device] = torch.full((), -1.0, device=device)
+        return none
 
     def _leak_terms(self, step: int, logits: torch.Tensor, t: torch.Tensor, losses: Any) -> None:
         """Cross-entropy of the outputs against the targets as they are and shifted one position (device)."""
