@@ -13,7 +13,7 @@ from trackdiag.rules.base import Rule
 
 class ClassSortedBatches(Rule):
     """Fires when, over the last ``min_batches`` (50) or more batches of one label per sample (targets ``(B,)`` with
-    ``B >= 8`` against class scores ``(B, C)``), at least ``share`` (50 %) hold a single class, and ``min_classes`` (3)
+    ``B >= 8`` against class scores ``(B, C)``), at least ``share`` (50 %) hold a single class, and ``min_classes`` (2)
     classes each make up 5 % or more of those: the stream walks through the classes one after another (a class of
     ``k`` batches gives ``(k - 1) / k`` of them: one batch straddles each border; classes smaller than two batches
     are not seen). The classic
@@ -23,7 +23,8 @@ class ClassSortedBatches(Rule):
 
     Silent by construction for what is not sorted data: a batch of several classes is never counted (P-K sampling
     for metric learning, class-incremental tasks of two or more classes, replay), nor are imbalanced labels (a
-    majority class alone in most batches is one class, not three), one-class targets (InfoNCE's all-zero labels),
+    majority class alone in most batches is one class: a minority class alone in a batch of 8 is a 1e-5 chance at a
+    share of 25 %), one-class targets (InfoNCE's all-zero labels),
     batches under 8 samples and per-token targets. ``step``: the first step of the judged span; ``persistent`` (a
     warning). Once per run."""
 
@@ -33,7 +34,7 @@ class ClassSortedBatches(Rule):
             "epoch). If one class per batch is intended (class-incremental learning), disable this rule: "
             "diag.rules.class_sorted_batches.enabled=false.")
 
-    def __init__(self, *, share: float = 0.5, min_batches: int = 50, min_classes: int = 3, **kw: Any) -> None:
+    def __init__(self, *, share: float = 0.5, min_batches: int = 50, min_classes: int = 2, **kw: Any) -> None:
         super().__init__(**kw)
         self.share, self.min_batches, self.min_classes = share, max(2, min_batches), max(2, min_classes)
         self._span: list[tuple[int, float, float, dict[str, float]]] = []  # (step, batches, one-class, per class)
