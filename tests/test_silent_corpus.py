@@ -44,6 +44,7 @@ SLICE = [
     ("not_landing", "multitask"), ("not_landing", "regression_mse"),
     ("eval_wrong", "multitask"), ("eval_wrong", "triplet_metric"),
     ("crash_lr", "adversarial_fgsm"), ("crash_lr", "trainer_owned_optimizer"), ("crash_lr", "normalizing_flow"),
+    ("sorted_data", "distillation"), ("sorted_data", "sam_two_pass"),
 ]
 
 

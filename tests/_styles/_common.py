@@ -38,6 +38,8 @@ Silent faults (issue 45; the run neither crashes nor explodes at first):
 - ``reversed_ema``: from ``onset``, after each optimizer step, a reversed EMA update pulls the trained weights
   toward a copy taken at the onset and never updated (``p.copy_(decay * ema_p + (1 - decay) * p)`` into the model
   instead of the EMA copy; ``PullBack``): the weights move between optimizer steps and training stalls.
+- ``sorted_data``: from step 0 the training set is read in label order without shuffling, as a dataset stored class
+  by class (``ImageFolder``) behind ``DataLoader(shuffle=False)`` gives it (``batches(..., sort=True)``).
 """
 from __future__ import annotations
 
@@ -62,17 +64,18 @@ from _zoo_a import digits  # noqa: E402,F401  (re-exported for the styles)
 
 #: faults that are present from step 0 (their onset is 0 whatever ``onset`` says)
 START_FAULTS = frozenset({"lr_start", "shuffled_labels", "eval_mode", "tiny_subset", "detached", "frozen_majority",
-                          "not_landing", "eval_wrong", "dup_workers"})
+                          "not_landing", "eval_wrong", "dup_workers", "sorted_data"})
 ALL_FAULTS = ("nan", "lr1000", "no_zero", "lr_start", "shuffled_labels", "eval_mode", "wiped_grads",
               "tiny_subset", "crash_nan", "same_batch", "runaway", "detached", "frozen_majority", "not_landing",
-              "eval_wrong", "crash_lr", "reversed_ema", "dup_workers")
+              "eval_wrong", "crash_lr", "reversed_ema", "dup_workers", "sorted_data")
 #: the alert kind each silent fault is judged by (the first warning-or-worse alert must be of it)
 SILENT_KINDS = {"runaway": "loss_runaway", "detached": "stale_params", "frozen_majority": "stale_params",
                 "not_landing": "stale_params", "eval_wrong": ("eval_mismatch", "eval_frozen"), "crash_lr": "crash",
-                "dup_workers": "repeated_batches", "reversed_ema": "weights_moved"}
+                "dup_workers": "repeated_batches", "reversed_ema": "weights_moved", "sorted_data": "class_sorted_batches"}
 DUP_WORKERS = ("an IterableDataset read by 2 DataLoader workers, each yielding the whole stream: every batch twice in a "
                "row, from step 0")
 SAME_BATCH = "the loader restarted every step from onset (next(iter(loader)) in the loop): one batch, fresh copies"
+SORTED_DATA = "the training set stored class by class and read with shuffle=False: each batch one class, from step 0"
 
 
 @dataclasses.dataclass
@@ -306,10 +309,12 @@ def mean(xs: list[float]) -> float:
     return float(sum(xs) / max(1, len(xs)))
 
 
-def batches(x: torch.Tensor, y: torch.Tensor, bsz: int, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless shuffled epochs of mini-batches (DataLoader(shuffle=True, drop_last=True))."""
+def batches(x: torch.Tensor, y: torch.Tensor, bsz: int, gen: torch.Generator,
+            sort: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless shuffled epochs of mini-batches (DataLoader(shuffle=True, drop_last=True)); ``sort`` (the ``sorted_data``
+    fault): the samples in label order every epoch, as DataLoader(shuffle=False) over a dataset stored class by class."""
     while True:
-        perm = torch.randperm(len(x), generator=gen)
+        perm = torch.argsort(y, stable=True) if sort else torch.randperm(len(x), generator=gen)
         for i in range(0, len(x) - bsz + 1, bsz):
             idx = perm[i : i + bsz]
             yield x[idx], y[idx]

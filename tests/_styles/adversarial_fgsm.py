@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._common import SORTED_DATA
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard, digits,
                       fault_onset, one_thread, session, shuffle, wipe_grads, Runaway, StaleEval, freeze_all_but_last,
                       lr_jump, orphan_params, stop_if_nonfinite, jump_factor)
@@ -38,6 +39,7 @@ FAULTS = {
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
     "crash_lr": "SGD lr x1e6 from onset; the script stops once the loss is not finite",
     "reversed_ema": "from onset a reversed EMA update pulls the model toward a copy taken at onset after each step",
+    "sorted_data": SORTED_DATA,
 }
 EPS, ALPHA = 0.1, 0.125
 
@@ -68,7 +70,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     runaway, evaluated = Runaway(fault, onset, model[0].weight), StaleEval(model, fault, onset)
     if fault == "tiny_subset":
         xtr, ytr = xtr[:128], ytr[:128]
-    loader = batches(xtr, ytr, 64, gen)
+    loader = batches(xtr, ytr, 64, gen, sort=fault == "sorted_data")
     accs: list[float] = []
     pull = PullBack(fault, onset, model)
     diag = session(model, optimizer, out, level, **diag_overrides)

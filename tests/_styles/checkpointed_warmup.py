@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ._common import SORTED_DATA
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, SAME_BATCH, restart_loader, Runaway,
                       freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite, DUP_WORKERS)
@@ -41,6 +42,7 @@ FAULTS = {
     "frozen_majority": "every parameter but the last frozen; AdamW over all",
     "not_landing": "the model's parameters replaced by copies after AdamW was built",
     "reversed_ema": "from onset a reversed EMA update pulls the model toward a copy taken at onset after each step",
+    "sorted_data": SORTED_DATA,
 }
 WARMUP = 30
 
@@ -100,7 +102,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     if fault == "lr_start":
         bump_lr(optimizer, 1000.0, scheduler)
-    loader = batches(xtr, ytr, 32, gen)
+    loader = batches(xtr, ytr, 32, gen, sort=fault == "sorted_data")
     loader = restart_loader(loader, fault, onset)
     accs: list[float] = []
     pull = PullBack(fault, onset, model)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._common import SORTED_DATA
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader,
                       Runaway, StaleEval, freeze_all_but_last, lr_jump, orphan_params, DUP_WORKERS)
@@ -43,6 +44,7 @@ FAULTS = {
     "not_landing": "the student's parameters replaced by copies after Adam was built",
     "eval_wrong": "validation runs on a copy of the student made before training, never refreshed",
     "reversed_ema": "from onset a reversed EMA update pulls the student toward a copy taken at onset after each step",
+    "sorted_data": SORTED_DATA,
 }
 T, SOFT_WEIGHT, CE_WEIGHT = 2.0, 0.25, 0.75
 
@@ -95,7 +97,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     runaway, evaluated = Runaway(fault, onset, student.layers[0].weight), StaleEval(student, fault, onset)
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
-    loader = batches(xtr, ytr, 32, gen)
+    loader = batches(xtr, ytr, 32, gen, sort=fault == "sorted_data")
     loader = restart_loader(loader, fault, onset)
     accs: list[float] = []
     pull = PullBack(fault, onset, student)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._common import SORTED_DATA
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard, digits,
                       fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader, Runaway,
                       StaleEval, freeze_all_but_last, lr_jump, orphan_params, DUP_WORKERS)
@@ -39,6 +40,7 @@ FAULTS = {
     "not_landing": "the model's parameters replaced by copies after Adam was built",
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
     "reversed_ema": "from onset a reversed EMA update pulls the model toward a copy taken at onset after each step",
+    "sorted_data": SORTED_DATA,
 }
 
 
@@ -81,7 +83,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     evaluated = StaleEval(model, fault, onset)
     if fault == "tiny_subset":
         xtr, ytr = xtr[:64], ytr[:64]
-    loader = batches(xtr, ytr, 32, gen)
+    loader = batches(xtr, ytr, 32, gen, sort=fault == "sorted_data")
     loader = restart_loader(loader, fault, onset)
     accs: list[float] = []
     pull = PullBack(fault, onset, model)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._common import SORTED_DATA
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, wipe_grads, lr_jump, stop_if_nonfinite, jump_factor)
 
@@ -32,6 +33,7 @@ FAULTS = {
     "eval_mode": "model.eval() left on (BatchNorm frozen at init statistics)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between the second backward and second_step from onset",
     "crash_lr": "the base SGD's lr x1e6 from onset; the script stops once the loss is not finite",
+    "sorted_data": SORTED_DATA,
 }
 
 
@@ -111,7 +113,7 @@ def run(out: Path, *, level: str = "advanced", seed: int = 0, steps: int = 300, 
     lr = 0.1 * (1000 if fault == "lr_start" else 1)
     optimizer = SAM(model.parameters(), torch.optim.SGD, rho=2.0, adaptive=True, lr=lr, momentum=0.9, weight_decay=5e-4)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer.base_optimizer, 100, 0.2)
-    loader = batches(xtr, ytr, 64, gen)
+    loader = batches(xtr, ytr, 64, gen, sort=fault == "sorted_data")
     accs: list[float] = []
     diag = session(model, optimizer, out, level, **diag_overrides)
     with crash_guard(fault) as crash, one_thread(), diag:
