@@ -61,10 +61,9 @@ def _regression(tmp_path, loss_fn, *, steps: int = 60, squeeze: bool = False, tr
     return diag, first
 
 
-def _table(tmp_path, key: str) -> dict[str, float]:
-    found = [r.tables[key] for r in read_records(tmp_path) if key in r.tables]
-    assert len(found) <= 1, found
-    return found[0] if found else {}
+def _measured(tmp_path) -> list[dict[str, float]]:
+    """The ``loss_shape`` probe's measurements (table ``diag/data/loss_shape``), in step order."""
+    return [r.tables["diag/data/loss_shape"] for r in read_records(tmp_path) if "diag/data/loss_shape" in r.tables]
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
@@ -75,18 +74,19 @@ def test_broadcast_loss_is_found_at_its_first_step(tmp_path, name: str) -> None:
     alert = got[0]
     assert alert.step == 0 and alert.severity == "critical" and alert.where == "loss"
     assert "(64, 1)" in alert.message and "(64,)" in alert.message and "4096 pairs" in alert.message
-    kept = _table(tmp_path, "diag/data/loss_broadcast")
     fn = name.replace("huber", "smooth_l1").replace("mse_sum", "mse")
-    reference = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}[fn]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        broadcast = reference(out, y, reduction="sum" if name == "mse_sum" else "mean")
-    aligned = reference(out.squeeze(1), y, reduction="sum" if name == "mse_sum" else "mean")
-    assert kept["fn"] == ("mse", "l1", "smooth_l1").index(fn) and kept["sum"] == (name == "mse_sum")
-    assert kept["loss"] == pytest.approx(loss.item(), rel=1e-6)
-    assert kept["broadcast"] == pytest.approx(broadcast.item(), rel=1e-5)
-    assert kept["aligned"] == pytest.approx(aligned.item(), rel=1e-5)
-    assert abs(kept["aligned"] - kept["broadcast"]) > 1e-3 * kept["broadcast"]  # the two readings differ
+    said = {"mse": "is MSE", "l1": "is L1", "smooth_l1": "is smooth-L1"}[fn]
+    assert said in alert.message and ("reduction='sum'" in alert.message) == (name == "mse_sum"), alert.message
+    kept = _measured(tmp_path)[0]  # step 0's measurement: every function both ways, against torch's own
+    assert kept["step"] == 0 and kept["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    assert kept["elements"] == 64 * 64 and kept["aligned_elements"] == 64
+    for key, reference in {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            broadcast = reference(out, y)
+        assert kept[key] == pytest.approx(broadcast.item(), rel=1e-5), key
+        assert kept[f"{key}_aligned"] == pytest.approx(reference(out.squeeze(1), y).item(), rel=1e-5), key
+    assert abs(kept[f"{fn}_aligned"] - kept[fn]) > 1e-3 * kept[fn]  # the two readings differ
     assert not [a for a in diag.alerts if a.kind != "loss_broadcast" and a.severity == "critical"]
 
 
@@ -103,7 +103,9 @@ def test_a_loss_that_squeezes_the_output_itself_is_silent(tmp_path, level: str) 
     assert not [a for a in diag.alerts if a.severity != "info"], [(a.kind, a.step, a.message) for a in diag.alerts]
     records = list(read_records(tmp_path))
     assert max(r.scalars.get("diag/data/loss_checks", 0) for r in records) == 5  # the probe did look
-    assert not any("diag/data/loss_broadcast" in r.tables for r in records)
+    measured = _measured(tmp_path)
+    assert len(measured) == 5  # and the loss it was handed is the aligned MSE every time, not the broadcast one
+    assert all(m["loss"] == pytest.approx(m["mse_aligned"], rel=1e-6) and m["loss"] != m["mse"] for m in measured)
 
 
 def test_matched_shapes_and_classification_are_never_measured(tmp_path) -> None:
@@ -165,6 +167,8 @@ def test_raw_unit_targets_are_confirmed_later_and_dated_from_the_first_step(tmp_
             opt.step()
             diag.step(loss, outputs=out, batch=(x, y))
     got = [a for a in diag.alerts if a.kind == "loss_broadcast"]
-    kept = _table(tmp_path, "diag/data/loss_broadcast")
-    assert [a.step for a in got] == [0] and kept["first"] == 0 and kept["step"] > 0, (kept, diag.alerts)
+    measured = _measured(tmp_path)
+    assert [a.step for a in got] == [0] and {m["first"] for m in measured} == {0}, (measured, diag.alerts)
+    told = next(r for r in read_records(tmp_path) if any(a.kind == "loss_broadcast" for a in r.alerts))
+    assert told.tables["diag/data/loss_shape"]["step"] > 0 == measured[0]["step"]  # confirmed by a later measurement
     assert "since step 0" in got[0].message

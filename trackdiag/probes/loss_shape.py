@@ -10,12 +10,13 @@ the output reshaped to the targets' shape, beside the loss the step was given; t
 loop that squeezes the output inside its loss (the shapes it passes differ, its loss does not) is told apart by the
 loss it hands over: it equals the aligned value, not the broadcast one.
 
-Emits, at the logging step after a measured step: table ``diag/data/loss_broadcast`` (``step``, ``loss``, ``broadcast``
-and ``aligned``: the values of the loss function whose broadcast form the loss equals, ``fn``: 0 MSE, 1 L1, 2
-smooth-L1, ``sum``: 1 for ``reduction="sum"``, ``elements``: the broadcast element count, ``first``: the first step
-the pair was handed over) when the loss is the
-broadcast one, with tables ``diag/data/loss_broadcast_outputs`` / ``..._targets`` (dimension -> size); and
-``diag/data/loss_checks`` at every logging step, the steps measured so far (0: no broadcasting pair seen).
+Emits, at the logging step after a measured step, table ``diag/data/loss_shape``: ``step`` (the measured step),
+``first`` (the first step the pair was handed over), ``loss`` (the step's), ``mse``, ``l1``, ``smooth_l1`` (the means
+over the broadcast), ``mse_aligned``, ``l1_aligned``, ``smooth_l1_aligned`` (over the output reshaped to the targets';
+NaN when the element counts differ), ``elements`` and ``aligned_elements`` (the counts the means are over, for a summed
+loss), ``eps`` (the loss dtype's machine epsilon); tables ``diag/data/loss_shape_outputs`` / ``..._targets``
+(dimension -> size). ``diag/data/loss_checks`` at every logging step: the steps measured so far (0: no broadcasting
+pair seen). The ``loss_broadcast`` rule judges the table.
 
 Cost: a host shape comparison per step for the first ``steps`` (200) steps and none after, unless a pair turned up;
 ~15 device ops on at most ``checks`` (5) steps with such a pair, one of them per logging window.
@@ -23,7 +24,6 @@ Cost: a host shape comparison per step for the first ``steps`` (200) steps and n
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +31,6 @@ import torch
 from trackdiag.capture.context import ProbeContext, StepInputs
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.util.stats import rounding_tolerance
 from trackdiag.util.tensors import TARGET_KEYS, logits_of, pick
 
 MAX_ELEMENTS = 1 << 24  # the broadcast difference is materialised (float64) at most ``checks`` times: 128 MB
@@ -51,15 +50,14 @@ class LossShapeProbe(Probe):
         self.target, self.output, self.steps, self.checks = target, output, steps, checks
         self._measured = 0
         self._first = -1  # the first step a broadcasting pair was handed over
-        self._found = False  # the loss was the broadcast one: nothing left to look for
         self._held: tuple[int, torch.Tensor, tuple[int, ...], tuple[int, ...], int, float] | None = None
         self._taken: tuple[int, tuple[int, ...], tuple[int, ...], int, float] | None = None
 
     def quiet(self, ctx: ProbeContext) -> bool:
-        return self._found or self._measured >= self.checks or (ctx.step >= self.steps and not self._measured)
+        return self._measured >= self.checks or (ctx.step >= self.steps and not self._measured)
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
-        if self._held is not None or self._found or self._measured >= self.checks \
+        if self._held is not None or self._measured >= self.checks \
                 or (ctx.step >= self.steps and not self._measured) \
                 or inputs.outputs is None or inputs.batch is None or len(inputs.losses) != 1:  # quiet(), inline
             return
@@ -109,22 +107,19 @@ class LossShapeProbe(Probe):
         if got is None or self._taken is None:
             return
         step, out_shape, y_shape, elements, eps = self._taken
-        found = judge(got.reshape(-1), elements, math.prod(y_shape), eps)
-        if found is None:
-            return
-        self._found = True
-        fn, summed, broadcast, aligned = found
-        record.tables["diag/data/loss_broadcast"] = {
-            "step": float(step), "first": float(self._first), "loss": float(got.reshape(-1)[0]), "broadcast": broadcast, "aligned": aligned,
-            "fn": float(fn), "sum": float(summed), "elements": float(elements)}
-        record.tables["diag/data/loss_broadcast_outputs"] = {str(i): float(n) for i, n in enumerate(out_shape)}
-        record.tables["diag/data/loss_broadcast_targets"] = {str(i): float(n) for i, n in enumerate(y_shape)}
+        loss, *fns = (float(v) for v in got.reshape(-1))
+        record.tables["diag/data/loss_shape"] = {
+            "step": float(step), "first": float(self._first), "loss": loss,
+            **dict(zip(("mse", "l1", "smooth_l1", "mse_aligned", "l1_aligned", "smooth_l1_aligned"), fns)),
+            "elements": float(elements), "aligned_elements": float(math.prod(y_shape)), "eps": eps}
+        record.tables["diag/data/loss_shape_outputs"] = {str(i): float(n) for i, n in enumerate(out_shape)}
+        record.tables["diag/data/loss_shape_targets"] = {str(i): float(n) for i, n in enumerate(y_shape)}
 
 
 def measure(out: torch.Tensor, y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """``[loss, MSE, L1, smooth-L1 broadcast, the same three aligned (NaN when the element counts differ)]`` as one
     device vector (means; the host scales them for ``reduction="sum"``), in float64 where the device has it: the
-    recomputed values are exact beside the loss's own rounding, which is all that :func:`judge` allows for."""
+    recomputed values are exact beside the loss's own rounding, which is all the rule allows for."""
     wide = torch.float64 if out.device.type in ("cpu", "cuda") else torch.float32
     o, t = out.detach().to(wide), y.detach().to(wide)
     both = [_three(o - t)]
@@ -138,26 +133,3 @@ def measure(out: torch.Tensor, y: torch.Tensor, loss: torch.Tensor) -> torch.Ten
 def _three(diff: torch.Tensor) -> list[torch.Tensor]:
     a = diff.abs()
     return [diff.square().mean(), a.mean(), torch.where(a < 1, 0.5 * a * a, a - 0.5).mean()]
-
-
-def judge(values: np.ndarray, elements: int, aligned_elements: int,
-          eps: float = float(np.finfo(np.float32).eps)) -> tuple[int, bool, float, float] | None:
-    """(function index, sum reduction, broadcast value, aligned value) when the loss equals a loss function's broadcast
-    value (mean, or sum over the broadcast elements) to within its own rounding (64 ulps of the loss's dtype,
-    ``eps``) and its aligned value is at least 16 times that far off; else None.
-
-    For MSE the two values differ by twice the outputs' covariance with the targets, which is small beside the loss
-    for a model that has learnt nothing yet (targets in raw units, outputs near 0: 1e-4 of the loss at a tabular
-    regression's first step). A loop whose loss is the aligned one is off the aligned value by its rounding alone, so
-    it can never be 16 times further from it than the tolerance; a broadcast one whose outputs do not yet covary with
-    the targets is measured again at a later step (``checks``)."""
-    loss = float(values[0])
-    if not math.isfinite(loss):
-        return None
-    for fn in range(3):
-        b, a = float(values[1 + fn]), float(values[4 + fn])
-        for summed, (bb, aa) in ((False, (b, a)), (True, (b * elements, a * aligned_elements))):
-            tol = rounding_tolerance(loss, bb, eps)
-            if math.isfinite(bb) and abs(loss - bb) <= tol and not (math.isfinite(aa) and abs(loss - aa) < 16 * tol):
-                return fn, summed, bb, aa
-    return None
