@@ -59,8 +59,8 @@ from trackdiag.util.tensors import HIGH_IGNORE, class_dim, float_tensors, inputs
 
 #: a batch that is a short tuple or list of plain tensors (``(x, y)``): its paths as :func:`float_tensors` names them
 _PATHS = tuple(f"batch[{i}]" for i in range(8))
-#: the smallest batch whose holding a single class is counted (``class_sorted_batches``): 8 samples of 3+ balanced
-#: classes hold one class by chance in < 0.1 % of shuffled batches
+#: the smallest batch whose holding a single class is counted (``class_sorted_batches``): 8 samples of 2 balanced
+#: classes hold one class by chance in 0.8 % of shuffled batches (3 classes: 0.05 %)
 ONE_CLASS_MIN_BATCH = 8
 _PLAIN = {torch.Tensor}
 
