@@ -1,7 +1,8 @@
 """Turn the user's model(s) and optimizer(s) into named :class:`Component` objects."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
@@ -136,6 +137,8 @@ def batch_size_of(batch: Any) -> int | None:
         return None
     if hasattr(batch, "shape"):
         return int(batch.shape[0]) if len(batch.shape) else None
+    if type(batch) in (tuple, list):  # the usual ``(x, y)``: before the slower Mapping test
+        return batch_size_of(batch[0]) if batch else None
     if isinstance(batch, Mapping):
         batch = list(batch.values())
     if isinstance(batch, (list, tuple)) and batch:

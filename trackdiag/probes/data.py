@@ -53,6 +53,7 @@ from trackdiag.alerts.task import masked_ce
 from trackdiag.capture.context import ProbeContext, StepInputs
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
+from trackdiag.util.held import Held, Holder
 from trackdiag.util.norms import stack_scalars
 from trackdiag.util.tensors import HIGH_IGNORE, class_dim, float_tensors, inputs_of, logits_of, targets_of
 
@@ -75,7 +76,9 @@ class DataFiniteProbe(Probe):
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)
-        self._seen: dict[str, list[tuple[int, tuple[torch.Tensor, ...]]]] = {}  # path -> [(step, its values)]
+        # path -> [(step, its values, or the batch kept for the logging step)]
+        self._seen: dict[str, list[tuple[int, tuple[torch.Tensor, ...] | Held]]] = {}
+        self._holder = Holder(self.name)
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         batch = inputs.batch
@@ -90,11 +93,15 @@ class DataFiniteProbe(Probe):
         for path, t in found:
             if t.numel() == 0:
                 continue
-            if t.requires_grad:
-                t = t.detach()  # cheaper per step than entering no_grad
             seen = self._seen.get(path)
             if seen is None:
                 seen = self._seen[path] = []
+            held = self._holder.hold(path, t) if not t.is_complex() else None
+            if held is not None:  # reduced with the window's other batches at the logging step: no kernel now
+                seen.append((ctx.step, held))
+                continue
+            if t.requires_grad:
+                t = t.detach()  # cheaper per step than entering no_grad
             # one append per step (a Ctrl-C between two would leave steps and values apart)
             seen.append((ctx.step, (torch.view_as_real(t).sum(),) if t.is_complex() else torch.aminmax(t)))
 
@@ -102,10 +109,33 @@ class DataFiniteProbe(Probe):
         out = {}
         self._steps = {}
         for path, seen in self._seen.items():
-            self._steps[path] = [step for step, _ in seen]
-            out[path] = stack_scalars([v for _, vals in seen for v in vals])
+            seen = self._reduce_held(path, seen)
+            if seen:
+                self._steps[path] = [step for step, _ in seen]
+                out[path] = stack_scalars([v for _, vals in seen for v in vals])
         self._seen = {}
+        self._holder.window_done()
         return out
+
+    def _reduce_held(self, path: str, seen: list[tuple[int, Any]]) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+        """The window's kept batches reduced: their largest magnitude, one ``_foreach_norm(inf)`` for all (NaN
+        propagates, Inf shows, a finite batch never overflows), twice in its row to pair with ``aminmax``'s two values;
+        steps whose batch was written into since are dropped (:class:`~trackdiag.util.held.Holder`)."""
+        held = [(i, v) for i, (_, v) in enumerate(seen) if isinstance(v, Held)]
+        if not held:
+            return seen
+        lost = [i for i, h in held if not h.intact]
+        if lost:
+            self._holder.overwritten(path, len(lost))
+            held = [(i, h) for i, h in held if h.intact]
+        out: list[Any] = list(seen)
+        if held:
+            with torch.no_grad():
+                tops = torch._foreach_norm([h.tensor for _, h in held], float("inf"))
+            for (i, _), top in zip(held, tops):
+                out[i] = (seen[i][0], (top, top))
+        gone = set(lost)
+        return [e for i, e in enumerate(out) if i not in gone]
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         first: dict[str, int] = {}
@@ -121,6 +151,21 @@ class DataFiniteProbe(Probe):
         if first:
             record.tables["diag/data/nonfinite_first"] = {k: float(s) for k, s in first.items()}
             record.tables["diag/data/nonfinite_count"] = {k: float(n) for k, n in count.items()}
+
+
+def label_stats(targets: torch.Tensor, classes: int, inputs: torch.Tensor | None) -> torch.Tensor:
+    """Per row of ``targets`` (``(k, n)`` integer class labels, one step's batch a row): ``[lowest, highest, highest
+    negative (the dtype's minimum: none), share of positions equal to ``inputs`` (``(k, n)``; -1: no such input),
+    lowest at or above ``classes`` (the dtype's maximum: none), highest below it]`` as ``(k, 6)`` float64. One
+    reduction each for the whole window; no batch-sized host work."""
+    small, big = torch.iinfo(targets.dtype).min, torch.iinfo(targets.dtype).max
+    lo, hi = torch.aminmax(targets, dim=1)
+    top_neg = torch.where(targets < 0, targets, small).amax(1)  # -inf-like when none
+    over = targets >= classes
+    low_over = torch.where(over, targets, big).amin(1)  # the smallest target above the classes (+inf-like: none)
+    high_in = torch.where(over, small, targets).amax(1)  # the largest target within them
+    same = (inputs == targets).float().mean(1) if inputs is not None else torch.full(lo.shape, -1.0, device=lo.device)
+    return torch.stack([lo, hi, top_neg, same, low_over, high_in], dim=1).to(torch.float64)
 
 
 class DataLabelsProbe(Probe):
@@ -139,11 +184,12 @@ class DataLabelsProbe(Probe):
         self.target, self.output = target, output
         self.auto = ignore_index == "auto"
         self.ignore_index: int | None = None if self.auto else ignore_index  # type: ignore[assignment]
-        # (step, classes, one label per sample, [lo, hi, top negative, same, lowest over, highest in])
-        self._seen: list[tuple[int, int, bool, list[torch.Tensor]]] = []
+        # (step, classes, one label per sample, its label_stats row or the (targets, inputs) kept for the logging step)
+        self._seen: list[tuple[int, int, bool, torch.Tensor | tuple[Held, Held | None]]] = []
+        self._holder = Holder(self.name)
+        self._order: list[int] | None = None  # the collected rows' steps, when not in step order (see _window_rows)
         self._window: tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]] = ((), (), ())  # the collected steps
         self._classes = -1
-        self._none: dict[torch.device, torch.Tensor] = {}  # see _no_input
         self._called: tuple[int, list[torch.Tensor]] | None = None  # (step, integer tensors the model's first call got)
         self._stops: list[Any] = []
         self._watching = False  # the models' first calls were watched from some step on (see _watch_calls)
@@ -183,8 +229,7 @@ class DataLabelsProbe(Probe):
             self.detach()
         if inputs.batch is None or inputs.outputs is None:
             return
-        with torch.no_grad():
-            self._observe(ctx, inputs)
+        self._observe(ctx, inputs)
 
     def _observe(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         t = targets_of(inputs.batch, self.target)
@@ -193,22 +238,21 @@ class DataLabelsProbe(Probe):
         if dim is None or t is None or logits is None or t.numel() == 0:
             return
         self._classes = int(logits.shape[dim])
-        flat = t.reshape(-1)
-        lo, hi = torch.aminmax(flat)
-        small, big = torch.iinfo(flat.dtype).min, torch.iinfo(flat.dtype).max
-        top_neg = torch.where(flat < 0, flat, small).max()  # -inf-like when none
-        over = flat >= self._classes
-        low_over = torch.where(over, flat, big).min()  # the smallest target above the classes (+inf-like: none)
-        high_in = torch.where(over, small, flat).max()  # the largest target within them
         x = inputs_of(inputs.batch)
-        same = (x == t).float().mean() if isinstance(x, torch.Tensor) and x.shape == t.shape \
-            and not x.is_floating_point() and not x.is_complex() else self._no_input(lo.device)
+        pair = isinstance(x, torch.Tensor) and x.shape == t.shape and not x.is_floating_point() and not x.is_complex()
         # one label per sample (class scores (B, C), targets (B,)): a batch's lo == hi says it holds one class
         per_sample = t.dim() == 1 and logits.dim() == 2 and t.numel() >= ONE_CLASS_MIN_BATCH
-        self._seen.append((ctx.step, self._classes, per_sample, [lo, hi, top_neg, same, low_over, high_in]))
-        if ctx.step < self.leak_steps and dim == -1 and ctx.is_due(self.schedule) and isinstance(x, torch.Tensor) \
-                and x.shape == t.shape and not x.is_floating_point() and len(inputs.losses) == 1:
-            self._leak_terms(ctx.step, logits, t, inputs.losses)
+        kept = self._holder.hold("targets", t)
+        kept_x = self._holder.hold("inputs", x) if kept is not None and pair else None
+        if kept is not None and (kept_x is not None or not pair):  # reduced with the window's: no kernel now
+            self._seen.append((ctx.step, self._classes, per_sample, (kept, kept_x)))
+        else:
+            with torch.no_grad():
+                row = label_stats(t.reshape(1, -1), self._classes, x.reshape(1, -1) if pair else None)
+            self._seen.append((ctx.step, self._classes, per_sample, row))
+        if ctx.step < self.leak_steps and dim == -1 and ctx.is_due(self.schedule) and pair and len(inputs.losses) == 1:
+            with torch.no_grad():
+                self._leak_terms(ctx.step, logits, t, inputs.losses)
 
     @staticmethod
     def _one_class_batches(classes: Sequence[int], per_sample: Sequence[bool], lo: np.ndarray, hi: np.ndarray,
@@ -227,13 +271,6 @@ class DataLabelsProbe(Probe):
             record.scalars["diag/data/one_class_batches"] = float(sum(per_class.values()))
             if per_class:
                 record.tables["diag/data/one_class_labels"] = {k: float(v) for k, v in per_class.items()}
-
-    def _no_input(self, device: torch.device) -> torch.Tensor:
-        """-1 (no integer input of the targets' shape), one tensor per device: stacked into the window, never written."""
-        none = self._none.get(device)
-        if none is None:
-            none = self._none[device] = torch.full((), -1.0, device=device)
-        return none
 
     def _leak_terms(self, step: int, logits: torch.Tensor, t: torch.Tensor, losses: Any) -> None:
         """Cross-entropy of the outputs against the targets as they are and shifted one position (device)."""
@@ -266,22 +303,86 @@ class DataLabelsProbe(Probe):
         return best
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
-        """The window's per-step label statistics, stacked (one kernel) and copied with everything
-        else; judged on the host (no tensor is built from host values: that copy would sync on CUDA)."""
-        if not self._seen:
-            return {}
-        steps, classes, per_sample, stats = zip(*self._seen)
-        self._window = (steps, classes, per_sample)
-        self._seen = []
-        out = {"stats": torch.stack([stack_scalars(s, torch.float64) for s in stats])}
+        """The window's per-step label statistics, a few kernels for the window (:meth:`_window_rows`), copied with
+        everything else; judged on the host (no tensor is built from host values: that copy would sync on CUDA)."""
+        seen, self._seen = self._intact(self._seen), []
+        self._holder.window_done()
+        out: dict[str, torch.Tensor | float] = {}
+        if seen:
+            steps, classes, per_sample, stats = zip(*seen)
+            self._window = (steps, classes, per_sample)
+            out["stats"], self._order = self._window_rows(stats, classes)
+        else:
+            self._window, self._order = ((), (), ()), None
         if self._leak is not None:
             out["leak"] = stack_scalars(self._leak[1], torch.float64)
             self._leak_step, self._leak = self._leak[0], None
         return out
 
+    def _intact(self, seen: list[Any]) -> list[Any]:
+        """``seen`` without the steps whose kept targets (or inputs) were written into since (a reused buffer)."""
+        lost = {"targets": 0, "inputs": 0}
+        keep = []
+        for entry in seen:
+            kept = entry[3]
+            if type(kept) is tuple:
+                if not kept[0].intact:
+                    lost["targets"] += 1
+                    continue
+                if kept[1] is not None and not kept[1].intact:
+                    lost["inputs"] += 1
+                    continue
+            keep.append(entry)
+        for what, n in lost.items():
+            if n:
+                self._holder.overwritten(what, n)
+        return keep
+
+    @staticmethod
+    def _window_rows(stats: Sequence[Any], classes: Sequence[int]) -> tuple[torch.Tensor, list[int] | None]:
+        """``(N, 6)`` float64 :func:`label_stats` rows of the window and, when they are not in step order, the step
+        index of each row. Kept targets of one shape, dtype and class count (a fixed batch size: the whole window)
+        are stacked and reduced together; rows reduced at their step are stacked as they are."""
+        groups: dict[Any, list[int]] = {}
+        for i, (s, n) in enumerate(zip(stats, classes)):
+            if type(s) is tuple:
+                t, x = s[0].tensor, s[1].tensor if s[1] is not None else None
+                key: Any = (t.dtype, t.device, t.numel(), n, None if x is None else x.dtype)
+            else:
+                key = "now"
+            groups.setdefault(key, []).append(i)
+        chunks: list[torch.Tensor] = []
+        order: list[int] = []
+        with torch.no_grad():
+            for key, idx in groups.items():
+                if key == "now":
+                    chunks.append(torch.cat([stats[i] for i in idx]))
+                else:
+                    targets = torch.stack([stats[i][0].tensor.reshape(-1) for i in idx])
+                    inputs = torch.stack([stats[i][1].tensor.reshape(-1) for i in idx]) if key[4] is not None else None
+                    chunks.append(label_stats(targets, key[3], inputs))
+                order += idx
+            rows = chunks[0] if len(chunks) == 1 else torch.cat([c.to(chunks[0].device) for c in chunks])
+        return rows, (order if order != list(range(len(order))) else None)
+
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
+        if self._window[0]:
+            self._judge(values["stats"], record)
+        leak = values.get("leak")
+        if leak is not None:
+            copy, nxt, loss, teacher = (float(v) for v in leak.reshape(-1))
+            record.tables["diag/data/leak_ce"] = {"copy": copy, "next": nxt, "loss": loss, "step": float(self._leak_step),
+                                                  "teacher": teacher}
+
+    def _judge(self, stats: np.ndarray, record: Record) -> None:
+        """The window's label rows (:func:`label_stats`) judged: out-of-range steps, the padding value, the ranges."""
         steps, classes, per_sample = self._window
-        lo, hi, top_neg, same, low_over, high_in = values["stats"].reshape(len(steps), 6).T
+        rows = stats.reshape(len(steps), 6)
+        if self._order is not None:  # rows grouped by shape: back in step order
+            ordered = np.empty_like(rows)
+            ordered[np.asarray(self._order)] = rows
+            rows = ordered
+        lo, hi, top_neg, same, low_over, high_in = rows.T
         self._one_class_batches(classes, per_sample, lo, hi, record)
         bad = np.zeros(len(steps), dtype=bool)
         lows, highs = [], []
@@ -319,8 +420,3 @@ class DataLabelsProbe(Probe):
             i = int(np.argmax(same))
             record.scalars["diag/data/target_is_input"] = float(same[i])
             record.tables["diag/data/target_is_input"] = {"step": float(steps[i])}
-        leak = values.get("leak")
-        if leak is not None:
-            copy, nxt, loss, teacher = (float(v) for v in leak.reshape(-1))
-            record.tables["diag/data/leak_ce"] = {"copy": copy, "next": nxt, "loss": loss, "step": float(self._leak_step),
-                                                  "teacher": teacher}

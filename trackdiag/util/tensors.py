@@ -10,7 +10,8 @@ or the value under the first of ``target``/``targets``/``label``/``labels``/``y`
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -46,6 +47,8 @@ def pick(batch: Any, key: int | str | None, guesses: tuple[str, ...], index: int
             return batch[key]
         except (KeyError, IndexError, TypeError):
             return None
+    if type(batch) in (tuple, list):  # the usual ``(x, y)``: before the slower Mapping test
+        return batch[index] if len(batch) > index else None
     if isinstance(batch, Mapping):
         return next((batch[k] for k in guesses if k in batch), None)
     if isinstance(batch, (list, tuple)) and len(batch) > index:
