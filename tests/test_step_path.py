@@ -21,10 +21,9 @@ PKG = str(Path(trackdiag.__file__).parent)
 #: trackdiag Python frames in a plain ``basic`` step of a 3-layer MLP (backward hooks and the end-of-backward
 #: measurement, the optimizer's step hooks, ``Diagnostics.step``): 74 before issue 44's step path, 61 after
 CALLS = 64
-#: torch ops trackdiag adds to such a step: the per-tensor gradient norms (one ``_foreach_norm``) and the loss's
-#: ``detach`` (the batch's NaN/Inf check, one ``aminmax`` a step before, is taken for the window at the logging step:
-#: tests/test_held_batches.py)
-OPS = 2
+#: torch ops trackdiag adds to such a step: the per-tensor gradient norms (one ``_foreach_norm``), the loss's
+#: ``detach`` and the batch's NaN/Inf check (one ``aminmax``)
+OPS = 3
 
 
 class _Ops(TorchDispatchMode):

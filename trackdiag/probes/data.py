@@ -36,9 +36,10 @@
   number of classes is the class dimension of the output (option ``output``: index or key of a
   structured output) when the shapes pair up (``(N, C)`` with ``(N,)``, ``(B, T, C)`` with
   ``(B, T)``, ``(N, C, H, W)`` with ``(N, H, W)``); otherwise nothing is checked.
-  Cost per step: one ``aminmax`` and three masked ``max``/``min`` over the targets (plus an ``eq``/``mean``
-  against the input when both are integer tensors of one shape), kept by reference; the window is
-  stacked, copied with everything else and judged on the host.
+  Cost per step: none for targets (and integer inputs) of at most 4,096 labels, kept by reference and reduced for the
+  whole window at the logging step (:func:`label_stats` over the stacked targets of one shape: an ``aminmax``, three masked
+  ``max``/``min``, an ``eq``/``mean`` against the input when both are integer tensors of one shape); larger ones get
+  those reductions at their step. Copied with everything else and judged on the host.
 Both collect at every logging step (``always_collect``), so no step of a window is lost.
 """
 from __future__ import annotations
@@ -63,6 +64,9 @@ _PATHS = tuple(f"batch[{i}]" for i in range(8))
 #: the smallest batch whose holding a single class is counted (``class_sorted_batches``): 8 samples of 2 balanced
 #: classes hold one class by chance in 0.8 % of shuffled batches (3 classes: 0.05 %)
 ONE_CLASS_MIN_BATCH = 8
+#: targets of at most this many labels a step are kept and reduced with the window's at the logging step (a
+#: classifier's, a short sequence model's); larger ones at their step (trackdiag.util.held)
+HOLD_LABELS = 4096
 _PLAIN = {torch.Tensor}
 
 
@@ -76,9 +80,7 @@ class DataFiniteProbe(Probe):
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)
-        # path -> [(step, its values, or the batch kept for the logging step)]
-        self._seen: dict[str, list[tuple[int, tuple[torch.Tensor, ...] | Held]]] = {}
-        self._holder = Holder(self.name)
+        self._seen: dict[str, list[tuple[int, tuple[torch.Tensor, ...]]]] = {}  # path -> [(step, its values)]
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         batch = inputs.batch
@@ -93,15 +95,11 @@ class DataFiniteProbe(Probe):
         for path, t in found:
             if t.numel() == 0:
                 continue
+            if t.requires_grad:
+                t = t.detach()  # cheaper per step than entering no_grad
             seen = self._seen.get(path)
             if seen is None:
                 seen = self._seen[path] = []
-            held = self._holder.hold(path, t) if not t.is_complex() else None
-            if held is not None:  # reduced with the window's other batches at the logging step: no kernel now
-                seen.append((ctx.step, held))
-                continue
-            if t.requires_grad:
-                t = t.detach()  # cheaper per step than entering no_grad
             # one append per step (a Ctrl-C between two would leave steps and values apart)
             seen.append((ctx.step, (torch.view_as_real(t).sum(),) if t.is_complex() else torch.aminmax(t)))
 
@@ -109,33 +107,10 @@ class DataFiniteProbe(Probe):
         out = {}
         self._steps = {}
         for path, seen in self._seen.items():
-            seen = self._reduce_held(path, seen)
-            if seen:
-                self._steps[path] = [step for step, _ in seen]
-                out[path] = stack_scalars([v for _, vals in seen for v in vals])
+            self._steps[path] = [step for step, _ in seen]
+            out[path] = stack_scalars([v for _, vals in seen for v in vals])
         self._seen = {}
-        self._holder.window_done()
         return out
-
-    def _reduce_held(self, path: str, seen: list[tuple[int, Any]]) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
-        """The window's kept batches reduced: their largest magnitude, one ``_foreach_norm(inf)`` for all (NaN
-        propagates, Inf shows, a finite batch never overflows), twice in its row to pair with ``aminmax``'s two values;
-        steps whose batch was written into since are dropped (:class:`~trackdiag.util.held.Holder`)."""
-        held = [(i, v) for i, (_, v) in enumerate(seen) if isinstance(v, Held)]
-        if not held:
-            return seen
-        lost = [i for i, h in held if not h.intact]
-        if lost:
-            self._holder.overwritten(path, len(lost))
-            held = [(i, h) for i, h in held if h.intact]
-        out: list[Any] = list(seen)
-        if held:
-            with torch.no_grad():
-                tops = torch._foreach_norm([h.tensor for _, h in held], float("inf"))
-            for (i, _), top in zip(held, tops):
-                out[i] = (seen[i][0], (top, top))
-        gone = set(lost)
-        return [e for i, e in enumerate(out) if i not in gone]
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
         first: dict[str, int] = {}
@@ -186,7 +161,7 @@ class DataLabelsProbe(Probe):
         self.ignore_index: int | None = None if self.auto else ignore_index  # type: ignore[assignment]
         # (step, classes, one label per sample, its label_stats row or the (targets, inputs) kept for the logging step)
         self._seen: list[tuple[int, int, bool, torch.Tensor | tuple[Held, Held | None]]] = []
-        self._holder = Holder(self.name)
+        self._holder = Holder(self.name, HOLD_LABELS)
         self._order: list[int] | None = None  # the collected rows' steps, when not in step order (see _window_rows)
         self._window: tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]] = ((), (), ())  # the collected steps
         self._classes = -1
