@@ -77,7 +77,7 @@ class Arm:
         self.gen = torch.Generator(device=device).manual_seed(seed + 1)
         self.loss_fn: Callable[[Any, Any], Any] = wl.loss
         self.backward: Callable[[Any, Any, Any], Any] = self._backward
-        self.after: Callable[[Any, Any, Any], Any] = lambda loss, out, x: None
+        self.after: Callable[[Any, Any, Any], Any] = lambda loss, out, batch: None
         self.closer: Callable[[], Any] = lambda: None
         if name == "disabled":
             diag = trackdiag.Diagnostics.from_config(None, model=watched, optimizer=given, scaler=self.scaler)
@@ -104,10 +104,11 @@ class Arm:
             raise ValueError(f"unknown arm {name!r}")
 
     def _stepper(self, diag: Any) -> Callable[[Any, Any, Any], Any]:
-        """The arm's ``diag.step`` call: with outputs and batch, or the loss alone (``wl.step_batch``)."""
+        """The arm's ``diag.step`` call: with outputs and the batch ``(x, y)`` as the README's loop hands them over, or
+        the loss alone (``wl.step_batch``)."""
         if self.wl.step_batch:
-            return lambda loss, out, x: diag.step(loss, outputs=out, batch=x)
-        return lambda loss, out, x: diag.step(loss)
+            return lambda loss, out, batch: diag.step(loss, outputs=out, batch=batch)
+        return lambda loss, out, batch: diag.step(loss)
 
     def _backward(self, loss: torch.Tensor, out: Any, y: Any) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -136,7 +137,7 @@ class Arm:
             self.scaler.update()
         for opt in self.opts.values():
             opt.zero_grad(set_to_none=True)
-        self.after(loss, out, x)
+        self.after(loss, out, batch)  # batch=(x, y), as the README's loop hands it over
         self.global_step += 1
 
     def _sync(self) -> None:

@@ -59,7 +59,7 @@ def phased_step(arm: Arm, clock: Callable[[], int]) -> list[int]:
     for opt in arm.opts.values():
         opt.zero_grad(set_to_none=True)
     t.append(clock())
-    arm.after(loss, out, x)
+    arm.after(loss, out, batch)
     t.append(clock())
     arm.global_step += 1
     return [b - a for a, b in zip(t, t[1:])]
