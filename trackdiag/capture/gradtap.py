@@ -87,14 +87,10 @@ class GradTap:
         params = [p for p in comp.index.params if p.requires_grad]
         st.sentinel = sentinel if sentinel is not None else pick_sentinel(comp)
         st.misses, st.last_nonzero = 0, True
-        fire = firing(comp.model, params, st.sentinel)
         try:
-            for p in params:
-                if p is st.sentinel:
-                    st.handles.append(p.register_hook(st.watch))
-                elif id(p) in fire:
-                    st.handles.append(p.register_hook(st.fire))
+            self._hook_layers(st, params)
             if st.sentinel is not None:
+                st.handles.append(st.sentinel.register_hook(st.watch))
                 st.handles.append(st.sentinel.register_post_accumulate_grad_hook(st.accumulated))
         except RuntimeError as exc:  # e.g. a parameter that cannot take hooks
             self._unhook(st)
@@ -102,10 +98,18 @@ class GradTap:
             log.warning("trackdiag: gradient tap off for %r (%s): gradients are read at the optimizer step "
                         "(after any clipping)", comp.name or "model", self.failed)
 
+    def _hook_layers(self, st: CompTap, params: list[torch.Tensor]) -> None:
+        """The per-layer hooks of ``st``'s component (every trainable parameter but the sentinel, one per built-in
+        layer: :func:`firing`)."""
+        st.thin, st.whole, st.fires = False, 0, 0
+        fire = firing(st.comp.model, params, st.sentinel)
+        st.layer_handles.extend(p.register_hook(st.fire) for p in params if p is not st.sentinel and id(p) in fire)
+
     def _unhook(self, st: CompTap) -> None:
-        for h in st.handles:
+        for h in (*st.handles, *st.layer_handles):
             h.remove()
         st.handles.clear()
+        st.layer_handles.clear()
 
     def detach(self) -> None:
         for st in self.states.values():
@@ -147,6 +151,8 @@ class GradTap:
                     self.closure_began(st.comp)
             if not st.saw or st.misses:
                 self._follow_sentinel(st)
+            if st.passed():
+                st.thin_out()
             st.saw = False
         self.ctx.hook_seconds += time.perf_counter() - t0
 
@@ -256,6 +262,11 @@ class GradTap:
         tap = st.first_in_step if st.in_closure and st.first_in_step is not None else st.latest
         if tap is not None and tap.generation != st.comp.generation:
             tap = self._carry(st, tap)
+        if tap is None and st.thin:  # a step without a pass the sentinel saw: one may have reached other layers only
+            try:
+                self._hook_layers(st, [p for p in st.comp.index.params if p.requires_grad])
+            except RuntimeError:  # hooked at attach time already: cannot fail here short of a changed parameter
+                pass
         st.latest = st.first_in_step = None
         st.in_closure = False
         # no backward pass runs while the loop records its step: a pass still marked as started, or a
@@ -286,4 +297,4 @@ class GradTap:
 
     def hooked(self, name: str) -> bool:
         st = self.states.get(name)
-        return st is not None and bool(st.handles)
+        return st is not None and bool(st.handles or st.layer_handles)
