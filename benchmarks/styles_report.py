@@ -46,6 +46,14 @@ ONSET = 40
 #: a silent fault is caught when its first warning-or-worse alert is of the right kind and raised within this many
 #: steps of the onset (issue 45: 50, and 100 for a fault present from step 0)
 WINDOW, START_WINDOW = 50, 100
+#: silent faults that take longer to show by their nature: ``sched_per_batch``'s rate is under 1e-4 of its peak from step
+#: 150 and the rule waits until it has stayed there a quarter of the run
+WINDOWS = {"sched_per_batch": 250}
+
+
+def window_of(fault: str) -> int:
+    """The steps after the onset within which ``fault`` must be raised to count as caught."""
+    return WINDOWS.get(fault, START_WINDOW if fault in START_FAULTS else WINDOW)
 #: the rise (over its lowest reading) a validation loss keeps to the end of a ``tiny_subset`` run for it to have turned
 TURN_RISE = 0.05
 
@@ -53,7 +61,8 @@ TURN_RISE = 0.05
 def fault_steps(fault: str, steps: int) -> int:
     """The whole run for the faults judged late (and ``crash_lr``, judged by the crash's text whenever it dies), else
     the onset and 60 steps after it."""
-    return steps if fault in ("tiny_subset", "shuffled_labels", "eval_mode", "crash_lr") else min(steps, ONSET + 60)
+    return steps if fault in ("tiny_subset", "shuffled_labels", "eval_mode", "crash_lr", "sched_per_batch") else \
+        min(steps, ONSET + 60)
 
 
 def verdict(row: dict[str, Any]) -> str:
@@ -65,7 +74,7 @@ def verdict(row: dict[str, Any]) -> str:
         return turn_verdict(row)
     if fault not in SILENT_KINDS:
         return ""
-    window = START_WINDOW if fault in START_FAULTS else WINDOW
+    window = window_of(fault)
     if fault == "crash_lr":
         crash = [a for a in row["alerts"] if a["kind"] == "crash"]
         if not row["error"] or not crash:

@@ -45,6 +45,7 @@ SLICE = [
     ("eval_wrong", "multitask"), ("eval_wrong", "triplet_metric"),
     ("crash_lr", "adversarial_fgsm"), ("crash_lr", "trainer_owned_optimizer"), ("crash_lr", "normalizing_flow"),
     ("sorted_data", "distillation"), ("sorted_data", "sam_two_pass"),
+    ("sched_per_batch", "vae_sum"), ("sched_per_batch", "hf_causal_lm"),
 ]
 
 
@@ -62,7 +63,7 @@ def test_silent_fault_is_caught_in_the_style(fault: str, style: str) -> None:
     else:
         kinds = REPORT.SILENT_KINDS[fault]
         assert first is not None and first["kind"] in ((kinds,) if isinstance(kinds, str) else kinds), said
-        window = REPORT.START_WINDOW if fault in REPORT.START_FAULTS else REPORT.WINDOW
+        window = REPORT.window_of(fault)
         assert 0 <= first["raised_at"] - max(row["onset"], 0) <= window, said
     assert REPORT.verdict(row) == "caught", said
 

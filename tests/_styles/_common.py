@@ -40,6 +40,9 @@ Silent faults (issue 45; the run neither crashes nor explodes at first):
   instead of the EMA copy; ``PullBack``): the weights move between optimizer steps and training stalls.
 - ``sorted_data``: from step 0 the training set is read in label order without shuffling, as a dataset stored class
   by class (``ImageFolder``) behind ``DataLoader(shuffle=False)`` gives it (``batches(..., sort=True)``).
+- ``sched_per_batch``: from step 0 every learning rate x0.1 every 30 steps, as ``StepLR(step_size=30, gamma=0.1)`` meant
+  per epoch and stepped per batch gives it (the :func:`lr_jump` hook with :func:`jump_factor` 0.1): under 1e-4 of the
+  peak from step 150.
 """
 from __future__ import annotations
 
@@ -64,14 +67,15 @@ from _zoo_a import digits  # noqa: E402,F401  (re-exported for the styles)
 
 #: faults that are present from step 0 (their onset is 0 whatever ``onset`` says)
 START_FAULTS = frozenset({"lr_start", "shuffled_labels", "eval_mode", "tiny_subset", "detached", "frozen_majority",
-                          "not_landing", "eval_wrong", "dup_workers", "sorted_data"})
+                          "not_landing", "eval_wrong", "dup_workers", "sorted_data", "sched_per_batch"})
 ALL_FAULTS = ("nan", "lr1000", "no_zero", "lr_start", "shuffled_labels", "eval_mode", "wiped_grads",
               "tiny_subset", "crash_nan", "same_batch", "runaway", "detached", "frozen_majority", "not_landing",
-              "eval_wrong", "crash_lr", "reversed_ema", "dup_workers", "sorted_data")
+              "eval_wrong", "crash_lr", "reversed_ema", "dup_workers", "sorted_data", "sched_per_batch")
 #: the alert kind each silent fault is judged by (the first warning-or-worse alert must be of it)
 SILENT_KINDS = {"runaway": "loss_runaway", "detached": "stale_params", "frozen_majority": "stale_params",
                 "not_landing": "stale_params", "eval_wrong": ("eval_mismatch", "eval_frozen"), "crash_lr": "crash",
-                "dup_workers": "repeated_batches", "reversed_ema": "weights_moved", "sorted_data": "class_sorted_batches"}
+                "dup_workers": "repeated_batches", "reversed_ema": "weights_moved", "sorted_data": "class_sorted_batches",
+                "sched_per_batch": "lr_vanished"}
 DUP_WORKERS = ("an IterableDataset read by 2 DataLoader workers, each yielding the whole stream: every batch twice in a "
                "row, from step 0")
 SAME_BATCH = "the loader restarted every step from onset (next(iter(loader)) in the loop): one batch, fresh copies"
@@ -161,14 +165,21 @@ def active(fault: str | None, name: str, step: int, onset: int) -> bool:
 CRASH_LR_FACTOR = 1e6
 
 
+#: ``sched_per_batch``: every this many steps the learning rates x0.1 (``StepLR(step_size=30)`` stepped per batch)
+SCHED_PERIOD = 30
+
+
 def jump_factor(fault: str | None) -> float:
-    """The factor every learning rate is multiplied by at the jump: ``CRASH_LR_FACTOR`` under ``crash_lr``, else 1000
-    (``lr1000``, ``lr_start``)."""
-    return CRASH_LR_FACTOR if fault == "crash_lr" else 1000.0
+    """The factor every learning rate is multiplied by at the jump: ``CRASH_LR_FACTOR`` under ``crash_lr``, 0.1 under
+    ``sched_per_batch``, else 1000 (``lr1000``, ``lr_start``)."""
+    return CRASH_LR_FACTOR if fault == "crash_lr" else 0.1 if fault == "sched_per_batch" else 1000.0
 
 
 def lr_jump(fault: str | None, step: int, onset: int) -> bool:
-    """Whether the loop multiplies every learning rate by :func:`jump_factor` at ``step`` (``lr1000``, ``crash_lr``)."""
+    """Whether the loop multiplies every learning rate by :func:`jump_factor` at ``step`` (``lr1000``, ``crash_lr``
+    at the onset; ``sched_per_batch`` every :data:`SCHED_PERIOD` steps)."""
+    if fault == "sched_per_batch":
+        return step > 0 and step % SCHED_PERIOD == 0
     return fault in ("lr1000", "crash_lr") and step == onset
 
 

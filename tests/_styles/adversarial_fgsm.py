@@ -38,6 +38,7 @@ FAULTS = {
     "not_landing": "the model's parameters replaced by copies after SGD was built",
     "eval_wrong": "validation runs on a copy of the model made before training, never refreshed",
     "crash_lr": "SGD lr x1e6 from onset; the script stops once the loss is not finite",
+    "sched_per_batch": "every learning rate x0.1 every 30 steps from step 0 (StepLR(step_size=30) meant per epoch, stepped per batch)",
     "reversed_ema": "from onset a reversed EMA update pulls the model toward a copy taken at onset after each step",
     "sorted_data": SORTED_DATA,
 }

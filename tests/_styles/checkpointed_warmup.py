@@ -31,6 +31,7 @@ FAULTS = {
     "nan": "log(0) inside block 1's second MLP linear `blocks.1.mlp.2` from onset",
     "lr1000": "AdamW lr (and the schedule's base lrs) x1000 from onset",
     "crash_lr": "AdamW lr (and the schedule's base lrs) x1e6 from onset; the script stops once the loss is not finite",
+    "sched_per_batch": "every learning rate x0.1 every 30 steps from step 0 (StepLR(step_size=30) meant per epoch, stepped per batch)",
     "lr_start": "AdamW lr (and the schedule's base lrs) x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "eval_mode": "model.eval() left on (dropout off, no checkpointing: the model checkpoints in training mode only)",

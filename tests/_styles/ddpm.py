@@ -30,6 +30,7 @@ FAULTS = {
     "nan": "log(0) inside the denoiser's second layer `model.net.2` from onset",
     "lr1000": "Adam lr x1000 from onset",
     "crash_lr": "Adam lr x1e6 from onset; the script stops once the loss is not finite",
+    "sched_per_batch": "every learning rate x0.1 every 30 steps from step 0 (StepLR(step_size=30) meant per epoch, stepped per batch)",
     "lr_start": "Adam lr x1000 from step 0",
     "no_zero": "opt.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) instead of 1.0 from onset",

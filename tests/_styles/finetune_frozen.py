@@ -30,6 +30,7 @@ FAULTS = {
     "nan": "log(0) inside the frozen backbone's second conv `backbone.3` from onset",
     "lr1000": "AdamW lr x1000 from onset",
     "crash_lr": "AdamW lr x1e6 from onset; the script stops once the loss is not finite",
+    "sched_per_batch": "every learning rate x0.1 every 30 steps from step 0 (StepLR(step_size=30) meant per epoch, stepped per batch)",
     "lr_start": "AdamW lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "eval_mode": "model.eval() left on (BatchNorm frozen, Dropout off)",

@@ -28,6 +28,7 @@ FAULTS = {
     "nan": "log(0) inside the second block's attention `transformer.h.1.attn` from onset",
     "lr1000": "AdamW lr (and the scheduler's base lr) x1000 from onset",
     "crash_lr": "AdamW lr (and the scheduler's base lr) x1e6 from onset; the script stops once the loss is not finite",
+    "sched_per_batch": "every learning rate x0.1 every 30 steps from step 0 (StepLR(step_size=30) meant per epoch, stepped per batch)",
     "lr_start": "AdamW lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",

@@ -29,6 +29,7 @@ FAULTS = {
     "nan": "log(0) inside the second coupling's MLP `flows.2.net` from onset (the script's guard skips the steps)",
     "lr1000": "Adam lr x1000 from onset",
     "crash_lr": "Adam lr x1e6 from onset; the script stops once the loss is not finite (in place of the example's skip guard)",
+    "sched_per_batch": "every learning rate x0.1 every 30 steps from step 0 (StepLR(step_size=30) meant per epoch, stepped per batch)",
     "lr_start": "Adam lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",

@@ -33,6 +33,7 @@ FAULTS = {
     "eval_mode": "model.eval() left on (BatchNorm frozen at init statistics)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between the second backward and second_step from onset",
     "crash_lr": "the base SGD's lr x1e6 from onset; the script stops once the loss is not finite",
+    "sched_per_batch": "every learning rate x0.1 every 30 steps from step 0 (StepLR(step_size=30) meant per epoch, stepped per batch)",
     "sorted_data": SORTED_DATA,
 }
 

@@ -34,6 +34,7 @@ FAULTS = {
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "tiny_subset": "trains on two batches; validation every 10 epochs (20 steps: the corpus' tiny_subset cadence)",
     "crash_lr": "the trainer's SGD lr x1e6 from onset; the script stops once the loss is not finite",
+    "sched_per_batch": "every learning rate x0.1 every 30 steps from step 0 (StepLR(step_size=30) meant per epoch, stepped per batch)",
     "reversed_ema": "from onset a reversed EMA hook pulls the model toward a copy taken at onset before each batch",
 }
 

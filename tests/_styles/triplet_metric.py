@@ -27,6 +27,7 @@ FAULTS = {
     "nan": "log(0) inside the embedding net's second layer `net.2` from onset",
     "lr1000": "Adam lr x1000 from onset",
     "crash_lr": "Adam lr x1e6 from onset; the script stops once the loss is not finite",
+    "sched_per_batch": "every learning rate x0.1 every 30 steps from step 0 (StepLR(step_size=30) meant per epoch, stepped per batch)",
     "lr_start": "Adam lr x1000 from step 0",
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "shuffled_labels": "triplets drawn with shuffled class labels (positives are random images)",

@@ -35,6 +35,7 @@ FAULTS = {
     "dup_workers": DUP_WORKERS,
     "tiny_subset": "trains on two batches; test loss every 20 steps",
     "crash_lr": "Adam lr x1e6 from onset: the next forward overflows and binary_cross_entropy raises",
+    "sched_per_batch": "every learning rate x0.1 every 30 steps from step 0 (StepLR(step_size=30) meant per epoch, stepped per batch)",
     "runaway": "from onset the KL term subtracted (its sign flipped, a KL weight annealed below zero)",
     "detached": "the output of the encoder's first layer `fc1` detached: it never gets a gradient",
     "frozen_majority": "every parameter but the last (the decoder's output bias) frozen; Adam over all",

@@ -155,11 +155,23 @@ class EvalFrozen(Rule):
         super().__init__(**kw)
         self.patience, self.min_span, self.min_move = max(2, patience), min_span, min_move
         self._runs: dict[str, list[float]] = {}  # key -> [value, first step, last step, count, train at first, fired]
+        self._lr_peak = 0.0  # the largest learning rate the training records showed
+
+    def _model_still(self, history: Sequence[Record]) -> bool:
+        """Whether every learning rate of the newest training record is under 1e-4 of the largest one seen: the model
+        no longer changes (a vanished rate, ``lr_vanished``), so an evaluation that repeats to the last bit is right."""
+        last = next((r for r in reversed(history) if any("opt/lr" in k for k in r.scalars)), None)
+        if last is None:
+            return False
+        lrs = [v for k, v in last.scalars.items() if "opt/lr" in k and math.isfinite(v)]
+        self._lr_peak = max([self._lr_peak, *lrs])
+        return bool(lrs) and max(lrs) < 1e-4 * self._lr_peak
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         """Emits one finding per frozen metric run; costs a dict update per evaluation value and a median of
         the newest window's losses."""
         train = recent_train_loss(history)
+        still = self._model_still(history)
         keys = [k for k, v in record.scalars.items() if k.startswith("diag/eval/") and math.isfinite(v)]
         for key in keys:
             v, run = record.scalars[key], self._runs.get(key)
@@ -175,7 +187,7 @@ class EvalFrozen(Rule):
             moved = math.isfinite(train) and math.isfinite(run[4]) and run[4] > 0 and train > 0 \
                 and abs(math.log(train / run[4])) > math.log1p(self.min_move)
             judged = "loss" in key.rsplit("/", 1)[-1] or len(frozen) == len(keys)
-            if run[5] or not moved or not judged or run[0] in _SATURATED:
+            if run[5] or not moved or not judged or run[0] in _SATURATED or still:
                 continue
             run[5] = 1.0
             name = key[len("diag/eval/"):]

@@ -103,6 +103,9 @@ class StaleParams(Rule):
             "param group with lr=0. Unused on purpose: leave it out of the optimizer. An idle optimizer: the loop "
             "no longer calls its step().")
 
+    #: a learning rate under this share of its peak moves no weight that the updates could be seen by (lr_vanished)
+    TINY_LR_NOTE = 1e-4
+
     #: evidence lines (constants, not config options; see the class docstring)
     CUT_SHARE, FROZEN_SHARE, STALL, EARLY, LATE = 0.05, 0.5, 0.9, 10, 20
 
@@ -120,6 +123,7 @@ class StaleParams(Rule):
         self._early: dict[str, dict[int, float]] = {}  # its first ``EARLY`` losses by step
         self._stall_said: set[str] = set()
         self._chance = math.nan  # the loss a model that learned nothing sits at (diag/task/chance_loss), when shown
+        self._lr_peak: dict[str, float] = {}  # component -> the largest learning rate it was stepped with
 
     def _size(self, comp: Component) -> dict[str, float]:
         got = self._sizes.get(comp.name)
@@ -130,6 +134,11 @@ class StaleParams(Rule):
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         self._phased = self._phased or phase_start(record) >= 0
         self._chance = record.scalars.get("diag/task/chance_loss", self._chance)  # the task's, once shown
+        for comp in components:
+            base = comp.key("opt/lr")
+            lrs = [v for k, v in record.scalars.items() if k == base or k.startswith(base + "/")]
+            if lrs and max(lrs) > self._lr_peak.get(comp.name, 0.0):
+                self._lr_peak[comp.name] = max(lrs)
         out = self._idle(record, components) + self._frozen(record, components) + self._still(record, components)
         out += self._stalled(record, components)
         for comp in components:
@@ -199,7 +208,10 @@ class StaleParams(Rule):
             for lay in layer_values(record, comp.key("update/ratio")):  # said once here, not once per layer
                 self._streaks.mark(f"{comp.name}|{lay}", since)
             lrs = [v for k, v in record.scalars.items() if k == comp.key("opt/lr") or k.startswith(comp.key("opt/lr") + "/")]
-            why = ("its learning rate is 0" if lrs and max(lrs) == 0.0 else "the optimizer holds only tensors the "
+            peak = self._lr_peak.get(comp.name, 0.0)
+            why = ("its learning rate is 0" if lrs and max(lrs) == 0.0 else
+                   f"its learning rate is {max(lrs):.2g}, {max(lrs) / peak:.0e} of its peak {peak:.3g}: too small to change "
+                   f"a weight" if lrs and max(lrs) < self.TINY_LR_NOTE * peak else "the optimizer holds only tensors the "
                    "model no longer uses: none is a parameter of the model, none gets a gradient; build the optimizer "
                    "after the last change to the model's parameters" if lost else
                    "the optimizer holds tensors the model no longer uses, or its step is patched or compiled away")

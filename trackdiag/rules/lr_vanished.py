@@ -1,0 +1,101 @@
+"""``lr_vanished``: a learning rate that fell to almost nothing early and stayed there (keys of the ``lr`` probe)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
+from trackdiag.rules.base import Rule, phase_start
+
+
+@dataclass
+class _Track:
+    """One learning-rate series (an optimizer's, or one param group's) within the current phase."""
+
+    first: int  # the step it was first seen at (in this phase)
+    peak: float = 0.0
+    tenth: int = -1  # the first step of the current stretch at or below a tenth of the peak (-1: above)
+    low: int = -1  # the first step of the current stretch below ``ratio`` x the peak (-1: not)
+    fired: bool = False
+
+
+class LrVanished(Rule):
+    """Fires when a learning rate (each optimizer's, each param group's) fell below ``ratio`` (1e-4) of its peak
+    within ``fall_steps`` (1,000) steps of first being under a tenth of it, stays above 0 (an LR set to exactly 0 is
+    a deliberate freeze, judged by ``stale_params``) and has stayed that low for at least ``min_steps`` (20) steps and
+    ``share`` (25 %) of the phase so far. The classic cause: a scheduler meant per epoch (``StepLR``,
+    ``MultiStepLR``, ``ExponentialLR``) stepped every batch: ``StepLR(step_size=30, gamma=0.1)`` takes the rate
+    10,000x down in 120 batches, and the run goes on with weights that an update of ``lr x gradient`` no longer moves.
+
+    Silent by construction for schedules that end near 0 (cosine or linear decay to 0, ``OneCycleLR``: below 1e-4 of
+    the peak for the last ~0.5 % of the run), warm-up from 0 (each new rate is the peak), warm restarts, a plateau
+    scheduler's cuts down to its ``min_lr`` or spread over more than ``fall_steps``, and a new training phase (a new
+    optimizer: judged against its own peak). A plateau scheduler without ``min_lr`` that cuts the rate 10,000x within
+    ``fall_steps`` and leaves the run there is raised too: the run is as frozen. ``step``: where the rate went below
+    the ratio; ``persistent`` (a warning). Once per series."""
+
+    kind = "lr_vanished"
+    hint = ("Step an epoch-based scheduler (StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR with T_max in epochs) "
+            "once per epoch, after the epoch's batches, or give it its periods in optimizer steps (step_size=30 * "
+            "len(train_loader)); per-batch schedules (OneCycleLR, the Hugging Face warm-up schedules) take the total "
+            "number of optimizer steps; ReduceLROnPlateau takes a min_lr. A rate meant to reach ~0 this early: "
+            "diag.rules.lr_vanished.enabled=false.")
+
+    def __init__(self, *, ratio: float = 1e-4, fall_steps: int = 1000, min_steps: int = 20, share: float = 0.25,
+                 **kw: Any) -> None:
+        super().__init__(**kw)
+        self.ratio, self.fall_steps, self.min_steps, self.share = ratio, fall_steps, min_steps, share
+        self._tracks: dict[str, _Track] = {}
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        if phase_start(record) >= 0:  # a new phase (an optimizer's first step): each series starts over
+            self._tracks = {k: t for k, t in self._tracks.items() if t.fired}
+        out = []
+        for comp in components:
+            base = comp.key("opt/lr")
+            for key, lr in record.scalars.items():
+                if key == base or key.startswith(base + "/"):
+                    alert = self._judge(comp, key, base, float(lr), record.step)
+                    if alert is not None:
+                        out.append(alert)
+        return out
+
+    def _judge(self, comp: Component, key: str, base: str, lr: float, step: int) -> Alert | None:
+        t = self._tracks.get(key)
+        if t is None:
+            t = self._tracks[key] = _Track(first=step)
+        if t.fired or lr != lr:  # NaN: another rule's business
+            return None
+        if lr >= t.peak:
+            t.peak, t.tenth, t.low = lr, -1, -1
+            return None
+        if lr > 0.1 * t.peak:
+            t.tenth, t.low = -1, -1
+            return None
+        if t.tenth < 0:
+            t.tenth = step
+        if not 0.0 < lr < self.ratio * t.peak:
+            t.low = -1
+            return None
+        if t.low < 0:
+            t.low = step
+        stayed = step - t.low
+        if t.low - t.tenth > self.fall_steps or stayed < self.min_steps or stayed < self.share * (step - t.first):
+            return None
+        t.fired = True
+        group = key[len(base) + 1:]
+        where = " ".join(filter(None, [f"component {comp.name!r}" if comp.name else "", f"param group {group!r}" if group else ""])) \
+            or "the optimizer"
+        msg = (f"the learning rate of {where} went from its peak {t.peak:.3g} to under {self.ratio:g} of it at step "
+               f"{t.low}, {t.low - t.tenth} steps after dropping under a tenth of it, and has stayed there ({stayed} steps, "
+               f"{100 * stayed / max(step - t.first, 1):.0f} % of the run; now {lr:.2g}): the weights barely move. A "
+               f"scheduler meant per epoch, stepped every batch, does this (or a plateau scheduler without a min_lr).")
+        return self.make(t.low, msg, lr / t.peak, self.ratio, key, ["persistent"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: [t.first, t.peak, t.tenth, t.low, t.fired] for k, t in self._tracks.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._tracks = {k: _Track(int(a), float(b), int(c), int(d), bool(e)) for k, (a, b, c, d, e) in state.items()}
