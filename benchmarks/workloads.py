@@ -138,7 +138,8 @@ WORKLOADS = {
     "deep_narrow": Workload("deep_narrow", _deep_narrow, lambda g: _deep_data(g, (64, 64)), F.cross_entropy),
     # a short step (~1-2 ms on 2 cores, like the example app's digits MLP): fixed costs show here
     "small": Workload("small", lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
-                                                     nn.Linear(128, 10)), lambda g: _deep_data(g, (64, 64)), F.cross_entropy),
+                                                     nn.Linear(128, 10)), lambda g: _deep_data(g, (64, 64)), F.cross_entropy,
+                      lr=1e-3),  # learns within the 100 steps not_learning waits (at 1e-4 it sat at chance: critical at 60)
     **{f"scale{t}": scale_workload(t) for t in (10, 100, 1000, 3000)},
 }
 #: run when --workloads is not given (gpt is added on CUDA; gpt_tiny is the CPU smoke test's)
