@@ -101,6 +101,18 @@ def loss_where(key: str) -> str:
     return key
 
 
+#: a learning rate under this share of its peak moves no weight (``lr_vanished``; ``stale_params`` and ``eval_frozen``
+#: read it too)
+VANISHED_LR = 1e-4
+
+
+def learning_rates(record: Record, comp: Component) -> dict[str, float]:
+    """``comp``'s learning rates in ``record`` (the ``lr`` probe's keys): ``diag/[<c>/]opt/lr``, or one per param group
+    under it."""
+    base = comp.key("opt/lr")
+    return {k: v for k, v in record.scalars.items() if k == base or k.startswith(base + "/")}
+
+
 def layer_values(record: Record, prefix: str) -> dict[str, float]:
     """Per-layer values under ``prefix`` (``diag/grad/norm``): the full table when the keys were
     coarsened, else the per-layer scalar keys."""

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
-from trackdiag.rules.base import Rule, loss_series
+from trackdiag.rules.base import VANISHED_LR, Rule, loss_series
 from trackdiag.rules.generalization import latest_train_loss
 
 _SATURATED = (0.0, 1.0, 100.0)  # a loss of 0, an accuracy of 0 / 1 / 100 %: a score that may stay put
@@ -165,7 +165,7 @@ class EvalFrozen(Rule):
             return False
         lrs = [v for k, v in last.scalars.items() if "opt/lr" in k and math.isfinite(v)]
         self._lr_peak = max([self._lr_peak, *lrs])
-        return bool(lrs) and max(lrs) < 1e-4 * self._lr_peak
+        return bool(lrs) and max(lrs) < VANISHED_LR * self._lr_peak
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         """Emits one finding per frozen metric run; costs a dict update per evaluation value and a median of

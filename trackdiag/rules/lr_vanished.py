@@ -7,7 +7,7 @@ from typing import Any, Sequence
 from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
-from trackdiag.rules.base import Rule, phase_start
+from trackdiag.rules.base import VANISHED_LR, Rule, learning_rates, phase_start
 
 
 @dataclass
@@ -43,7 +43,7 @@ class LrVanished(Rule):
             "number of optimizer steps; ReduceLROnPlateau takes a min_lr. A rate meant to reach ~0 this early: "
             "diag.rules.lr_vanished.enabled=false.")
 
-    def __init__(self, *, ratio: float = 1e-4, fall_steps: int = 1000, min_steps: int = 20, share: float = 0.25,
+    def __init__(self, *, ratio: float = VANISHED_LR, fall_steps: int = 1000, min_steps: int = 20, share: float = 0.25,
                  **kw: Any) -> None:
         super().__init__(**kw)
         self.ratio, self.fall_steps, self.min_steps, self.share = ratio, fall_steps, min_steps, share
@@ -55,11 +55,10 @@ class LrVanished(Rule):
         out = []
         for comp in components:
             base = comp.key("opt/lr")
-            for key, lr in record.scalars.items():
-                if key == base or key.startswith(base + "/"):
-                    alert = self._judge(comp, key, base, float(lr), record.step)
-                    if alert is not None:
-                        out.append(alert)
+            for key, lr in learning_rates(record, comp).items():
+                alert = self._judge(comp, key, base, float(lr), record.step)
+                if alert is not None:
+                    out.append(alert)
         return out
 
     def _judge(self, comp: Component, key: str, base: str, lr: float, step: int) -> Alert | None:

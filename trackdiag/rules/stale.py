@@ -17,7 +17,7 @@ from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._streak import Streaks
-from trackdiag.rules.base import Rule, latest, layer_values, phase_start
+from trackdiag.rules.base import VANISHED_LR, Rule, latest, layer_values, learning_rates, phase_start
 from trackdiag.rules.gradients import loss_points
 from trackdiag.util.modnames import layer_label, layers_named
 
@@ -103,9 +103,6 @@ class StaleParams(Rule):
             "param group with lr=0. Unused on purpose: leave it out of the optimizer. An idle optimizer: the loop "
             "no longer calls its step().")
 
-    #: a learning rate under this share of its peak moves no weight that the updates could be seen by (lr_vanished)
-    TINY_LR_NOTE = 1e-4
-
     #: evidence lines (constants, not config options; see the class docstring)
     CUT_SHARE, FROZEN_SHARE, STALL, EARLY, LATE = 0.05, 0.5, 0.9, 10, 20
 
@@ -135,8 +132,7 @@ class StaleParams(Rule):
         self._phased = self._phased or phase_start(record) >= 0
         self._chance = record.scalars.get("diag/task/chance_loss", self._chance)  # the task's, once shown
         for comp in components:
-            base = comp.key("opt/lr")
-            lrs = [v for k, v in record.scalars.items() if k == base or k.startswith(base + "/")]
+            lrs = learning_rates(record, comp).values()
             if lrs and max(lrs) > self._lr_peak.get(comp.name, 0.0):
                 self._lr_peak[comp.name] = max(lrs)
         out = self._idle(record, components) + self._frozen(record, components) + self._still(record, components)
@@ -207,11 +203,11 @@ class StaleParams(Rule):
             since = self._streaks.start(key)
             for lay in layer_values(record, comp.key("update/ratio")):  # said once here, not once per layer
                 self._streaks.mark(f"{comp.name}|{lay}", since)
-            lrs = [v for k, v in record.scalars.items() if k == comp.key("opt/lr") or k.startswith(comp.key("opt/lr") + "/")]
+            lrs = list(learning_rates(record, comp).values())
             peak = self._lr_peak.get(comp.name, 0.0)
             why = ("its learning rate is 0" if lrs and max(lrs) == 0.0 else
                    f"its learning rate is {max(lrs):.2g}, {max(lrs) / peak:.0e} of its peak {peak:.3g}: too small to change "
-                   f"a weight" if lrs and max(lrs) < self.TINY_LR_NOTE * peak else "the optimizer holds only tensors the "
+                   f"a weight" if lrs and max(lrs) < VANISHED_LR * peak else "the optimizer holds only tensors the "
                    "model no longer uses: none is a parameter of the model, none gets a gradient; build the optimizer "
                    "after the last change to the model's parameters" if lost else
                    "the optimizer holds tensors the model no longer uses, or its step is patched or compiled away")
