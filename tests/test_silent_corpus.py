@@ -46,6 +46,7 @@ SLICE = [
     ("crash_lr", "adversarial_fgsm"), ("crash_lr", "trainer_owned_optimizer"), ("crash_lr", "normalizing_flow"),
     ("sorted_data", "distillation"), ("sorted_data", "sam_two_pass"),
     ("sched_per_batch", "vae_sum"), ("sched_per_batch", "hf_causal_lm"),
+    ("zero_inputs", "finetune_frozen"), ("zero_inputs", "triplet_metric"),
 ]
 
 

@@ -43,6 +43,9 @@ Silent faults (issue 45; the run neither crashes nor explodes at first):
 - ``sched_per_batch``: from step 0 every learning rate x0.1 every 30 steps, as ``StepLR(step_size=30, gamma=0.1)`` meant
   per epoch and stepped per batch gives it (the :func:`lr_jump` hook with :func:`jump_factor` 0.1): under 1e-4 of the
   peak from step 150.
+- ``zero_inputs``: from ``onset`` the model input of every batch is zeros (its float input: the batch, ``batch[0]``
+  or a dict's ``input``/``image``... key), as an integer division in the preprocessing (``uint8 // 255``) or a loader
+  that returns a placeholder for unreadable images gives it (``restart_loader``).
 """
 from __future__ import annotations
 
@@ -70,12 +73,14 @@ START_FAULTS = frozenset({"lr_start", "shuffled_labels", "eval_mode", "tiny_subs
                           "not_landing", "eval_wrong", "dup_workers", "sorted_data", "sched_per_batch"})
 ALL_FAULTS = ("nan", "lr1000", "no_zero", "lr_start", "shuffled_labels", "eval_mode", "wiped_grads",
               "tiny_subset", "crash_nan", "same_batch", "runaway", "detached", "frozen_majority", "not_landing",
-              "eval_wrong", "crash_lr", "reversed_ema", "dup_workers", "sorted_data", "sched_per_batch")
+              "eval_wrong", "crash_lr", "reversed_ema", "dup_workers", "sorted_data", "sched_per_batch", "zero_inputs")
 #: the alert kind each silent fault is judged by (the first warning-or-worse alert must be of it)
 SILENT_KINDS = {"runaway": "loss_runaway", "detached": "stale_params", "frozen_majority": "stale_params",
                 "not_landing": "stale_params", "eval_wrong": ("eval_mismatch", "eval_frozen"), "crash_lr": "crash",
                 "dup_workers": "repeated_batches", "reversed_ema": "weights_moved", "sorted_data": "class_sorted_batches",
-                "sched_per_batch": "lr_vanished"}
+                "sched_per_batch": "lr_vanished", "zero_inputs": "constant_inputs"}
+ZERO_INPUTS = ("from the onset the model input is zeros, as an integer division in the preprocessing (uint8 // 255) or a "
+               "loader's placeholder for unreadable images gives it")
 DUP_WORKERS = ("an IterableDataset read by 2 DataLoader workers, each yielding the whole stream: every batch twice in a "
                "row, from step 0")
 SAME_BATCH = "the loader restarted every step from onset (next(iter(loader)) in the loop): one batch, fresh copies"
@@ -341,6 +346,10 @@ def restart_loader(loader: Iterator[Any], fault: str | None, onset: int, per_ste
             yield batch
             yield _fresh(batch)
         return
+    if fault == "zero_inputs":
+        for i, batch in enumerate(loader):
+            yield _zeroed(batch) if i >= onset * per_step else batch
+        return
     if fault != "same_batch":
         yield from loader
         return
@@ -350,6 +359,18 @@ def restart_loader(loader: Iterator[Any], fault: str | None, onset: int, per_ste
     while True:
         for batch in first:
             yield _fresh(batch)
+
+
+def _zeroed(batch: Any) -> Any:
+    """``batch`` with its model input (the tensor itself, ``batch[0]``, a dict's first input key) zeroed."""
+    from trackdiag.util.tensors import INPUT_KEYS
+
+    if isinstance(batch, torch.Tensor):
+        return torch.zeros_like(batch)
+    if isinstance(batch, dict):
+        key = next(k for k in INPUT_KEYS if k in batch)
+        return {**batch, key: torch.zeros_like(batch[key])}
+    return type(batch)([torch.zeros_like(batch[0]), *batch[1:]])
 
 
 def _fresh(obj: Any) -> Any:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._common import ZERO_INPUTS
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, check_fault, crash_guard, digits,
                       fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader, Runaway,
                       StaleEval, freeze_all_but_last, orphan_params)
@@ -33,6 +34,7 @@ FAULTS = {
     "shuffled_labels": "targets shuffled within each micro-batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) instead of 1.0 from onset",
     "same_batch": SAME_BATCH,
+    "zero_inputs": ZERO_INPUTS,
     "tiny_subset": "trains on two micro-batches; evaluation every 20 iterations",
     "runaway": "from onset - beta * ||blocks.0 weight||^2 in the loss, beta annealed below zero",
     "detached": "the output of the gated layer `blocks.1` detached: it and the layers before never get a gradient",

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ._common import SORTED_DATA
+from ._common import ZERO_INPUTS
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, SAME_BATCH, restart_loader, Runaway,
                       freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite, DUP_WORKERS)
@@ -37,6 +38,7 @@ FAULTS = {
     "eval_mode": "model.eval() left on (dropout off, no checkpointing: the model checkpoints in training mode only)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) instead of 1.0 from onset",
     "same_batch": SAME_BATCH,
+    "zero_inputs": ZERO_INPUTS,
     "dup_workers": DUP_WORKERS,
     "runaway": "from onset - beta * ||blocks.0 weight||^2 in the loss, beta annealed below zero",
     "detached": "the output of the gated layer `blocks.1.mlp.2` detached: it and the layers before never get a gradient",

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import SORTED_DATA
+from ._common import ZERO_INPUTS
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, shuffle, wipe_grads, SAME_BATCH, restart_loader,
                       Runaway, StaleEval, lr_jump, orphan_params, jump_factor, stop_if_nonfinite, DUP_WORKERS)
@@ -37,6 +38,7 @@ FAULTS = {
     "shuffled_labels": "targets shuffled within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
+    "zero_inputs": ZERO_INPUTS,
     "dup_workers": DUP_WORKERS,
     "tiny_subset": "trains on two batches; validation every 20 steps",
     "runaway": "from onset - beta * ||head weight||^2 in the loss, beta annealed below zero",

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._common import ZERO_INPUTS
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, Runaway,
                       StaleEval, freeze_all_but_last, lr_jump, orphan_params, DUP_WORKERS)
@@ -33,6 +34,7 @@ FAULTS = {
     "shuffled_labels": "every task's targets shuffled (together) within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
+    "zero_inputs": ZERO_INPUTS,
     "dup_workers": DUP_WORKERS,
     "tiny_subset": "trains on two batches; validation every 20 steps",
     "runaway": "from onset - beta * ||trunk.0.weight||^2 in the loss, beta annealed below zero",

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._common import ZERO_INPUTS
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       fault_onset, one_thread, session, shuffle, sk_table, wipe_grads, SAME_BATCH, restart_loader,
                       Runaway, StaleEval, freeze_all_but_last, lr_jump, orphan_params, DUP_WORKERS)
@@ -31,6 +32,7 @@ FAULTS = {
     "shuffled_labels": "targets shuffled within each batch",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
+    "zero_inputs": ZERO_INPUTS,
     "dup_workers": DUP_WORKERS,
     "tiny_subset": "trains on two batches; validation every 20 steps",
     "runaway": "from onset - beta * ||0.weight||^2 in the loss, beta annealed below zero",

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ._common import ZERO_INPUTS
 from ._common import (NanGate, Progress, StyleRun, Timer, active, bump_lr, check_fault, crash_guard, digits,
                       fault_onset, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, Runaway, StaleEval,
                       freeze_all_but_last, lr_jump, orphan_params, jump_factor, stop_if_nonfinite, DUP_WORKERS)
@@ -33,6 +34,7 @@ FAULTS = {
     "shuffled_labels": "triplets drawn with shuffled class labels (positives are random images)",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
+    "zero_inputs": ZERO_INPUTS,
     "dup_workers": DUP_WORKERS,
     "tiny_subset": "the triplets come from 32 images; validation every 20 steps",
     "runaway": "from onset - beta * ||net.0 weight||^2 in the loss, beta annealed below zero",

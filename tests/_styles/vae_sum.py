@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._common import ZERO_INPUTS
 from ._common import (NanGate, Progress, StyleRun, Timer, active, batches, bump_lr, check_fault, crash_guard,
                       digits, fault_onset, mean, one_thread, session, wipe_grads, SAME_BATCH, restart_loader, lr_jump,
                       freeze_all_but_last, orphan_params, jump_factor, stop_if_nonfinite, DUP_WORKERS)
@@ -32,6 +33,7 @@ FAULTS = {
     "no_zero": "optimizer.zero_grad() dropped from onset",
     "wiped_grads": "clip_grad_norm_(max_norm=0) between backward and step from onset",
     "same_batch": SAME_BATCH,
+    "zero_inputs": ZERO_INPUTS,
     "dup_workers": DUP_WORKERS,
     "tiny_subset": "trains on two batches; test loss every 20 steps",
     "crash_lr": "Adam lr x1e6 from onset: the next forward overflows and binary_cross_entropy raises",

@@ -1,5 +1,6 @@
 """Learning-rate probe: ``diag/[<c>/]opt/lr`` (one param group) or ``diag/[<c>/]opt/lr/<group>``
-(group ``name`` if set, else its index). Cost: reads ``param_groups``; a tensor LR is copied with the
+(group ``name`` if set, else its index), and beside each a group's non-zero ``weight_decay`` as
+``diag/[<c>/]opt/weight_decay[/<group>]``. Cost: reads ``param_groups``; a tensor LR is copied with the
 other diagnostics."""
 from __future__ import annotations
 
@@ -23,4 +24,7 @@ class LrProbe(Probe):
                 lr = g.get("lr")
                 if lr is not None:
                     out[comp.key(suffix)] = lr
+                wd = g.get("weight_decay")
+                if wd:
+                    out[comp.key(suffix.replace("opt/lr", "opt/weight_decay", 1))] = wd
         return out

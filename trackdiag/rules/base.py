@@ -106,6 +106,12 @@ def loss_where(key: str) -> str:
 VANISHED_LR = 1e-4
 
 
+#: a model input whose largest magnitude over a window (``diag/data/input_absmax``) is under this is named in the
+#: messages of a model at chance (``not_learning``, ``mode_collapse``): pixels divided by 255 twice stay under 0.004.
+#: Never a finding on its own: audio and some features are small by nature
+TINY_INPUT = 0.01
+
+
 def learning_rates(record: Record, comp: Component) -> dict[str, float]:
     """``comp``'s learning rates in ``record`` (the ``lr`` probe's keys): ``diag/[<c>/]opt/lr``, or one per param group
     under it."""

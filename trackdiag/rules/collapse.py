@@ -8,7 +8,7 @@ from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules._streak import Streaks
-from trackdiag.rules.base import Rule
+from trackdiag.rules.base import TINY_INPUT, Rule
 
 _SUFFIX = "/out/batch_std"
 
@@ -16,6 +16,12 @@ _SUFFIX = "/out/batch_std"
 #: a sample with fewer rows of the other classes than this tells nothing about predicting them (0.6 % positives:
 #: ~1.5 of 256 rows; a model learns the prior first, for 100+ steps: ``not_learning`` judges one stuck there)
 MIN_OTHERS = 8
+
+
+def _tiny(record: Record) -> str:
+    """A note on a model input too small to tell samples apart, when the data probe saw one (not_learning's line)."""
+    absmax = record.scalars.get("diag/data/input_absmax", math.inf)
+    return f" (its input is tiny: the largest value is {absmax:.2g}; scaled twice?)" if absmax < TINY_INPUT else ""
 
 
 class ModeCollapse(Rule):
@@ -34,7 +40,9 @@ class ModeCollapse(Rule):
 
     The streak must also span ``min_steps`` (100) optimizer steps: early in training a model often
     predicts one class, and a zero-initialised head outputs a constant, for a few dozen steps.
-    ``step`` is the first logged step of the streak; ``where`` the outputs (``model outputs``, ``G outputs``).
+    ``step`` is the first logged step of the streak; ``where`` the outputs (``model outputs``, ``G outputs``). Not while
+    the model input is one value everywhere (``diag/data/inputs_constant_steps``: ``constant_inputs`` names that cause);
+    a model input under ``TINY_INPUT`` everywhere is named in the message.
     """
 
     kind = "mode_collapse"
@@ -53,6 +61,8 @@ class ModeCollapse(Rule):
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         self._classification = self._classification or record.scalars.get("diag/task/kind") == 1.0
+        # a model fed one value everywhere has constant outputs because of it: constant_inputs names the cause
+        fed = record.scalars.get("diag/data/inputs_constant_steps", 0.0) == 0
         for key, std in record.scalars.items():
             if not key.endswith(_SUFFIX) or not math.isfinite(std):
                 continue
@@ -63,7 +73,7 @@ class ModeCollapse(Rule):
             place = f"{where} outputs" if where else "model outputs"
             dist, top, n, ent, labels = (record.scalars.get(f"{base}/out/{s}", math.nan) for s in
                                          ("pairwise_dist", "top_class_fraction", "samples", "pred_entropy", "label_top_fraction"))
-            if self._streaks.bump(f"{where}|std", std < limit, record.step, self.min_steps):
+            if self._streaks.bump(f"{where}|std", fed and std < limit, record.step, self.min_steps):
                 out.append(self.make(
                     self._streaks.start(f"{where}|std"),
                     f"outputs are constant across the batch: batch std {std:.3g} < {self.std_threshold:g} x their scale "
@@ -74,11 +84,11 @@ class ModeCollapse(Rule):
                 if (1.0 - labels) * n < MIN_OTHERS:
                     continue  # (almost) one class in the sample: it tells nothing either way
                 single = 1.0 - top < 0.5 * (1.0 - labels)  # the other classes predicted for under half the rows they hold
-            if self._streaks.bump(f"{where}|class", single, record.step, self.min_steps):
+            if self._streaks.bump(f"{where}|class", fed and single, record.step, self.min_steps):
                 out.append(self.make(
                     self._streaks.start(f"{where}|class"),
                     f"{top:.0%} of the batch predicts a single class (prediction entropy {ent:.3g} nats) "
-                    f"since step {self._streaks.start(where + '|class')}.",
+                    f"since step {self._streaks.start(where + '|class')}{_tiny(record)}.",
                     top, self.class_fraction, place, ["persistent"]))
         return out
 

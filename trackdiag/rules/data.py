@@ -1,4 +1,4 @@
-"""Data rules: ``nonfinite_input``, ``label_range``, ``data_bottleneck``.
+"""Data rules: ``nonfinite_input``, ``constant_inputs``, ``label_range``, ``data_bottleneck``.
 
 They read the keys of the ``data_finite``, ``data_labels`` and ``data_wait`` probes."""
 from __future__ import annotations
@@ -53,6 +53,51 @@ def _handled(record: Record, components: Sequence[Component], since: int) -> boo
     series = [*loss_series(record).values(), *(record.series.get(c.key("grad/global_norm"), []) for c in components)]
     seen = [v for pts in series for s, v in pts if s >= since]
     return bool(seen) and all(math.isfinite(v) for v in seen) and any(s == since for pts in series for s, _ in pts)
+
+
+class ConstantInputs(Rule):
+    """Fires when the model input passed to ``step(batch=...)`` held one value everywhere (``diag/data/
+    inputs_constant_steps``: its minimum equal to its maximum, the same value step after step) for ``patience`` (20)
+    steps in a row: every sample looks the same to the model, so it can learn no more than the average target. The
+    usual causes turn real data into zeros: an integer division or cast in the preprocessing (``uint8 // 255``,
+    ``(x / 255).astype(np.uint8)``, ``.long()`` after normalising), a mask or dropout that zeroes the input, a
+    loader that returns a placeholder for images it failed to read. Not fired where the optimizer steps the input
+    (style transfer: the batch is what trains), nor for a loss that is not minimised (``objective``: rl, adversarial:
+    a bandit's policy sees one state by design). ``step``: the first step of the run; ``persistent`` (a warning).
+    Fires again only for a new run of constant inputs."""
+
+    kind = "constant_inputs"
+    hint = ("Every sample reaches the model as the same values: look at one batch (x.min(), x.max(), x[0]) right "
+            "where the loop hands it over and walk back through the preprocessing. Divide as floats (x.float() / 255, "
+            "not x // 255), do not cast normalised values back to an integer type, check masks and dropout on the "
+            "input, and make the dataset raise on a sample it cannot read instead of returning zeros.")
+
+    def __init__(self, *, patience: int = 20, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.patience = max(1, patience)
+        self._fired_first = -2
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        steps = record.scalars.get("diag/data/inputs_constant_steps", 0.0)
+        first = int(record.scalars.get("diag/data/inputs_constant_first_step", -1.0))
+        if steps < self.patience or first < 0 or first == self._fired_first:
+            return []
+        if any(stepped_inputs(c) for c in components) or not self.minimised(""):
+            return []  # the batch is what the optimizer steps; a policy on one state (a bandit) is fed one by design
+        self._fired_first = first
+        entry, value = next(iter(record.tables.get("diag/data/inputs_constant", {"batch": math.nan}).items()))
+        what = "the batch" if entry == "batch" else entry
+        held = "zero" if value == 0 else f"{value:g}"
+        msg = (f"{what} passed to step() is {held} in every position at {int(steps)} consecutive steps from step {first}: "
+               f"the model sees every sample as the same input, so it can learn no more than the average target "
+               f"(the label frequencies of a classifier).")
+        return [self.make(first, msg, value, math.nan, f"input {entry}", ["persistent"])]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fired_first": self._fired_first}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._fired_first = int(state.get("fired_first", -2))
 
 
 class LabelRange(Rule):

@@ -17,7 +17,8 @@ class SameBatch(Rule):
     inside the loop on an unshuffled loader), a cached batch copied into the input buffer, a sampler that
     returns one index. A batch passed as the very same tensor object every step (full-batch training) is held
     data, not counted by the probe. ``step`` is the first step the repeated batch was seen at; ``persistent``
-    (a warning). Fires again only after the batch changed."""
+    (a warning). Fires again only after the batch changed. Not while the model input is one value everywhere: a batch
+    of zeros repeats because of it (``constant_inputs`` names that)."""
 
     kind = "same_batch"
     hint = ("The model sees one batch over and over. Create the iterator once outside the loop (it = iter(loader); "
@@ -34,6 +35,8 @@ class SameBatch(Rule):
         start = int(record.scalars.get("diag/data/repeat_first_step", -1.0))
         if streak < self.patience or start < 0 or start == self._fired_start:
             return []
+        if record.scalars.get("diag/data/inputs_constant_steps", 0.0) > 0:
+            return []  # a batch of one value everywhere repeats because of it: constant_inputs names the cause
         self._fired_start = start
         msg = (f"the training batch passed to step() had the same contents at {int(streak) + 1} consecutive steps "
                f"from step {start} (a new tensor each step with identical values: a loader restarted every step, "

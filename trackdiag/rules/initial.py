@@ -10,6 +10,9 @@ from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules.base import Rule, loss_series, loss_where, where_of
 
+#: a model input this large in magnitude (``diag/data/input_absmax``) is named in the finding: pixels left in 0-255
+LARGE_INPUT = 50.0
+
 
 class InitialLoss(Rule):
     """The first losses far above chance level, once the task is shown to be a classification of
@@ -17,7 +20,9 @@ class InitialLoss(Rule):
     see :mod:`trackdiag.alerts.task`): a well-initialised classifier starts near ln(C) (``diag/task/chance_loss``,
     scaled for a summed loss). The first loss above ``unambiguous`` (10) x chance is ``unambiguous``
     (logits that large at step 0 are a broken init or a missing scale); the median of the first
-    ``steps`` (3) above ``factor`` (3) x chance is a ``loss`` finding. ``where`` is the loss."""
+    ``steps`` (3) above ``factor`` (3) x chance is a ``loss`` finding. ``where`` is the loss. A model input whose largest
+    magnitude over the window (``diag/data/input_absmax``) is ``LARGE_INPUT`` (50) or more is named as the likely cause
+    (data not normalised: pixels in 0-255)."""
 
     kind = "initial_loss"
     hint = ("Check the initialisation (default PyTorch inits or std ~ 1/sqrt(fan_in); a final layer initialised "
@@ -57,5 +62,10 @@ class InitialLoss(Rule):
             self._done.add(key)
             msg = (f"the first losses ({start:.4g}) are {start / chance:.1f}x the chance level {chance:.3g} of this "
                    f"classification (ln C): the model starts far from uniform predictions.")
+            absmax = record.scalars.get("diag/data/input_absmax", 0.0)
+            if absmax >= LARGE_INPUT:
+                msg += (f" The model input reaches {absmax:.4g} in magnitude: inputs not normalised (pixels in 0-255: "
+                        f"divide by 255 and standardise; raw features: standardise with the training set's mean and std) "
+                        f"give first logits this large.")
             out.append(self.make(first[0][0], msg, start, self.factor * chance, loss_where(key), evidence))
         return out

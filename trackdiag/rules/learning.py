@@ -21,6 +21,10 @@ long warm-up schedule is waited for), on the medians of the first ``start_steps`
 - **accuracy at chance** (``corroborated``): the last ``patience`` evaluations' accuracy
   (``log_eval(accuracy=...)``, any key with ``acc``) within 2 points (or 10%) of the majority
   class's share (1/C without it).
+At chance, the message names the likely cause when one shows: a model input of one value everywhere
+(``constant_inputs``), a weight decay that shrinks every weight by ``DECAY_STEP`` (1 %) or more a step (lr x
+``weight_decay``, ``diag/opt/weight_decay``), or a model input under ``TINY_INPUT`` (0.01) everywhere (images scaled to
+[0, 1] twice).
 A flat loss of a task that is not shown is an ``info`` finding (a resumed, converged run is flat
 too). Held at ``patience`` (2) consecutive logging steps; ``step`` is the first of them.
 """
@@ -35,7 +39,11 @@ from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._streak import Streaks
-from trackdiag.rules.base import Rule, loss_series, loss_where, phase_start, where_of
+from trackdiag.rules.base import TINY_INPUT, Rule, loss_series, loss_where, phase_start, where_of
+
+#: lr x weight_decay from which the decay is named in the at-chance message: SGD's and AdamW's decay shrinks every weight
+#: by that share a step (1 % a step: halved in 70 steps; the usual recipes: 1e-5 to 1e-4)
+DECAY_STEP = 0.01
 
 
 class NotLearning(Rule):
@@ -62,6 +70,9 @@ class NotLearning(Rule):
         self._lr_rose = 0  # the last step the learning rate was still rising
         self._lr_top = 0.0
         self._acc: list[tuple[int, float]] = []
+        self._constant = False
+        self._absmax = math.inf
+        self._decay = (0.0, 0.0, 0.0)  # the largest lr x weight_decay of the optimizers, with its lr and weight_decay
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         for k, v in record.scalars.items():
@@ -94,6 +105,11 @@ class NotLearning(Rule):
         return out
 
     def _note_context(self, record: Record) -> None:
+        self._constant = record.scalars.get("diag/data/inputs_constant_steps", 0.0) > 0  # the model input is one value
+        self._absmax = record.scalars.get("diag/data/input_absmax", math.inf)  # its largest magnitude in the window
+        decays = [(record.scalars.get(k.replace("opt/weight_decay", "opt/lr", 1), 0.0), v)
+                  for k, v in record.scalars.items() if "opt/weight_decay" in k]
+        self._decay = max(((lr * wd, lr, wd) for lr, wd in decays if math.isfinite(lr * wd)), default=(0.0, 0.0, 0.0))
         for k in ("kind", "chance_loss", "marginal_entropy", "majority_share", "summed", "sequence"):
             v = record.scalars.get(f"diag/task/{k}")
             if v is not None:
@@ -147,6 +163,15 @@ class NotLearning(Rule):
             parts.append(f"less than {self.min_drop:.0%} lower")
         if acc:
             parts.append(f"validation accuracy {self._acc[-1][1]:.1%} is at chance")
+        if self._constant and at_chance:
+            parts.append("and it does ignore it: the input is one value everywhere (constant_inputs)")
+        elif at_chance and self._decay[0] >= DECAY_STEP:
+            shrink, lr, wd = self._decay
+            parts.append(f"and weight decay shrinks every weight by {shrink:.0%} a step (lr {lr:g} x weight_decay {wd:g}): "
+                         f"faster than the gradients can grow them (a weight_decay meant as 1e-4 or 1e-2?)")
+        elif at_chance and self._absmax < TINY_INPUT:
+            parts.append(f"and its input is tiny: the largest value is {self._absmax:.2g} (scaled twice? "
+                         f"ToTensor() already divides images by 255)")
         return self.make(since, ", ".join(parts) + ".", now, chance if at_chance else start, loss_where(key), evidence)
 
     def _stalled(self, rec: Recent, step: int, span: int, now: float) -> bool:

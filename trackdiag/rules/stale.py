@@ -83,7 +83,7 @@ class StaleParams(Rule):
       (10) (a fine-tuning slip: everything frozen but the last layer; a loss that rose is another rule's business; a
       loss at the task's chance level is said to be, with the labels named too: a frozen backbone trained on
       purpose on shuffled labels stalls there as well). A deliberate fine-tune learns quickly on its good backbone; a loss not minimised
-      (GAN, RL) is not judged;
+      (GAN, RL) is not judged, nor a stall while the model input is one value everywhere (``constant_inputs``'s);
     - **waiting** (info): a layer that has never received a gradient after ``min_steps`` steps and
       ``patience`` (5) measurements: a later phase (greedy layer-wise training), an unused module, or
       a ``.detach()`` cutting it off. A warning (``persistent``) when nothing explains it: the component
@@ -136,7 +136,8 @@ class StaleParams(Rule):
             if lrs and max(lrs) > self._lr_peak.get(comp.name, 0.0):
                 self._lr_peak[comp.name] = max(lrs)
         out = self._idle(record, components) + self._frozen(record, components) + self._still(record, components)
-        out += self._stalled(record, components)
+        if not record.scalars.get("diag/data/inputs_constant_steps", 0.0):  # a stall on one-value inputs is theirs
+            out += self._stalled(record, components)
         for comp in components:
             grads = layer_values(record, comp.key("grad/norm"))
             ups = layer_values(record, comp.key("update/ratio"))
