@@ -1,4 +1,5 @@
-"""A classification loss given the wrong form of scores (``softmax_before_ce``, ``nll_without_log_softmax``).
+"""A classification loss given the wrong form of scores (``softmax_before_ce``, ``nll_without_log_softmax``,
+``sigmoid_before_bce``).
 
 Planted: a model ending in ``nn.Softmax`` trained with ``F.cross_entropy`` (a flat classifier, a sequence model with
 padding targets -100, a segmentation head), ``F.nll_loss`` on raw logits and on probabilities. Each is found at the
@@ -6,6 +7,11 @@ first step, critical; the cross-entropy and NLL the record keeps equal ``torch.n
 Healthy twins: logits with cross-entropy, ``log_softmax`` with ``nll_loss``, cross-entropy with label smoothing,
 class weights or the loss computed from another tensor: measured (3 checks) and silent. Out-of-range labels never
 make the probe read an index out of range (``label_range`` says them).
+
+``sigmoid_before_bce`` (a silent error no issue named): a model ending in ``nn.Sigmoid`` (or calling ``torch.sigmoid``)
+trained with ``BCEWithLogitsLoss``, binary and multi-label, with float or integer targets in the batch: found at the
+first step, critical, the table's binary cross-entropies equal ``torch.nn.functional``'s. Healthy twins: ``BCELoss`` on
+the sigmoid's probabilities (mean and sum), logits with ``BCEWithLogitsLoss``, an MSE regression onto [0, 1].
 """
 from __future__ import annotations
 
@@ -134,3 +140,64 @@ def test_scores_too_large_to_copy_are_not_checked(tmp_path, monkeypatch: pytest.
     diag, _ = _classify(tmp_path, F.cross_entropy, softmax=True, steps=30)
     assert not [a for a in diag.alerts if a.kind == "softmax_before_ce"]
     assert {r.scalars.get("diag/data/loss_form_checks") for r in read_records(tmp_path)} == {0.0}
+
+
+# ------------------------------------------------------------------ sigmoid_before_bce
+def _binary(tmp_path, loss_fn: Loss, *, sigmoid: str = "module", labels: int = 1, long_targets: bool = False,
+            steps: int = 60, level: str = "basic"):
+    """A binary (``labels=1``: outputs ``(N,)``) or multi-label (``labels=K``: ``(N, K)``) task; ``sigmoid``: the model
+    ends in ``nn.Sigmoid`` (``module``), calls ``torch.sigmoid`` (``function``) or outputs logits (``none``).
+    ``long_targets``: the batch holds integer 0/1 targets, the loss their float copy."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(16, labels, generator=gen)
+    body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, labels))
+    model = nn.Sequential(body, nn.Sigmoid()) if sigmoid == "module" else body
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    first = None
+    with one_thread(), trackdiag.Diagnostics(model, opt, level=level, every=10, sinks=["local"],
+                                             output_dir=str(tmp_path), probes=OFF) as diag:
+        for _ in range(steps):
+            x = torch.randn(64, 16, generator=gen)
+            y = (x @ w > 0).float()
+            out = model(x)
+            if sigmoid == "function":
+                out = torch.sigmoid(out)
+            if labels == 1:
+                out, y = out.squeeze(1), y.squeeze(1)
+            loss = loss_fn(out, y)
+            if first is None:
+                first = (out.detach().clone(), y.clone(), loss.detach().clone())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=out, batch=(x, y.long() if long_targets else y))
+    return diag, first
+
+
+@pytest.mark.parametrize("sigmoid,labels,long_targets", [("module", 1, False), ("function", 1, False),
+                                                         ("module", 5, False), ("module", 1, True)],
+                         ids=["nn.Sigmoid", "torch.sigmoid", "multi-label", "integer-targets"])
+def test_a_sigmoid_before_bce_with_logits_is_found_at_the_first_step(tmp_path, sigmoid, labels, long_targets) -> None:
+    diag, (out, y, loss) = _binary(tmp_path, nn.BCEWithLogitsLoss(), sigmoid=sigmoid, labels=labels,
+                                   long_targets=long_targets)
+    found = [a for a in diag.alerts if a.kind == "sigmoid_before_bce"]
+    assert len(found) == 1 and found[0].step == 0 and found[0].severity == "critical", diag.alerts
+    table = next(r.tables["diag/data/bce_form"] for r in read_records(tmp_path)
+                 if "diag/data/bce_form" in r.tables)
+    assert table["step"] == 0 and table["loss"] == pytest.approx(float(loss), rel=1e-6)
+    assert table["with_logits"] == pytest.approx(float(F.binary_cross_entropy_with_logits(out.double(), y.double())))
+    assert table["plain"] == pytest.approx(float(F.binary_cross_entropy(out.double(), y.double())))
+    assert (table["min"], table["max"]) == (pytest.approx(float(out.min())), pytest.approx(float(out.max())))
+
+
+@pytest.mark.parametrize("case", ["bce_on_sigmoid", "logits_with_logits_loss", "mse_on_sigmoid", "summed_bce"])
+def test_binary_losses_of_the_right_form_are_silent(tmp_path, case) -> None:
+    loss_fn, sigmoid = {"bce_on_sigmoid": (nn.BCELoss(), "module"),                      # probabilities + BCELoss: right
+                        "logits_with_logits_loss": (nn.BCEWithLogitsLoss(), "none"),      # logits + BCEWithLogits: right
+                        "mse_on_sigmoid": (nn.MSELoss(), "module"),                       # a [0, 1] regression
+                        "summed_bce": (nn.BCELoss(reduction="sum"), "function")}[case]
+    diag, _ = _binary(tmp_path, loss_fn, sigmoid=sigmoid)
+    assert not [a for a in diag.alerts if a.severity in ("warning", "critical")], [(a.kind, a.message) for a in diag.alerts]
+    checks = [r.scalars.get("diag/data/loss_form_checks") for r in read_records(tmp_path)]
+    assert max(c for c in checks if c is not None) == (0 if sigmoid == "none" else 3)  # logits: nothing measured

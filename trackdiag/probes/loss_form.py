@@ -22,6 +22,14 @@ number), ``simplex`` (the largest distance of a row's sum from 1; negative score
 too), ``min`` (the smallest score), ``logsumexp`` (the mean absolute log-sum-exp of the rows: 0 for
 log-probabilities), ``eps`` (the loss dtype's machine epsilon).
 
+The binary and multi-label case (``sigmoid_before_bce``): targets with as many values as the scores, and
+scores that come out of a sigmoid (the output's autograd node, through view-like ops, is ``SigmoidBackward0``: an
+``nn.Sigmoid`` at the end of the model or ``torch.sigmoid``). On such a step the probe computes the binary
+cross-entropy of the scores taken as logits (``BCEWithLogitsLoss``'s) and as probabilities (``BCELoss``'s) beside the
+step's loss: the table ``diag/data/bce_form`` holds ``step``, ``loss``, ``with_logits``, ``plain``, ``targets``,
+``min``, ``max`` and ``eps``. A sigmoid before ``BCEWithLogitsLoss`` squeezes every logit into (0, 1): the model
+predicts probabilities in (0.5, 0.73) only, every sample positive, and the loss cannot fall below ``log(1 + e^-1)``.
+
 Cost: host checks per step for the first ``steps`` steps; ~12 device ops on at most ``checks`` steps, over a float64
 copy of the scores: scores of more than ``MAX_ELEMENTS`` (16.8M: a large-vocabulary LM's) are not checked.
 """
@@ -34,7 +42,7 @@ import torch
 from trackdiag.capture.context import ProbeContext, StepInputs
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.util.tensors import class_dim, logits_of, targets_of
+from trackdiag.util.tensors import TARGET_KEYS, class_dim, logits_of, pick, targets_of
 
 MAX_ELEMENTS = 1 << 24  # scores copied to float64 once per check: at most 128 MB (a large-vocabulary LM's are not checked)
 
@@ -52,7 +60,8 @@ class LossFormProbe(Probe):
         self.target, self.output, self.steps, self.checks = target, output, steps, checks
         self._measured = 0
         self._held: tuple[int, torch.Tensor, float] | None = None
-        self._taken: tuple[int, float] | None = None
+        self._taken: tuple[int, float, bool] | None = None
+        self._binary_held = False  # the held values are the binary case's (measure_binary)
 
     def quiet(self, ctx: ProbeContext) -> bool:
         return self._measured >= self.checks or ctx.step >= self.steps
@@ -69,18 +78,33 @@ class LossFormProbe(Probe):
         dim = class_dim(z, t) if z is not None and t is not None else None
         if dim is None or z is None or t is None or t.numel() == 0 or z.shape[dim] < 2 or z.device != t.device \
                 or z.numel() > MAX_ELEMENTS:
+            self._binary(ctx, inputs, loss)  # not class scores against class targets: perhaps a binary loss
             return
         with torch.no_grad():
             values = measure(z, t, dim, loss)
         self._measured += 1
         self._held = (ctx.step, values, float(torch.finfo(loss.dtype).eps))
 
+    def _binary(self, ctx: ProbeContext, inputs: StepInputs, loss: torch.Tensor) -> None:
+        """A binary or multi-label loss: measured only when the scores come out of a sigmoid (see module docstring)."""
+        t = pick(inputs.batch, self.target, TARGET_KEYS, 1)
+        z = logits_of(inputs.outputs, self.output)
+        if not isinstance(t, torch.Tensor) or z is None or t.is_complex() or t.numel() != z.numel() \
+                or z.numel() == 0 or z.numel() > MAX_ELEMENTS or z.device != t.device or not from_sigmoid(z):
+            return
+        with torch.no_grad():
+            values = measure_binary(z, t, loss)
+        self._measured += 1
+        self._held = (ctx.step, values, float(torch.finfo(loss.dtype).eps))
+        self._binary_held = True
+
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         out: dict[str, torch.Tensor | float] = {"checks": float(self._measured)}
         self._taken = None
         if self._held is not None:
             step, values, eps = self._held
-            self._held, self._taken = None, (step, eps)
+            self._held, self._taken = None, (step, eps, self._binary_held)
+            self._binary_held = False
             out["values"] = values
         return out
 
@@ -89,7 +113,13 @@ class LossFormProbe(Probe):
         got = values.get("values")
         if got is None or self._taken is None:
             return
-        step, eps = self._taken
+        step, eps, binary = self._taken
+        if binary:
+            loss, logits, plain, n, low, high = (float(v) for v in got.reshape(-1))
+            if math.isfinite(loss) and n > 0:
+                record.tables["diag/data/bce_form"] = {"step": float(step), "loss": loss, "with_logits": logits,
+                                                       "plain": plain, "targets": n, "min": low, "max": high, "eps": eps}
+            return
         loss, ce, nll, n, simplex, low, lse = (float(v) for v in got.reshape(-1))
         if math.isfinite(loss) and n > 0:
             record.tables["diag/data/loss_form"] = {"step": float(step), "loss": loss, "ce": ce, "nll": nll,
@@ -113,3 +143,35 @@ def measure(z: torch.Tensor, t: torch.Tensor, dim: int, loss: torch.Tensor) -> t
     return torch.stack([loss.detach().to(wide).reshape(()), ((lse - picked) * keep).sum() / denom,
                         (-picked * keep).sum() / denom, n.to(wide), (rows.sum(1) - 1).abs().max(), rows.min(),
                         lse.abs().mean()])
+
+
+#: autograd nodes that only reshape or view their input: looked through to the op that made the scores
+_VIEWS = frozenset({"SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0", "ViewBackward0",
+                    "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0", "CloneBackward0",
+                    "ToCopyBackward0", "TBackward0", "PermuteBackward0", "SelectBackward0", "SliceBackward0"})
+
+
+def from_sigmoid(z: torch.Tensor, depth: int = 6) -> bool:
+    """Whether ``z`` was made by a sigmoid, seen through up to ``depth`` view-like autograd nodes (host only)."""
+    fn = z.grad_fn
+    for _ in range(depth):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name == "SigmoidBackward0":
+            return True
+        if name not in _VIEWS:
+            return False
+        fn = next((f for f, _ in fn.next_functions if f is not None), None)
+    return False
+
+
+def measure_binary(z: torch.Tensor, t: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """``[loss, BCE of the scores as logits, BCE of the scores as probabilities, targets, min score, max score]``, one
+    device vector in float64 where the device has it (``BCELoss``'s own log clamp at -100 kept)."""
+    wide = torch.float64 if z.device.type in ("cpu", "cuda") else torch.float32
+    zz, tt = z.detach().to(wide).reshape(-1), t.detach().to(wide).reshape(-1)
+    with_logits = torch.nn.functional.binary_cross_entropy_with_logits(zz, tt)
+    plain = torch.nn.functional.binary_cross_entropy(zz.clamp(0.0, 1.0), tt)
+    return torch.stack([loss.detach().to(wide).reshape(()), with_logits, plain, zz.new_tensor(float(zz.numel())),
+                        zz.min(), zz.max()])

@@ -23,8 +23,9 @@ long warm-up schedule is waited for), on the medians of the first ``start_steps`
   class's share (1/C without it).
 At chance, the message names the likely cause when one shows: a model input of one value everywhere
 (``constant_inputs``), a weight decay that shrinks every weight by ``DECAY_STEP`` (1 %) or more a step (lr x
-``weight_decay``, ``diag/opt/weight_decay``), or a model input under ``TINY_INPUT`` (0.01) everywhere (images scaled to
-[0, 1] twice).
+``weight_decay``, ``diag/opt/weight_decay``), weights that barely move (every layer's last update-to-weight ratio under
+``STILL_UPDATES``, 1e-5: a learning rate far too low), or a model input under ``TINY_INPUT`` (0.01) everywhere (images
+scaled to [0, 1] twice).
 A flat loss of a task that is not shown is an ``info`` finding (a resumed, converged run is flat
 too). Held at ``patience`` (2) consecutive logging steps; ``step`` is the first of them.
 """
@@ -39,11 +40,14 @@ from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._streak import Streaks
-from trackdiag.rules.base import TINY_INPUT, Rule, loss_series, loss_where, phase_start, where_of
+from trackdiag.rules.base import TINY_INPUT, Rule, layer_values, loss_series, loss_where, phase_start, where_of
 
 #: lr x weight_decay from which the decay is named in the at-chance message: SGD's and AdamW's decay shrinks every weight
 #: by that share a step (1 % a step: halved in 70 steps; the usual recipes: 1e-5 to 1e-4)
 DECAY_STEP = 0.01
+#: a largest layer update-to-weight ratio under this is named in the at-chance message (a learning rate far too low;
+#: healthy training: 1e-4 to 1e-2 a step)
+STILL_UPDATES = 1e-5
 
 
 class NotLearning(Rule):
@@ -73,6 +77,9 @@ class NotLearning(Rule):
         self._constant = False
         self._absmax = math.inf
         self._decay = (0.0, 0.0, 0.0)  # the largest lr x weight_decay of the optimizers, with its lr and weight_decay
+        self._components: Sequence[Component] = ()
+        self._moved: dict[str, float] = {}  # per component: its largest layer update-to-weight ratio, last measured
+        self._moves = math.inf
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         for k, v in record.scalars.items():
@@ -83,6 +90,7 @@ class NotLearning(Rule):
         return []
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        self._components = components
         self._note_context(record)
         out = []
         for key, points in loss_series(record).items():
@@ -107,6 +115,11 @@ class NotLearning(Rule):
     def _note_context(self, record: Record) -> None:
         self._constant = record.scalars.get("diag/data/inputs_constant_steps", 0.0) > 0  # the model input is one value
         self._absmax = record.scalars.get("diag/data/input_absmax", math.inf)  # its largest magnitude in the window
+        for comp in self._components:
+            ratios = [v for v in layer_values(record, comp.key("update/ratio")).values() if math.isfinite(v)]
+            if ratios:  # measured at this logging step (due steps of the updates probe): the latest reading
+                self._moved[comp.name] = max(ratios)
+        self._moves = max(self._moved.values(), default=math.inf)
         decays = [(record.scalars.get(k.replace("opt/weight_decay", "opt/lr", 1), 0.0), v)
                   for k, v in record.scalars.items() if "opt/weight_decay" in k]
         self._decay = max(((lr * wd, lr, wd) for lr, wd in decays if math.isfinite(lr * wd)), default=(0.0, 0.0, 0.0))
@@ -169,6 +182,9 @@ class NotLearning(Rule):
             shrink, lr, wd = self._decay
             parts.append(f"and weight decay shrinks every weight by {shrink:.0%} a step (lr {lr:g} x weight_decay {wd:g}): "
                          f"faster than the gradients can grow them (a weight_decay meant as 1e-4 or 1e-2?)")
+        elif at_chance and self._moves < STILL_UPDATES:
+            parts.append(f"and the weights barely move: the largest update-to-weight ratio of a layer is {self._moves:.2g} "
+                         f"(usually 1e-4 to 1e-2: a learning rate far too low?)")
         elif at_chance and self._absmax < TINY_INPUT:
             parts.append(f"and its input is tiny: the largest value is {self._absmax:.2g} (scaled twice? "
                          f"ToTensor() already divides images by 255)")

@@ -1,6 +1,7 @@
-"""``softmax_before_ce``, ``nll_without_log_softmax``: a classification loss given the wrong form of scores (keys of
-the ``loss_form`` probe: its table holds the step's loss beside the cross-entropy and the NLL of the scores handed
-to ``step()``, and how far those are from probabilities and from log-probabilities)."""
+"""``softmax_before_ce``, ``nll_without_log_softmax``, ``sigmoid_before_bce``: a classification loss given the wrong
+form of scores (keys of the ``loss_form`` probe: its tables hold the step's loss beside the cross-entropy and the NLL
+of the scores handed to ``step()``, and how far those are from probabilities and from log-probabilities; for scores
+made by a sigmoid, beside their binary cross-entropy as logits and as probabilities)."""
 from __future__ import annotations
 
 import math
@@ -13,6 +14,7 @@ from trackdiag.rules.base import Rule
 from trackdiag.util.stats import rounding_tolerance
 
 TABLE = "diag/data/loss_form"
+BINARY = "diag/data/bce_form"
 
 
 def matches(loss: float, value: float, count: float, eps: float) -> bool:
@@ -37,12 +39,14 @@ class _Once(Rule):
     def say(self, table: dict[str, float]) -> str:  # noqa: D102 - see subclasses
         raise NotImplementedError
 
+    table, reference = TABLE, "ce"  # the probe's table this rule reads, and the value its alerts give as threshold
+
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
-        table = record.tables.get(TABLE)
+        table = record.tables.get(self.table)
         if self._fired or not table or not self.found(table):
             return []
         self._fired = True
-        return [self.make(int(table["step"]), self.say(table), table["loss"], table["ce"], "loss",
+        return [self.make(int(table["step"]), self.say(table), table["loss"], table[self.reference], "loss",
                           ["unambiguous", "loss"])]
 
     def state_dict(self) -> dict[str, Any]:
@@ -93,3 +97,27 @@ class NllWithoutLogSoftmax(_Once):
                 f"outputs that are {what}, not log-probabilities (their rows' log-sum-exp averages "
                 f"{table['logsumexp']:.3g}, 0 for log-probabilities): NLLLoss then rewards growing the target's score "
                 f"without bound (raw scores) or saturates at -1 (probabilities).")
+
+
+class SigmoidBeforeBCE(_Once):
+    """The step's loss is ``BCEWithLogitsLoss`` of scores made by a sigmoid (an ``nn.Sigmoid`` at the end of the model,
+    ``torch.sigmoid``): the sigmoid applied twice. Every logit is squeezed into (0, 1), so every prediction is a
+    probability in (0.5, 0.73): the model cannot predict a negative, and the loss cannot fall below ``log(1 + e^-1)``
+    for a positive or ``log 2`` for a negative. ``BCELoss`` on those probabilities is right and not flagged. Critical
+    (``unambiguous``, ``loss``)."""
+
+    kind = "sigmoid_before_bce"
+    hint = ("BCEWithLogitsLoss applies its own sigmoid: remove the final nn.Sigmoid / torch.sigmoid from the model (apply "
+            "it only for predictions, probs = torch.sigmoid(logits)), or keep it and use nn.BCELoss (less stable in "
+            "float16).")
+    table, reference = BINARY, "with_logits"
+
+    def found(self, table: dict[str, float]) -> bool:
+        n, eps = table["targets"], table["eps"]
+        return (table["min"] >= 0 and table["max"] <= 1 and matches(table["loss"], table["with_logits"], n, eps)
+                and not matches(table["loss"], table["plain"], n, eps))
+
+    def say(self, table: dict[str, float]) -> str:
+        return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is BCEWithLogitsLoss of outputs that come "
+                f"out of a sigmoid (between {table['min']:.3g} and {table['max']:.3g}): the sigmoid is applied twice, so "
+                f"every prediction is a probability between 0.5 and 0.73 and the model cannot predict a negative.")

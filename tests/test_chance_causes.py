@@ -1,0 +1,64 @@
+"""A run that sits at chance says why when the record shows it (``not_learning``'s message): a weight decay that
+shrinks every weight 10 % a step (``weight_decay=1.0`` typed for 1e-4 under SGD at lr 0.1), a learning rate so low
+that no layer's update reaches 1e-5 of its weights (Adam at 1e-7, SGD at 1e-6). Labels shuffled against their inputs,
+the classic at-chance run, gets none of these causes: its weights move and nothing decays them. (The model input of
+one value everywhere and the tiny input: tests/test_silent_inputs.py.)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trackdiag
+from conftest import LEAN_PROBES, batches, make_mlp
+from trackdiag.core.record import read_records
+
+
+def _chance_run(tmp_path, digits, opt_of, *, level: str = "advanced", steps: int = 200, shuffle: bool = False):
+    """The digits MLP with the optimizer ``opt_of(params)``; ``shuffle``: labels permuted within each batch."""
+    x, y = digits
+    model = make_mlp(hidden=64)
+    opt = opt_of(model.parameters())
+    diag = trackdiag.Diagnostics(model, opt, level=level, sinks=["local"], output_dir=str(tmp_path), probes=LEAN_PROBES,
+                                 budget=None)
+    gen = torch.Generator().manual_seed(3)
+    for _, (xb, yb) in zip(range(steps), batches(x, y)):
+        if shuffle:
+            yb = yb[torch.randperm(len(yb), generator=gen)]
+        out = model(xb)
+        loss = F.cross_entropy(out, yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        diag.step(loss, outputs=out, batch=(xb, yb))
+    diag.close()
+    stuck = [a for a in diag.alerts if a.kind == "not_learning"]
+    assert stuck, [(a.kind, a.step) for a in diag.alerts]
+    return diag, stuck[0]
+
+
+def test_weight_decay_that_pulls_the_weights_to_zero_is_named_when_the_run_sits_at_chance(tmp_path, digits) -> None:
+    """``weight_decay=1.0`` under SGD at lr 0.1 (meant 1e-4): every weight shrinks 10 % a step, the run sits at chance."""
+    _, stuck = _chance_run(tmp_path, digits, lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=1.0), level="basic")
+    assert "weight decay shrinks every weight by 10% a step (lr 0.1 x weight_decay 1)" in stuck.message, stuck.message
+    run_dir = next(p.parent for p in tmp_path.rglob("records.jsonl"))
+    lr_records = [r for r in read_records(run_dir) if "diag/opt/lr" in r.scalars]
+    assert lr_records and {r.scalars.get("diag/opt/weight_decay") for r in lr_records} == {1.0}
+
+
+@pytest.mark.parametrize("name,opt_of", [("adam_1e-7", lambda p: torch.optim.Adam(p, lr=1e-7)),
+                                         ("sgd_1e-6", lambda p: torch.optim.SGD(p, lr=1e-6))], ids=["adam", "sgd"])
+def test_a_learning_rate_far_too_low_is_named_when_the_run_sits_at_chance(tmp_path, digits, name, opt_of) -> None:
+    _, stuck = _chance_run(tmp_path, digits, opt_of)
+    assert "the weights barely move: the largest update-to-weight ratio of a layer is" in stuck.message, stuck.message
+    run_dir = next(p.parent for p in tmp_path.rglob("records.jsonl"))
+    ratios = [v for r in read_records(run_dir) for k, v in r.scalars.items() if k.startswith("diag/update/ratio/")]
+    assert ratios and max(ratios) < 1e-5  # what the message says, read back from the record
+
+
+def test_shuffled_labels_at_chance_name_no_decay_and_no_still_weights(tmp_path, digits) -> None:
+    _, stuck = _chance_run(tmp_path, digits, lambda p: torch.optim.AdamW(p, lr=1e-3), shuffle=True)
+    assert "ignores its input" in stuck.message
+    for cause in ("weight decay", "barely move", "tiny", "constant_inputs"):
+        assert cause not in stuck.message, stuck.message
