@@ -1,7 +1,9 @@
 """Crash forensics with what was held (issue 45 item 7): when a run dies, the ``crash`` finding leads with the
 strongest evidence the session held or saw in the steps before (update_ratio's held out-of-scale update, a
 learning-rate jump, a gradient-norm explosion, a loss spike), then the module; the hint says lower the LR
-when the weights blew up. A crash without such evidence keeps its wording. Real loops, a real local record."""
+when the weights blew up. A crash without such evidence keeps its wording. Real loops, a real local record. The
+finding names the line of the training script that raised (the traceback's), not the `with diag:` line its frame is
+closing when the finding is made."""
 from __future__ import annotations
 
 import json
@@ -160,3 +162,43 @@ def test_series_evidence_and_its_order():
     assert lead.startswith("Before the crash, a gradient-norm explosion at step 10") and "a loss spike at step 10" in lead
     noisy = [(s, 1.0 + (s % 4)) for s in range(11)]  # 1-4x its level: an RL-like noisy norm is no evidence
     assert crash_evidence.series({"diag/grad/global_norm": noisy, "diag/loss": noisy}) == []
+
+
+class _InplaceAfter(nn.Module):
+    """``h += 1`` on a sigmoid's output from ``at`` on: autograd raises in ``backward()`` ("modified by an inplace
+    operation"), a crash whose line is the loop's ``backward()``."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.l1, self.l2, self.at, self.step = nn.Linear(16, 32), nn.Linear(32, 4), at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.l1(x))
+        if self.step >= self.at:
+            h += 1.0
+        return self.l2(h)
+
+
+def test_the_crash_names_the_line_that_raised_not_the_with_block(tmp_path):
+    """The training script's frame is still running (its ``with diag:`` block is closing) when the finding is made:
+    its current line is the ``with`` line; the line the traceback holds is the one that raised."""
+    import inspect
+
+    model = _InplaceAfter(at=12)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        with trackdiag.Diagnostics(model, opt, level="basic", sinks=["local"], output_dir=str(tmp_path)) as diag:
+            for step in range(30):
+                model.step = step
+                x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()  # raises at step 12
+                opt.step()
+                diag.step(loss, batch=(x, y))
+    (crash,) = [a for a in diag.alerts if a.kind == "crash"]
+    source, start = inspect.getsourcelines(test_the_crash_names_the_line_that_raised_not_the_with_block)
+    line = start + next(i for i, s in enumerate(source) if "raises at step 12" in s)
+    assert crash.step == 12
+    assert f"Last line of the training script: test_crash_evidence.py:{line} in " in crash.message, crash.message

@@ -50,15 +50,29 @@ def module_in(frames: list[FrameType], names: dict[int, tuple[str, str]]) -> tup
     return None
 
 
-def user_line(frames: list[FrameType]) -> str:
+def tb_lines(tb: TracebackType | None) -> list[int]:
+    """The line each frame of a traceback was at when the exception passed through it (``tb_lineno``), outermost
+    first. A frame's own ``f_lineno`` is where it is *now*: for the training script's frame, closing a ``with`` block
+    after the exception, that is the ``with`` line, not the line that raised."""
+    out = []
+    while tb is not None:
+        out.append(tb.tb_lineno)
+        tb = tb.tb_next
+    return out
+
+
+def user_line(frames: list[FrameType], lines: list[int] | None = None) -> str:
     """``train.py:42 in main``: the innermost frame of the user's code (not torch, not trackdiag, not
-    a library under site-packages), or ""."""
-    for frame in reversed(frames):
+    a library under site-packages), or "". ``lines``: each frame's line from the traceback (:func:`tb_lines`);
+    without them, the frames' current lines (a stack interrupted by a signal)."""
+    for i in range(len(frames) - 1, -1, -1):
+        frame = frames[i]
         path = frame.f_code.co_filename
         norm = path.replace(os.sep, "/")
         if "site-packages/" in norm or "/torch/" in norm or "/trackdiag/" in norm or norm.startswith("<"):
             continue
-        return f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        line = lines[i] if lines is not None and i < len(lines) else frame.f_lineno
+        return f"{os.path.basename(path)}:{line} in {frame.f_code.co_name}"
     return ""
 
 

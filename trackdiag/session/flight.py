@@ -37,6 +37,7 @@ from trackdiag.forensics.crash import (
     stack_frames,
     tables_of,
     tb_frames,
+    tb_lines,
     user_line,
 )
 from trackdiag.forensics.replay import Finding
@@ -102,9 +103,10 @@ class FlightRecorder:
         comps = [c for c in self.components if c.model is not None]  # type: ignore[attr-defined]
         names = {id(m): (c.name, n or ROOT) for c in comps for n, m in c.model.named_modules()}
         frames = tb_frames(exc.__traceback__) if exc is not None else []
+        lines: list[int] | None = tb_lines(exc.__traceback__) if exc is not None else None
         raised = module_in(frames, names)
         if signalled and raised is None:
-            frames = stack_frames(exit_status.signal_frame())
+            frames, lines = stack_frames(exit_status.signal_frame()), None
             raised = module_in(frames, names)
         comp, found, finite_seen = self._nonfinite(probe, exc, signalled)
         multi = len(comps) > 1
@@ -127,7 +129,7 @@ class FlightRecorder:
             verb = "was running when the signal arrived" if signalled else "raised it"
             parts.append(f"The forward of {full} ({type(rmod).__name__}) {verb}.")
             where = where or f"{full} ({type(rmod).__name__}, {'running' if signalled else 'raised'} in its forward)"
-        line = user_line(frames)
+        line = user_line(frames, lines)
         if line:
             parts.append(f"Last line of the training script: {line}.")
         series = series_text(points)
