@@ -202,3 +202,71 @@ def test_the_crash_names_the_line_that_raised_not_the_with_block(tmp_path):
     line = start + next(i for i, s in enumerate(source) if "raises at step 12" in s)
     assert crash.step == 12
     assert f"Last line of the training script: test_crash_evidence.py:{line} in " in crash.message, crash.message
+
+
+class _Block(nn.Module):
+    """A block whose forward changes a saved tensor in place from ``at`` on (a residual written ``h += x``)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.fc, self.at, self.step = nn.Linear(32, 32), at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        if self.step >= self.at:
+            h += x  # tanh saved its output for backward
+        return h
+
+
+def _inplace_crash(tmp_path, level: str):
+    block = _Block(at=12)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), block, nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    stats = None
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        with trackdiag.Diagnostics(model, opt, level=level, sinks=["local"], output_dir=str(tmp_path)) as diag:
+            for step in range(30):
+                block.step = step
+                x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
+                loss = F.cross_entropy(model(x), y)
+                stats = model[1].running_mean.clone()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                diag.step(loss, batch=(x, y))
+    (crash,) = [a for a in diag.alerts if a.kind == "crash"]
+    return crash, model, stats
+
+
+def test_an_inplace_autograd_crash_names_the_forward_line_that_made_the_tensor(tmp_path):
+    import inspect
+
+    crash, model, stats = _inplace_crash(tmp_path, "advanced")
+    source, start = inspect.getsourcelines(_Block.forward)
+    line = start + next(i for i, s in enumerate(source) if "torch.tanh" in s)
+    assert crash.step == 12
+    assert (f"Replayed under anomaly detection: the tensor changed in place was made at test_crash_evidence.py:{line} "
+            f"in forward of 2 (_Block): `h = torch.tanh(self.fc(x))`") in crash.message, crash.message
+    assert crash.where == f"2 (_Block), test_crash_evidence.py:{line}"
+    assert crash.hint.startswith("A tensor autograd saved for the backward pass was changed in place")
+    assert torch.equal(model[1].running_mean, stats)  # the replay's forward left BatchNorm's statistics alone
+
+
+def test_an_inplace_autograd_crash_at_basic_gets_the_remedy_not_a_nan_hint(tmp_path):
+    crash, _, _ = _inplace_crash(tmp_path, "basic")  # no NaN replay at basic: nothing replayed
+    assert "Replayed under anomaly detection" not in crash.message
+    assert crash.hint.startswith("A tensor autograd saved for the backward pass was changed in place")
+    assert "non-finite" not in crash.hint
+
+
+@pytest.mark.parametrize("text,about", [
+    ("Loss is nan, stopping training", True), ("Function 'LogBackward0' returned nan values in its 0th output.", True),
+    ("value is inf", True), ("Expected parameter loc to satisfy the constraint Real()", True),
+    ("...with torch.autograd.set_detect_anomaly(True, check_nan=False).", False),
+    ("see the documentation for more information", False), ("shape mismatch at inference", False),
+])
+def test_what_counts_as_an_exception_about_non_finite_values(text, about):
+    from trackdiag.forensics.crash import nonfinite_text
+
+    assert nonfinite_text(RuntimeError(text)) is about

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from types import FrameType, TracebackType
 from typing import Iterable
 
@@ -108,10 +109,15 @@ def tables_of(points: dict[str, list[tuple[int, float]]]) -> dict[str, dict[str,
     return {f"crash/{k[len('diag/'):]}": {str(s): v for s, v in pts} for k, pts in points.items() if pts}
 
 
+#: words of an exception about non-finite values: "nan" and "inf" as words only (autograd's in-place error suggests
+#: ``set_detect_anomaly(True, check_nan=False)``; "information", "inference" are no Inf)
+_NONFINITE = re.compile(r"\bnan\b|\binf\b|infinite|non-finite|nonfinite|constraint|between 0 and 1")
+
+
 def nonfinite_text(exc: BaseException | None) -> bool:
     """Whether the exception talks about non-finite values (NaN/Inf or a distribution's constraint)."""
     text = f"{type(exc).__name__} {exc}".lower() if exc is not None else ""
-    return any(w in text for w in ("nan", " inf", "infinite", "non-finite", "nonfinite", "constraint", "between 0 and 1"))
+    return _NONFINITE.search(text) is not None
 
 
 def no_replay(exc: BaseException | None) -> str:
@@ -136,6 +142,12 @@ def crash_hint(exc: BaseException | None, signalled: bool, watched: bool) -> str
         return ("Out of memory: a smaller batch with gradient accumulation, activation checkpointing, bf16/fp16 "
                 "autocast; if memory grew over the run (diag/mem/*), something keeps tensors alive (a loss kept "
                 "without .item(), a graph retained).")
+    if isinstance(exc, RuntimeError) and "modified by an inplace operation" in str(exc):
+        return ("A tensor autograd saved for the backward pass was changed in place between the forward and "
+                "loss.backward(): use the out-of-place form (h = h + 1 for h += 1, F.relu(x) for x.relu_(), "
+                "nn.ReLU(inplace=False), torch.where for x[mask] = v) or .clone() the tensor before changing it. At "
+                "advanced and extreme trackdiag replays the step under anomaly detection and names the forward line that "
+                "made the tensor; elsewhere torch.autograd.set_detect_anomaly(True) prints it.")
     if nonfinite_text(exc) and watched:
         return ("The exception is about non-finite values, but no module output of the step's forward held one: the "
                 "NaN/Inf arose in the backward pass (an exception from autograd names the backward function: add an "

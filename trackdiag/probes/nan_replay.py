@@ -348,6 +348,28 @@ class NanReplayProbe(Probe):
                     break
         return got
 
+    def inplace_origin(self, ctx: ProbeContext) -> tuple[str, tuple[str, int, str, str, str | None]] | None:
+        """The flight recorder at a crash of autograd's in-place check: ``(component, origin)`` of the forward line that
+        made the tensor modified in place (:func:`trackdiag.forensics.inplace.origin`, on the step's first captured call
+        of each component), or None."""
+        from trackdiag.forensics.inplace import origin
+
+        for comp in ctx.components:
+            calls = self.calls_of(ctx.step, comp.name) if comp.model is not None else []
+            if not calls:
+                continue
+            try:  # set inside the try: a KeyboardInterrupt right after it must not leave capture off
+                self._busy = True
+                found = origin(comp.model, calls[0])
+            except Exception as exc:  # noqa: BLE001 - the crash finding is made without it
+                log.debug("trackdiag: in-place replay failed: %s", brief(exc))
+                found = None
+            finally:
+                self._busy = False
+            if found is not None:
+                return comp.name, found
+        return None
+
     def finding(self, ctx: ProbeContext, step: int) -> tuple[str, Finding] | None:
         """The replay result for ``step``: its own, else an earlier one of the same incident (within
         the ring), else a new replay while ``max_replays`` allows, else the latest one (so later alerts

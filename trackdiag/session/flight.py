@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -132,6 +133,19 @@ class FlightRecorder:
         line = user_line(frames, lines)
         if line:
             parts.append(f"Last line of the training script: {line}.")
+        made = self._inplace_origin(exc, signalled)
+        if made is not None:
+            mcomp, (path, lineno, func, code, module) = made
+            spot = f"{os.path.basename(path)}:{lineno}"
+            named = ""
+            if module is not None:
+                owner = next((c.model for c in comps if c.name == mcomp), None)
+                full = (f"{mcomp}.{module}" if module else mcomp) if multi and mcomp else (module or ROOT)
+                named = f"{full} ({module_type(owner, module) if module else type(owner).__name__})"
+            parts.append(f"Replayed under anomaly detection: the tensor changed in place was made at {spot} in {func}"
+                         f"{f' of {named}' if named else ''}: `{code}`. An in-place operation on it after that line "
+                         f"(+=, *=, .add_(), .relu_(), x[i] = ..., ReLU(inplace=True)) broke the backward.")
+            where = where or (f"{named}, {spot}" if named else spot)
         series = series_text(points)
         parts.append(f"Last steps: {series}." if series else "No step of the every-step series was recorded yet.")
         if found is not None and found.located:
@@ -143,6 +157,17 @@ class FlightRecorder:
         if evidence and ((found is not None and found.located) or nonfinite_text(exc)):  # the weights blew up
             hint = crash_evidence.hint(evidence, where, hint)
         return Alert("crash", step, "critical", " ".join(parts), where=where, hint=hint), tables_of(points)
+
+    def _inplace_origin(self, exc: BaseException | None, signalled: bool) -> Any:
+        """For a crash of autograd's in-place check, the NaN replay's answer to where the tensor was made (see
+        :mod:`trackdiag.forensics.inplace`), else None."""
+        from trackdiag.forensics.inplace import is_inplace_error
+        from trackdiag.probes.nan_replay import NanReplayProbe
+
+        if signalled or not is_inplace_error(exc) or any(st.stepped for st in self._steps.values()):  # type: ignore[attr-defined]
+            return None
+        nan = next((p for p in self.probes if p.enabled and isinstance(p, NanReplayProbe)), None)  # type: ignore[attr-defined]
+        return nan.inplace_origin(self._ctx) if nan is not None else None  # type: ignore[attr-defined]
 
     def _evidence(self, step: int, points: dict[str, list[tuple[int, float]]], last: int,
                   multi: bool) -> list[crash_evidence.Evidence]:
