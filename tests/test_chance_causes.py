@@ -62,3 +62,24 @@ def test_shuffled_labels_at_chance_name_no_decay_and_no_still_weights(tmp_path, 
     assert "ignores its input" in stuck.message
     for cause in ("weight decay", "barely move", "tiny", "constant_inputs"):
         assert cause not in stuck.message, stuck.message
+
+
+def test_updates_that_never_land_are_not_blamed_on_the_learning_rate(tmp_path, digits) -> None:
+    """``zero_grad(); step(); backward()``: the optimizer steps on no gradient, every update ratio is exactly 0.
+    ``grads_wiped`` names that; ``not_learning`` must not suggest a learning rate too low."""
+    x, y = digits
+    model = make_mlp(hidden=64)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    diag = trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                 probes=LEAN_PROBES, budget=None)
+    for _, (xb, yb) in zip(range(200), batches(x, y)):
+        out = model(xb)
+        loss = F.cross_entropy(out, yb)
+        opt.zero_grad()
+        opt.step()
+        loss.backward()
+        diag.step(loss, outputs=out, batch=(xb, yb))
+    diag.close()
+    assert "grads_wiped" in {a.kind for a in diag.alerts}
+    stuck = [a for a in diag.alerts if a.kind == "not_learning"]
+    assert stuck and "barely move" not in stuck[0].message, stuck[0].message

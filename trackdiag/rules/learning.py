@@ -24,7 +24,7 @@ long warm-up schedule is waited for), on the medians of the first ``start_steps`
 At chance, the message names the likely cause when one shows: a model input of one value everywhere
 (``constant_inputs``), a weight decay that shrinks every weight by ``DECAY_STEP`` (1 %) or more a step (lr x
 ``weight_decay``, ``diag/opt/weight_decay``), weights that barely move (every layer's last update-to-weight ratio under
-``STILL_UPDATES``, 1e-5: a learning rate far too low), or a model input under ``TINY_INPUT`` (0.01) everywhere (images
+``STILL_UPDATES``, 1e-5, and not 0: a learning rate far too low; no update at all is other rules' to name), or a model input under ``TINY_INPUT`` (0.01) everywhere (images
 scaled to [0, 1] twice).
 A flat loss of a task that is not shown is an ``info`` finding (a resumed, converged run is flat
 too). Held at ``patience`` (2) consecutive logging steps; ``step`` is the first of them.
@@ -182,7 +182,7 @@ class NotLearning(Rule):
             shrink, lr, wd = self._decay
             parts.append(f"and weight decay shrinks every weight by {shrink:.0%} a step (lr {lr:g} x weight_decay {wd:g}): "
                          f"faster than the gradients can grow them (a weight_decay meant as 1e-4 or 1e-2?)")
-        elif at_chance and self._moves < STILL_UPDATES:
+        elif at_chance and 0 < self._moves < STILL_UPDATES:  # exactly 0: no update lands (grads_wiped, stale_params)
             parts.append(f"and the weights barely move: the largest update-to-weight ratio of a layer is {self._moves:.2g} "
                          f"(usually 1e-4 to 1e-2: a learning rate far too low?)")
         elif at_chance and self._absmax < TINY_INPUT:
