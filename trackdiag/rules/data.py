@@ -63,7 +63,7 @@ class ConstantInputs(Rule):
     ``(x / 255).astype(np.uint8)``, ``.long()`` after normalising), a mask or dropout that zeroes the input, a
     loader that returns a placeholder for images it failed to read. Not fired where the optimizer steps the input
     (style transfer: the batch is what trains), nor for a loss that is not minimised (``objective``: rl, adversarial:
-    a bandit's policy sees one state by design). ``step``: the first step of the run; ``persistent`` (a warning).
+    a bandit's policy sees one state by design). ``step``: the first of those steps; ``persistent`` (a warning).
     Fires again only for a new run of constant inputs."""
 
     kind = "constant_inputs"

@@ -24,8 +24,8 @@ long warm-up schedule is waited for), on the medians of the first ``start_steps`
 At chance, the message names the likely cause when one shows: a model input of one value everywhere
 (``constant_inputs``), a weight decay that shrinks every weight by ``DECAY_STEP`` (1 %) or more a step (lr x
 ``weight_decay``, ``diag/opt/weight_decay``), weights that barely move (every layer's last update-to-weight ratio under
-``STILL_UPDATES``, 1e-5, and not 0: a learning rate far too low; no update at all is other rules' to name), or a model input under ``TINY_INPUT`` (0.01) everywhere (images
-scaled to [0, 1] twice).
+``STILL_UPDATES``, 1e-5, and not 0: a learning rate far too low; no update at all is other rules' to name), or a
+model input under ``TINY_INPUT`` (0.01) everywhere (images scaled to [0, 1] twice).
 A flat loss of a task that is not shown is an ``info`` finding (a resumed, converged run is flat
 too). Held at ``patience`` (2) consecutive logging steps; ``step`` is the first of them.
 """
