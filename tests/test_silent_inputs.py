@@ -32,11 +32,14 @@ WARN = ("warning", "critical")
 
 
 def _run(tmp_path, digits, feed: Callable[[torch.Tensor, torch.Tensor, int], Any], *, level: str = "advanced",
-         steps: int = STEPS, **kw: Any) -> tuple[Any, list[Any]]:
-    """The digits MLP on what ``feed(x, y, step)`` makes of each mini-batch (the batch handed to ``step()``; its
-    input is what the model sees). Returns the session and the batches' inputs."""
+         steps: int = STEPS, init_scale: float = 1.0, **kw: Any) -> tuple[Any, list[Any]]:
+    """The digits MLP (its initial weights x ``init_scale``) on what ``feed(x, y, step)`` makes of each mini-batch (the
+    batch handed to ``step()``; its input is what the model sees). Returns the session and the batches' inputs."""
     x, y = digits
     model = make_mlp(hidden=64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(init_scale)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     diag = trackdiag.Diagnostics(model, opt, level=level, sinks=["local"], output_dir=str(tmp_path), probes=LEAN_PROBES,
                                  budget=None, **kw)
@@ -179,22 +182,7 @@ def test_pixels_left_in_0_255_are_named_by_initial_loss(tmp_path, digits) -> Non
 
 
 def test_a_bad_init_on_normalised_inputs_does_not_blame_the_inputs(tmp_path, digits) -> None:
-    x, y = digits
-    model = make_mlp(hidden=64)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(100.0)  # weights x100 at init: the init's fault, not the data's
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    diag = trackdiag.Diagnostics(model, opt, level="basic", sinks=["local"], output_dir=str(tmp_path), probes=LEAN_PROBES,
-                                 budget=None)
-    for _, (xb, yb) in zip(range(20), batches(x, y)):
-        out = model(xb)
-        loss = F.cross_entropy(out, yb)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        diag.step(loss, outputs=out, batch=(xb, yb))
-    diag.close()
+    """Weights x100 at init: the init's fault, not the data's."""
+    diag, _ = _run(tmp_path, digits, lambda x, y, step: (x, y), level="basic", steps=20, init_scale=100.0)
     first = [a for a in diag.alerts if a.kind == "initial_loss"]
     assert first and "in magnitude" not in first[0].message, [(a.kind, a.message) for a in diag.alerts]
-
