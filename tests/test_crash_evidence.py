@@ -3,9 +3,12 @@ strongest evidence the session held or saw in the steps before (update_ratio's h
 learning-rate jump, a gradient-norm explosion, a loss spike), then the module; the hint says lower the LR
 when the weights blew up. A crash without such evidence keeps its wording. Real loops, a real local record. The
 finding names the line of the training script that raised (the traceback's), not the `with diag:` line its frame is
-closing when the finding is made."""
+closing when the finding is made; autograd's in-place error gets the forward line that made the tensor (a replay
+under anomaly detection), and errors whose traceback hides the cause (a hidden state carried without detach, a forward
+under no_grad, BatchNorm given one sample) get their remedy."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -270,3 +273,47 @@ def test_what_counts_as_an_exception_about_non_finite_values(text, about):
     from trackdiag.forensics.crash import nonfinite_text
 
     assert nonfinite_text(RuntimeError(text)) is about
+
+
+def _crashing_loop(tmp_path, kind: str, at: int = 5):
+    """A small loop that dies at step ``at`` with one of the errors whose traceback does not say the cause:
+    ``carried`` (a GRU's hidden state carried across batches without ``detach``), ``no_grad`` (the forward left
+    under ``torch.no_grad()``), ``bn_one`` (a BatchNorm layer given a last batch of one sample)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    if kind == "carried":
+        model = nn.GRU(8, 16, batch_first=True)
+    else:
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    h = None
+    with pytest.raises((RuntimeError, ValueError)) as raised:
+        with trackdiag.Diagnostics(model, opt, level="basic", sinks=["local"], output_dir=str(tmp_path)) as diag:
+            for step in range(20):
+                if kind == "carried":
+                    x = torch.randn(4, 6, 8, generator=gen)
+                    out, h = model(x, h)  # h from the step before, still attached to its graph
+                    loss = out.pow(2).mean()
+                else:
+                    x = torch.randn(1 if kind == "bn_one" and step == at else 32, 8, generator=gen)
+                    y = torch.randint(0, 4, (len(x),), generator=gen)
+                    with torch.no_grad() if kind == "no_grad" and step == at else contextlib.nullcontext():
+                        loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                diag.step(loss)
+    (crash,) = [a for a in diag.alerts if a.kind == "crash"]
+    return crash, raised.value
+
+
+@pytest.mark.parametrize("kind,step,hint", [
+    ("carried", 1, "carried from one batch to the next without .detach()"),
+    ("no_grad", 5, "the forward ran under torch.no_grad()"),
+    ("bn_one", 5, "A BatchNorm layer got a batch of one sample"),
+])
+def test_errors_whose_traceback_hides_the_cause_get_their_remedy(tmp_path, kind, step, hint):
+    crash, exc = _crashing_loop(tmp_path, kind)
+    assert crash.step == step and type(exc).__name__ in crash.message
+    assert hint in crash.hint, crash.hint
+    assert not crash.hint.startswith("Not a non-finite fault")

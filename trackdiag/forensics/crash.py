@@ -132,6 +132,30 @@ def no_replay(exc: BaseException | None) -> str:
     return ""
 
 
+#: autograd's and torch.nn's errors whose traceback does not say what in the loop caused them: (a text of the
+#: exception's message, the remedies)
+KNOWN_ERRORS = (
+    ("modified by an inplace operation",
+     "A tensor autograd saved for the backward pass was changed in place between the forward and loss.backward(): use "
+     "the out-of-place form (h = h + 1 for h += 1, F.relu(x) for x.relu_(), nn.ReLU(inplace=False), torch.where for "
+     "x[mask] = v) or .clone() the tensor before changing it. At advanced and extreme trackdiag replays the step under "
+     "anomaly detection and names the forward line that made the tensor; elsewhere torch.autograd.set_detect_anomaly(True) "
+     "prints it."),
+    ("backward through the graph a second time",
+     "A graph from an earlier step is reused: most often a recurrent hidden state (or a running sum, a cached tensor) "
+     "carried from one batch to the next without .detach(). Detach what you carry (h = h.detach() before each batch, "
+     "truncated backpropagation through time), or compute the shared tensor inside the loop; retain_graph=True only if "
+     "you mean to run backward twice through the same forward."),
+    ("does not require grad and does not have a grad_fn",
+     "The loss does not depend on anything that trains: the forward ran under torch.no_grad() or inference_mode (an "
+     "evaluation context left open), the output or loss was .detach()-ed or rebuilt from .item()/.numpy() values, or "
+     "every parameter has requires_grad=False (a freeze meant for the backbone only)."),
+    ("Expected more than 1 value per channel when training",
+     "A BatchNorm layer got a batch of one sample in train mode, usually the last, smaller batch of an epoch: "
+     "DataLoader(..., drop_last=True), a batch size that divides the dataset, or model.eval() for single samples."),
+)
+
+
 def crash_hint(exc: BaseException | None, signalled: bool, watched: bool) -> str:
     """Remedies for a crash whose cause is not a located non-finite value (see :mod:`trackdiag.session.flight`)."""
     if signalled:
@@ -142,12 +166,9 @@ def crash_hint(exc: BaseException | None, signalled: bool, watched: bool) -> str
         return ("Out of memory: a smaller batch with gradient accumulation, activation checkpointing, bf16/fp16 "
                 "autocast; if memory grew over the run (diag/mem/*), something keeps tensors alive (a loss kept "
                 "without .item(), a graph retained).")
-    if isinstance(exc, RuntimeError) and "modified by an inplace operation" in str(exc):
-        return ("A tensor autograd saved for the backward pass was changed in place between the forward and "
-                "loss.backward(): use the out-of-place form (h = h + 1 for h += 1, F.relu(x) for x.relu_(), "
-                "nn.ReLU(inplace=False), torch.where for x[mask] = v) or .clone() the tensor before changing it. At "
-                "advanced and extreme trackdiag replays the step under anomaly detection and names the forward line that "
-                "made the tensor; elsewhere torch.autograd.set_detect_anomaly(True) prints it.")
+    known = next((hint for text, hint in KNOWN_ERRORS if exc is not None and text in str(exc)), None)
+    if known is not None:
+        return known
     if nonfinite_text(exc) and watched:
         return ("The exception is about non-finite values, but no module output of the step's forward held one: the "
                 "NaN/Inf arose in the backward pass (an exception from autograd names the backward function: add an "
