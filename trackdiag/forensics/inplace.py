@@ -12,6 +12,7 @@ Host work on the crash path only.
 """
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from typing import Any
@@ -22,7 +23,10 @@ from torch import nn
 from trackdiag.capture.forward_watch import FORWARD
 from trackdiag.capture.gradtap import TAP_QUEUE
 from trackdiag.capture.isolation import eager, isolated, replaying
+from trackdiag.core.errors import brief
 from trackdiag.util.tensors import float_tensors
+
+log = logging.getLogger("trackdiag")
 
 #: the text of autograd's in-place check
 INPLACE = "modified by an inplace operation"
@@ -88,4 +92,20 @@ def origin(model: nn.Module, call: tuple[Any, ...]) -> tuple[str, int, str, str,
         if mine:
             path, line, func, code = mine[-1]
             return path, line, func, code, module_at(model, path, line)
+    return None
+
+
+def origin_at_crash(nan: Any, ctx: Any) -> tuple[str, tuple[str, int, str, str, str | None]] | None:
+    """At a crash of autograd's in-place check: ``(component, origin)`` of the forward line that made the tensor, from
+    the NaN replay probe ``nan``'s captured calls of the running step (each component's first), or None."""
+    for comp in ctx.components:
+        calls = nan.calls_of(ctx.step, comp.name) if comp.model is not None else []
+        try:
+            with nan.capture_paused():
+                found = origin(comp.model, calls[0]) if calls else None
+        except Exception as exc:  # noqa: BLE001 - the crash finding is made without it
+            log.debug("trackdiag: in-place replay failed: %s", brief(exc))
+            found = None
+        if found is not None:
+            return comp.name, found
     return None

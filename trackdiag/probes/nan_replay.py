@@ -42,10 +42,11 @@ own loss, else cross-entropy/MSE guessed from the batch), ``backward``, ``max_re
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -309,6 +310,15 @@ class NanReplayProbe(Probe):
         """``mode=step``: a later optimizer's own pass is judged before its update too."""
         self.on_grads(ctx, comp, view)
 
+    @contextlib.contextmanager
+    def capture_paused(self) -> Iterator[None]:
+        """A replay of trackdiag's own is running: its forward calls are not captured as training ones."""
+        try:  # set inside the try: a KeyboardInterrupt right after it must not leave capture off
+            self._busy = True
+            yield
+        finally:
+            self._busy = False
+
     def run(self, ctx: ProbeContext, comp: Component, step: int, batch: Any, exact: bool = False,
             backward: bool | None = None) -> tuple[str, Finding]:
         """Replay ``step`` for ``comp`` (all components together when the user's loss is replayed);
@@ -322,15 +332,13 @@ class NanReplayProbe(Probe):
             model, name = nn.ModuleDict(models), ""  # the user's loss runs every model: watch them all
             snapshot = Joint([self._snapshots[n] for n in models if n in self._snapshots]) if self._snapshots else None
         weights = f"the weights of step {step}" if exact else f"the current weights (step {ctx.step})"
-        try:  # set inside the try: a KeyboardInterrupt right after it must not leave capture off
-            self._busy = True
-            found = replay(model, entry["calls"].get(comp.name, []), step=step, batch=batch,  # type: ignore[arg-type]
-                           loss_fn=self.loss_fn, backward=self.backward if backward is None else backward,
-                           snapshot=snapshot, batch_loss=batch_loss, weights=weights, exact=exact)
+        try:
+            with self.capture_paused():
+                found = replay(model, entry["calls"].get(comp.name, []), step=step, batch=batch,  # type: ignore[arg-type]
+                               loss_fn=self.loss_fn, backward=self.backward if backward is None else backward,
+                               snapshot=snapshot, batch_loss=batch_loss, weights=weights, exact=exact)
         except Exception as exc:  # noqa: BLE001 - a replay never kills training
             found = Finding(step, "error", detail=f"the replay could not run the model ({brief(exc)})")
-        finally:
-            self._busy = False
         log.info("trackdiag: NaN replay of step %d: %s", step, found.detail or found.phase)
         return name, found
 
@@ -347,28 +355,6 @@ class NanReplayProbe(Probe):
                 if got[1].located:
                     break
         return got
-
-    def inplace_origin(self, ctx: ProbeContext) -> tuple[str, tuple[str, int, str, str, str | None]] | None:
-        """The flight recorder at a crash of autograd's in-place check: ``(component, origin)`` of the forward line that
-        made the tensor modified in place (:func:`trackdiag.forensics.inplace.origin`, on the step's first captured call
-        of each component), or None."""
-        from trackdiag.forensics.inplace import origin
-
-        for comp in ctx.components:
-            calls = self.calls_of(ctx.step, comp.name) if comp.model is not None else []
-            if not calls:
-                continue
-            try:  # set inside the try: a KeyboardInterrupt right after it must not leave capture off
-                self._busy = True
-                found = origin(comp.model, calls[0])
-            except Exception as exc:  # noqa: BLE001 - the crash finding is made without it
-                log.debug("trackdiag: in-place replay failed: %s", brief(exc))
-                found = None
-            finally:
-                self._busy = False
-            if found is not None:
-                return comp.name, found
-        return None
 
     def finding(self, ctx: ProbeContext, step: int) -> tuple[str, Finding] | None:
         """The replay result for ``step``: its own, else an earlier one of the same incident (within

@@ -161,13 +161,13 @@ class FlightRecorder:
     def _inplace_origin(self, exc: BaseException | None, signalled: bool) -> Any:
         """For a crash of autograd's in-place check, the NaN replay's answer to where the tensor was made (see
         :mod:`trackdiag.forensics.inplace`), else None."""
-        from trackdiag.forensics.inplace import is_inplace_error
+        from trackdiag.forensics.inplace import is_inplace_error, origin_at_crash
         from trackdiag.probes.nan_replay import NanReplayProbe
 
         if signalled or not is_inplace_error(exc) or any(st.stepped for st in self._steps.values()):  # type: ignore[attr-defined]
             return None
         nan = next((p for p in self.probes if p.enabled and isinstance(p, NanReplayProbe)), None)  # type: ignore[attr-defined]
-        return nan.inplace_origin(self._ctx) if nan is not None else None  # type: ignore[attr-defined]
+        return origin_at_crash(nan, self._ctx) if nan is not None else None  # type: ignore[attr-defined]
 
     def _evidence(self, step: int, points: dict[str, list[tuple[int, float]]], last: int,
                   multi: bool) -> list[crash_evidence.Evidence]:
