@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from trackdiag.capture.context import Component
@@ -121,6 +122,28 @@ def attachable(comp: Component, opt: Any) -> bool:
     return any(id(p) in ids for p in comp.index.params)
 
 
+def replaced(comp: Component, opt: Any) -> Any | None:
+    """The optimizer of ``comp`` that ``opt`` takes the place of: one of the same class over the same parameters in
+    the same order (a loop that creates its optimizer anew: per stage, per epoch, or by mistake at every step);
+    None when ``opt`` steps other parameters (a second optimizer: a GAN's, a per-layer phase's). Host work, when an
+    optimizer is adopted."""
+    real = real_optimizer(opt)
+    if real is None:
+        return None
+    mine = [id(p) for g in param_groups(real) for p in g["params"]]
+    for old in comp.optimizers:
+        if type(old) is type(real) and old is not real and [id(p) for g in old.param_groups for p in g["params"]] == mine:
+            return old
+    return None
+
+
+def stateful(opt: Any) -> bool:
+    """Whether ``opt`` keeps state between steps that a fresh one starts without (Adam's moment estimates, SGD's
+    momentum buffer); plain SGD keeps none. Host work: its ``state`` entries."""
+    state = getattr(opt, "state", None) or {}
+    return any(isinstance(v, torch.Tensor) and k != "step" for s in list(state.values())[:4] for k, v in s.items())
+
+
 def stepped_inputs(comp: Component) -> list[Any]:
     """The tensors ``comp``'s optimizers step when none of them is a parameter of its model (an input
     optimised: style transfer, adversarial examples, feature visualisation step an image while the model
@@ -147,4 +170,4 @@ def batch_size_of(batch: Any) -> int | None:
 
 
 __all__ = ["attachable", "batch_size_of", "build_components", "component_params", "groups_signature",
-           "real_optimizer", "reindex", "stepped_inputs", "unwrap"]
+           "real_optimizer", "reindex", "replaced", "stateful", "stepped_inputs", "unwrap"]

@@ -11,6 +11,34 @@ from trackdiag.capture.layers import LayerIndex
 
 
 @dataclass
+class Recreations:
+    """An optimizer created anew over the same parameters, step after step (:func:`~trackdiag.capture.components.
+    replaced`): what ``optimizer_recreated`` judges (published by the ``lr`` probe)."""
+
+    streak: int = 0  # the component's optimizer steps in a row, each by a new optimizer that replaced the last one
+    since: int = -1  # the step the streak began at
+    steps: int = 0  # the component's optimizer steps so far (counted by the session's pre-step hook)
+    at: int = -1  # ``steps`` when the latest replacement stepped
+    total: int = 0
+    kind: str = ""  # the optimizer's class
+    stateful: bool = False  # a replaced optimizer held state (moments, momentum) that the new one starts without
+
+    def replaced(self, step: int, kind: str, had_state: bool) -> None:
+        """A new optimizer took the place of the last one and steps now (before ``steps`` counts this step)."""
+        if self.streak and self.at == self.steps - 1:
+            self.streak += 1
+        else:
+            self.streak, self.since = 1, step
+        self.at, self.kind = self.steps, kind
+        self.total += 1
+        self.stateful = self.stateful or had_state
+
+    def current(self) -> int:
+        """The streak, when the component's latest optimizer step was a replacement; else 0."""
+        return self.streak if self.streak and self.at >= self.steps - 1 else 0
+
+
+@dataclass
 class Component:
     """One named model with the optimizer(s) that step it (``name == ""`` for a single model).
 
@@ -34,6 +62,8 @@ class Component:
     outer: Any = None
     #: the step at which the optimizers' param groups were last compared with ``groups`` (once per step is enough)
     refreshed: int = -1
+    #: optimizers that took the place of one of the same class over the same parameters (the loop creates it anew)
+    recreations: Recreations = field(default_factory=Recreations)
 
     def key(self, suffix: str) -> str:
         """The metric key of ``suffix`` for this component: ``diag/[<name>/]<suffix>``."""
@@ -51,6 +81,15 @@ class Component:
             self.optimizers.append(real)
         self.optimizer = self.optimizers[0] if self.optimizers else next((g for g in self.given if param_groups(g)), None)
         return new
+
+    def retire(self, opt: Any) -> None:
+        """Let go of ``opt`` (a newer optimizer over the same parameters took its place): kept, a loop that creates
+        its optimizer every step would keep every one alive, with its state."""
+        from trackdiag.capture.optimizers import real_optimizer
+
+        self.optimizers = [o for o in self.optimizers if o is not opt]
+        self.given = [g for g in self.given if g is not opt and real_optimizer(g) is not opt]
+        self.optimizer = self.optimizers[0] if self.optimizers else None
 
     def owns(self, opt: Any) -> bool:
         """True when ``opt`` is one of this component's (real) optimizers."""

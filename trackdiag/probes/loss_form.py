@@ -36,6 +36,8 @@ copy of the scores: scores of more than ``MAX_ELEMENTS`` (16.8M: a large-vocabul
 from __future__ import annotations
 
 import math
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -62,6 +64,8 @@ class LossFormProbe(Probe):
         self._held: tuple[int, torch.Tensor, float] | None = None
         self._taken: tuple[int, float, bool] | None = None
         self._binary_held = False  # the held values are the binary case's (measure_binary)
+        #: a softmax over a non-class dimension: (its dim, made the outputs, the class dim, the two sizes)
+        self._wrong: tuple[int, bool, int, int, int] | None = None
 
     def quiet(self, ctx: ProbeContext) -> bool:
         return self._measured >= self.checks or ctx.step >= self.steps
@@ -80,10 +84,15 @@ class LossFormProbe(Probe):
                 or z.numel() > MAX_ELEMENTS:
             self._binary(ctx, inputs, loss)  # not class scores against class targets: perhaps a binary loss
             return
+        found = softmax_dim(loss, z, dim)
+        wrong = None if found is None else (*found, dim % z.dim(), z.shape[found[0]], z.shape[dim])
         with torch.no_grad():
             values = measure(z, t, dim, loss)
+            if wrong is not None:  # a softmax over another dimension: the cross-entropy along it, beside
+                values = torch.cat([values, along(z, t, dim, wrong[0]).to(values.dtype).reshape(1)])
         self._measured += 1
         self._held = (ctx.step, values, float(torch.finfo(loss.dtype).eps))
+        self._wrong = wrong
 
     def _binary(self, ctx: ProbeContext, inputs: StepInputs, loss: torch.Tensor) -> None:
         """A binary or multi-label loss: measured only when the scores come out of a sigmoid (see module docstring)."""
@@ -120,11 +129,16 @@ class LossFormProbe(Probe):
                 record.tables["diag/data/bce_form"] = {"step": float(step), "loss": loss, "with_logits": logits,
                                                        "plain": plain, "targets": n, "min": low, "max": high, "eps": eps}
             return
-        loss, ce, nll, n, simplex, low, lse = (float(v) for v in got.reshape(-1))
+        loss, ce, nll, n, simplex, low, lse, *rest = (float(v) for v in got.reshape(-1))
         if math.isfinite(loss) and n > 0:
-            record.tables["diag/data/loss_form"] = {"step": float(step), "loss": loss, "ce": ce, "nll": nll,
-                                                    "targets": n, "simplex": simplex, "min": low, "logsumexp": lse,
-                                                    "eps": eps}
+            table = record.tables["diag/data/loss_form"] = {"step": float(step), "loss": loss, "ce": ce, "nll": nll,
+                                                            "targets": n, "simplex": simplex, "min": low,
+                                                            "logsumexp": lse, "eps": eps}
+            if rest and self._wrong is not None:
+                d, made, cdim, size, classes = self._wrong
+                table.update(softmax_dim=float(d), along=rest[0], softmax_output=float(made), class_dim=float(cdim),
+                             dim_size=float(size), classes=float(classes))
+        self._wrong = None
 
 
 def measure(z: torch.Tensor, t: torch.Tensor, dim: int, loss: torch.Tensor) -> torch.Tensor:
@@ -143,6 +157,71 @@ def measure(z: torch.Tensor, t: torch.Tensor, dim: int, loss: torch.Tensor) -> t
     return torch.stack([loss.detach().to(wide).reshape(()), ((lse - picked) * keep).sum() / denom,
                         (-picked * keep).sum() / denom, n.to(wide), (rows.sum(1) - 1).abs().max(), rows.min(),
                         lse.abs().mean()])
+
+
+_SOFTMAX = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0"})
+_SAME_SHAPE = frozenset({"CloneBackward0", "ToCopyBackward0", "AliasBackward0"})  # ops that keep every dimension
+
+
+def softmax_dim(loss: torch.Tensor, z: torch.Tensor, cdim: int, depth: int = 5, budget: int = 24) -> tuple[int, bool] | None:
+    """``(dim, made_outputs)`` of a softmax or log-softmax over a dimension other than the class dimension ``cdim`` of
+    the scores ``z``: ``z`` is its result (``made_outputs``: an ``nn.Softmax(dim=0)`` at the end of the model), or it
+    takes ``z`` itself (a copy or a dtype cast at most) and lies within ``depth`` autograd nodes of the loss
+    (``F.log_softmax(logits, dim=0)`` in the loss). None when there is none. Host only, after the backward pass (the
+    nodes' saved tensors are freed by then; their ``dim`` is kept): a walk over at most ``budget`` nodes."""
+    cdim %= z.dim()
+    made = z.grad_fn
+
+    def wrong(fn: object) -> int | None:
+        if type(fn).__name__ not in _SOFTMAX:
+            return None
+        d = getattr(fn, "_saved_dim", None)
+        if not isinstance(d, int):
+            return None
+        d = (d - (1 << 64) if d >= 1 << 63 else d) % z.dim()  # saved as unsigned: -1 reads 2**64 - 1
+        return d if d != cdim and z.shape[d] > 1 else None
+
+    def takes_z(fn: Any) -> bool:  # the softmax's input is ``z`` as it is (a reshape or a transpose renumbers dims)
+        for _ in range(3):
+            fn = next((f for f, _ in fn.next_functions if f is not None), None)
+            if fn is None or fn is made:
+                return fn is made and made is not None
+            if type(fn).__name__ not in _SAME_SHAPE:
+                return False
+        return False
+
+    try:
+        d = wrong(made) if made is not None else None
+        if d is not None:
+            return d, True
+        frontier, seen = [loss.grad_fn], 0
+        for _ in range(depth):
+            nxt = []
+            for fn in frontier:
+                if fn is None or seen >= budget:
+                    continue
+                seen += 1
+                d = wrong(fn)
+                if d is not None and takes_z(fn):
+                    return d, False
+                nxt.extend(f for f, _ in fn.next_functions)
+            frontier = nxt
+    except (RuntimeError, AttributeError):  # a node type that keeps nothing readable: not judged
+        return None
+    return None
+
+
+def along(z: torch.Tensor, t: torch.Tensor, cdim: int, dim: int) -> torch.Tensor:
+    """The mean cross-entropy of ``z`` normalised along ``dim`` (not the class dimension ``cdim``), the target picked
+    along ``cdim``; targets outside ``[0, C)`` left out (float64 where the device has it)."""
+    wide = torch.float64 if z.device.type in ("cpu", "cuda") else torch.float32
+    zz = z.detach().to(wide)
+    c = z.shape[cdim]
+    rows = (zz.logsumexp(dim, keepdim=True) - zz).movedim(cdim, -1).reshape(-1, c)
+    flat = t.reshape(-1)
+    counted = (flat >= 0) & (flat < c)
+    picked = rows.gather(1, flat.clamp(0, c - 1).unsqueeze(1)).squeeze(1)
+    return (picked * counted.to(wide)).sum() / counted.sum().clamp(min=1).to(wide)
 
 
 #: autograd nodes that only reshape or view their input: looked through to the op that made the scores

@@ -69,7 +69,7 @@ class SoftmaxBeforeCE(_Once):
     def found(self, table: dict[str, float]) -> bool:
         n, eps = table["targets"], table["eps"]
         return (table["min"] >= 0 and table["simplex"] <= 1e-3 and matches(table["loss"], table["ce"], n, eps)
-                and not matches(table["loss"], table["nll"], n, eps))
+                and not matches(table["loss"], table["nll"], n, eps) and "softmax_dim" not in table)
 
     def say(self, table: dict[str, float]) -> str:
         return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is the cross-entropy of outputs that are "
@@ -89,7 +89,7 @@ class NllWithoutLogSoftmax(_Once):
     def found(self, table: dict[str, float]) -> bool:
         n, eps = table["targets"], table["eps"]
         return (table["logsumexp"] > 1e-2 and matches(table["loss"], table["nll"], n, eps)
-                and not matches(table["loss"], table["ce"], n, eps))
+                and not matches(table["loss"], table["ce"], n, eps) and "softmax_dim" not in table)
 
     def say(self, table: dict[str, float]) -> str:
         what = "probabilities" if table["min"] >= 0 and table["simplex"] <= 1e-3 else "raw scores"
@@ -97,6 +97,40 @@ class NllWithoutLogSoftmax(_Once):
                 f"outputs that are {what}, not log-probabilities (their rows' log-sum-exp averages "
                 f"{table['logsumexp']:.3g}, 0 for log-probabilities): NLLLoss then rewards growing the target's score "
                 f"without bound (raw scores) or saturates at -1 (probabilities).")
+
+
+class SoftmaxWrongDim(_Once):
+    """The step's loss is a classification loss of scores normalised along the wrong dimension: a softmax or
+    log-softmax over the batch (``nn.Softmax(dim=0)``, ``F.log_softmax(logits, dim=0)``, or no ``dim`` on a 3-D
+    ``(B, T, C)`` tensor, which picks 0) instead of over the classes. Each class's scores are normalised across the
+    batch's samples: a sample's prediction depends on the others in its batch, the loss stalls far from 0, and the
+    model still learns enough to hide it. Found when the scores handed to ``step`` are that softmax's result and the
+    loss is their cross-entropy or NLL, or the softmax lies between the scores and the loss and the loss is the
+    cross-entropy along its dimension (a symmetric contrastive loss, a mean over both dimensions, is not).
+    Critical (``unambiguous``, ``loss``)."""
+
+    kind = "softmax_wrong_dim"
+    hint = ("Normalise over the classes: F.log_softmax(logits, dim=-1) (or dim=1 for (N, C, ...) scores), "
+            "nn.Softmax(dim=-1); never call softmax/log_softmax without dim. Simplest: hand raw logits to "
+            "F.cross_entropy, which normalises the right dimension itself.")
+    reference = "along"
+
+    def found(self, table: dict[str, float]) -> bool:
+        if "softmax_dim" not in table:
+            return False
+        n, eps, loss = table["targets"], table["eps"], table["loss"]
+        if matches(loss, table["along"], n, eps):
+            return True
+        return bool(table["softmax_output"]) and (matches(loss, table["ce"], n, eps) or matches(loss, table["nll"], n, eps))
+
+    def say(self, table: dict[str, float]) -> str:
+        d, c, size = int(table["softmax_dim"]), int(table["class_dim"]), int(table["dim_size"])
+        what = "dimension 0 (the batch" if d == 0 else f"dimension {d} (size {size}"
+        made = "the outputs handed to step() are a softmax" if table["softmax_output"] else "the loss applies a softmax"
+        return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is computed from scores normalised over "
+                f"{what}, {size} values), not over the {int(table['classes'])} classes (dimension {c}): {made} along "
+                f"the wrong dimension. Each class's scores are shared out across the batch, so a sample's prediction "
+                f"depends on the other samples and the loss cannot approach 0.")
 
 
 class SigmoidBeforeBCE(_Once):

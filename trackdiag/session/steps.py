@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from trackdiag.capture.components import attachable, groups_signature, reindex
+from trackdiag.capture.components import attachable, groups_signature, reindex, replaced, stateful
 from trackdiag.capture.context import Component
 from trackdiag.capture.grad_records import GradView, merge_taps
 from trackdiag.capture.gradtap import GradTap
@@ -67,6 +67,7 @@ class OptimizerEvents:
             self._tap.attach(comp)
         self._steps: dict[str, _StepState] = {c.name: _StepState() for c in self.components}
         self._foreign: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._retired: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers replaced by newer ones (_retire)
         self._micro: list[Mapping[str, Any]] = []
         self._grad_states: list[Any] = []
         self._find_grad_states()
@@ -79,6 +80,7 @@ class OptimizerEvents:
         self._ever_stepped: set[int] = set()
         self._first_lr: dict[int, float | None] = {}  # id(optimizer) -> its largest learning rate at its first step
         self._phase_pending = False
+        self._quiet_first = False  # the next first step is a replacement's that starts no phase (_retire)
         self._phase_ready = False  # set after the first step: what happens during it is the set-up
         self._grad_probes = [p for p in self.probes if type(p).on_grads is not Probe.on_grads]
         self._pre_probes = [p for p in self.probes if type(p).before_optimizer_step is not Probe.before_optimizer_step]
@@ -141,6 +143,9 @@ class OptimizerEvents:
         self._adopt(comp, optimizer)
 
     def _adopt(self, comp: Component, opt: Any) -> None:
+        old = replaced(comp, opt)
+        if old is not None:
+            self._retire(comp, old, returning=opt in self._retired)
         new = comp.add_optimizer(opt)
         self._find_grad_states()  # a wrapper given now may carry accelerate's gradient state
         if new:
@@ -183,6 +188,27 @@ class OptimizerEvents:
         self._foreign.add(opt)
         return None
 
+    def _retire(self, comp: Component, old: Any, returning: bool = False) -> None:
+        """``old`` is replaced by a new optimizer of its class over the same parameters: let it go (a loop that
+        builds its optimizer every step would otherwise keep each one, and its state, alive) and count the
+        replacement (``optimizer_recreated``). A replacement of an optimizer that stepped once or never, within
+        such a streak, does not start a training phase: the loop is the same. An optimizer that steps again after
+        being replaced (two kept and alternated) is not a new one: not counted."""
+        rec = comp.recreations
+        quick = returning or rec.streak > 0 and rec.at == rec.steps - 1 or id(old) not in self._ever_stepped
+        if not returning:
+            rec.replaced(self._ctx.step, type(old).__name__, stateful(old))
+        self._retired.add(old)
+        comp.retire(old)
+        key = id(old)
+        self._owners.pop(key, None)
+        self._ever_stepped.discard(key)
+        self._first_lr.pop(key, None)
+        for k in [k for k in self._masks if k[2] == key]:
+            del self._masks[k]
+        if quick:
+            self._quiet_first = True
+
     def optimizer_pre_step(self, opt: Any, closure: Any) -> None:
         if self._closed:
             return
@@ -196,10 +222,12 @@ class OptimizerEvents:
         t0 = time.perf_counter()
         if comp.refreshed != self._ctx.step:  # add_param_group: follow the new parameters from this step on
             self._refresh_groups(comp)
+        comp.recreations.steps += 1
         if id(opt) not in self._ever_stepped:  # an optimizer's first step after step 0: a new phase begins
             self._ever_stepped.add(id(opt))
             self._first_lr[id(opt)] = top_lr(opt)  # the pre-flight tells a warm-up start from a constant LR by it
-            self._phase_pending = self._phase_pending or (self._ctx.step > 0 and self._phase_ready)
+            quiet, self._quiet_first = self._quiet_first, False  # the same loop's optimizer, built anew (_retire)
+            self._phase_pending = self._phase_pending or (self._ctx.step > 0 and self._phase_ready and not quiet)
         st.stepped = True
         if st.consumed and id(opt) not in st.by and len(comp.optimizers) > 1:
             self._merge(comp, opt)

@@ -1,0 +1,64 @@
+"""``optimizer_recreated``: the loop builds a new optimizer at every step, so its state never builds up (the ``lr``
+probe's table ``diag/[<c>/]opt/recreated``)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
+from trackdiag.rules.base import Rule
+
+#: what a fresh optimizer of each class starts without, and what that does to its steps
+LOST = {
+    "Adam": "its moment estimates start from zero each time, so every weight moves by about the learning rate "
+            "whatever its gradient (sign descent: no adaptive step sizes, no momentum)",
+    "SGD": "its momentum buffer starts from zero each time: plain SGD, without the momentum you configured",
+    "RMSprop": "its running average of squared gradients starts from zero each time, so every weight moves by "
+               "about lr / sqrt(1 - alpha) whatever its gradient",
+}
+LOST["AdamW"] = LOST["NAdam"] = LOST["RAdam"] = LOST["Adamax"] = LOST["Adam"]
+
+
+class OptimizerRecreated(Rule):
+    """Fires when a new optimizer of the same class over the same parameters took the previous one's place at
+    ``patience`` (3) optimizer steps in a row, and a replaced one held state a fresh one starts without (Adam's
+    moment estimates, SGD's momentum buffer): the optimizer is constructed inside the training loop. Training goes on
+    (Adam degenerates into sign descent at the learning rate, momentum SGD into plain SGD) and a scheduler built on
+    the first optimizer no longer changes the rate. Silent for optimizers that keep no state (plain SGD), for one
+    rebuilt per stage or per epoch (a streak of 1), and for two optimizers kept and alternated. ``step``: where the
+    streak began; ``persistent`` (a warning). Once per component."""
+
+    kind = "optimizer_recreated"
+    hint = ("Create the optimizer once, before the training loop (and any scheduler on it); change its learning rate "
+            "through a scheduler or param_group['lr'] instead of building a new one. A new optimizer per stage "
+            "(fine-tuning, unfreezing) is fine: build it when the stage begins, not inside the batch loop.")
+
+    def __init__(self, *, patience: int = 3, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.patience = patience
+        self._fired: set[str] = set()
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        for comp in components:
+            table = record.tables.get(comp.key("opt/recreated"))
+            if not table or comp.name in self._fired or table["steps"] < self.patience or not table["stateful"]:
+                continue
+            self._fired.add(comp.name)
+            kind = comp.recreations.kind or "optimizer"
+            since, steps = int(table["since"]), int(table["steps"])
+            whose = f"of component {comp.name!r} " if comp.name else ""
+            lost = LOST.get(kind, "the state it keeps between steps starts from zero each time")
+            msg = (f"a new {kind} {whose}over the same parameters took the last one's place at each of {steps} "
+                   f"optimizer steps in a row, from step {since}: the optimizer is built inside the training loop. "
+                   f"Training goes on, but {lost}; a learning-rate scheduler built on the first one no longer acts.")
+            out.append(self.make(since, msg, float(steps), float(self.patience), comp.key("opt/recreated"),
+                                 ["persistent"]))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fired": sorted(self._fired)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._fired = set(state.get("fired", []))
