@@ -22,9 +22,9 @@ long warm-up schedule is waited for), on the medians of the first ``start_steps`
   (``log_eval(accuracy=...)``, any key with ``acc``) within 2 points (or 10%) of the majority
   class's share (1/C without it).
 At chance, the message names the likely cause when one shows: a model input of one value everywhere
-(``constant_inputs``), a weight decay that shrinks every weight by ``DECAY_STEP`` (1 %) or more a step (lr x
-``weight_decay``, ``diag/opt/weight_decay``), weights that barely move (every layer's last update-to-weight ratio under
-``STILL_UPDATES``, 1e-5, and not 0: a learning rate far too low; no update at all is other rules' to name), or a
+(``constant_inputs``), hidden units that all share one set of weights (``symmetric_units``), a weight decay that
+shrinks every weight by ``DECAY_STEP`` (1 %) or more a step (lr x ``weight_decay``, ``diag/opt/weight_decay``),
+weights that barely move (every layer's last update-to-weight ratio under ``STILL_UPDATES``, 1e-5, and not 0: a learning rate far too low; no update at all is other rules' to name), or a
 model input under ``TINY_INPUT`` (0.01) everywhere (images scaled to [0, 1] twice).
 A flat loss of a task that is not shown is an ``info`` finding (a resumed, converged run is flat
 too). Held at ``patience`` (2) consecutive logging steps; ``step`` is the first of them.
@@ -41,6 +41,7 @@ from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._streak import Streaks
 from trackdiag.rules.base import TINY_INPUT, Rule, layer_values, loss_series, loss_where, phase_start, where_of
+from trackdiag.util.modnames import layer_label
 
 #: lr x weight_decay from which the decay is named in the at-chance message: SGD's and AdamW's decay shrinks every weight
 #: by that share a step (1 % a step: halved in 70 steps; the usual recipes: 1e-5 to 1e-4)
@@ -80,6 +81,7 @@ class NotLearning(Rule):
         self._components: Sequence[Component] = ()
         self._moved: dict[str, float] = {}  # per component: its largest layer update-to-weight ratio, last measured
         self._moves = math.inf
+        self._symmetric = ""  # a layer whose units all share one set of weights (symmetric_units), labelled
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         for k, v in record.scalars.items():
@@ -120,6 +122,10 @@ class NotLearning(Rule):
             if ratios:  # measured at this logging step (due steps of the updates probe): the latest reading
                 self._moved[comp.name] = max(ratios)
         self._moves = max(self._moved.values(), default=math.inf)
+        for comp in self._components:
+            sym = record.tables.get(comp.key("model/symmetric_units"))
+            if sym:  # found by the symmetry probe (symmetric_units): kept for the rest of the run
+                self._symmetric = self._symmetric or layer_label(comp, next(iter(sym)))
         decays = [(record.scalars.get(k.replace("opt/weight_decay", "opt/lr", 1), 0.0), v)
                   for k, v in record.scalars.items() if "opt/weight_decay" in k]
         self._decay = max(((lr * wd, lr, wd) for lr, wd in decays if math.isfinite(lr * wd)), default=(0.0, 0.0, 0.0))
@@ -178,6 +184,9 @@ class NotLearning(Rule):
             parts.append(f"validation accuracy {self._acc[-1][1]:.1%} is at chance")
         if self._constant and at_chance:
             parts.append("and it does ignore it: the input is one value everywhere (constant_inputs)")
+        elif at_chance and self._symmetric:
+            parts.append(f"and its layers cannot tell inputs apart: every unit of {self._symmetric} has the same weights "
+                         f"(symmetric_units: a constant init)")
         elif at_chance and self._decay[0] >= DECAY_STEP:
             shrink, lr, wd = self._decay
             parts.append(f"and weight decay shrinks every weight by {shrink:.0%} a step (lr {lr:g} x weight_decay {wd:g}): "
