@@ -66,6 +66,8 @@ class LossFormProbe(Probe):
         self._binary_held = False  # the held values are the binary case's (measure_binary)
         #: a softmax over a non-class dimension: (its dim, made the outputs, the class dim, the two sizes)
         self._wrong: tuple[int, bool, int, int, int] | None = None
+        #: the values appended to ``measure``'s, the activation code, the number of classes
+        self._extras: tuple[list[str], float, int] = ([], 0.0, 0)
 
     def quiet(self, ctx: ProbeContext) -> bool:
         return self._measured >= self.checks or ctx.step >= self.steps
@@ -86,13 +88,21 @@ class LossFormProbe(Probe):
             return
         found = softmax_dim(loss, z, dim)
         wrong = None if found is None else (*found, dim % z.dim(), z.shape[found[0]], z.shape[dim])
+        act = made_by(z)
+        extras: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             values = measure(z, t, dim, loss)
             if wrong is not None:  # a softmax over another dimension: the cross-entropy along it, beside
-                values = torch.cat([values, along(z, t, dim, wrong[0]).to(values.dtype).reshape(1)])
+                extras["along"] = along(z, t, dim, wrong[0])
+            if act in ACTIVATIONS:  # a bounding activation made the scores: how many sit at its floor, its top
+                extras["at_zero"] = (z == 0).to(values.dtype).mean()
+                extras["max"] = z.detach().max()
+            if extras:
+                values = torch.cat([values, *(v.to(values.dtype).reshape(1) for v in extras.values())])
         self._measured += 1
         self._held = (ctx.step, values, float(torch.finfo(loss.dtype).eps))
         self._wrong = wrong
+        self._extras = (list(extras), ACTIVATIONS.get(act or "", 0.0), z.shape[dim])
 
     def _binary(self, ctx: ProbeContext, inputs: StepInputs, loss: torch.Tensor) -> None:
         """A binary or multi-label loss: measured only when the scores come out of a sigmoid (see module docstring)."""
@@ -134,11 +144,16 @@ class LossFormProbe(Probe):
             table = record.tables["diag/data/loss_form"] = {"step": float(step), "loss": loss, "ce": ce, "nll": nll,
                                                             "targets": n, "simplex": simplex, "min": low,
                                                             "logsumexp": lse, "eps": eps}
-            if rest and self._wrong is not None:
+            names, act, classes = self._extras
+            extra = dict(zip(names, rest))
+            if act:
+                table.update(activation=act, at_zero=extra.get("at_zero", math.nan), max=extra.get("max", math.nan),
+                             classes=float(classes))
+            if "along" in extra and self._wrong is not None:
                 d, made, cdim, size, classes = self._wrong
-                table.update(softmax_dim=float(d), along=rest[0], softmax_output=float(made), class_dim=float(cdim),
-                             dim_size=float(size), classes=float(classes))
-        self._wrong = None
+                table.update(softmax_dim=float(d), along=extra["along"], softmax_output=float(made),
+                             class_dim=float(cdim), dim_size=float(size), classes=float(classes))
+        self._wrong, self._extras = None, ([], 0.0, 0)
 
 
 def measure(z: torch.Tensor, t: torch.Tensor, dim: int, loss: torch.Tensor) -> torch.Tensor:
@@ -230,19 +245,30 @@ _VIEWS = frozenset({"SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", 
                     "ToCopyBackward0", "TBackward0", "PermuteBackward0", "SelectBackward0", "SliceBackward0"})
 
 
-def from_sigmoid(z: torch.Tensor, depth: int = 6) -> bool:
-    """Whether ``z`` was made by a sigmoid, seen through up to ``depth`` view-like autograd nodes (host only)."""
+#: activations that bound the class scores they make, by the code the table ``diag/data/loss_form`` gives them
+ACTIVATIONS = {"sigmoid": 1.0, "relu": 2.0, "tanh": 3.0}
+_MADE_BY = {"SigmoidBackward0": "sigmoid", "ReluBackward0": "relu", "TanhBackward0": "tanh"}
+
+
+def made_by(z: torch.Tensor, depth: int = 6) -> str | None:
+    """The op that made ``z``, seen through up to ``depth`` view-like autograd nodes: ``sigmoid``, ``relu`` or ``tanh``
+    for those, else None (host only)."""
     fn = z.grad_fn
     for _ in range(depth):
         if fn is None:
-            return False
+            return None
         name = type(fn).__name__
-        if name == "SigmoidBackward0":
-            return True
+        if name in _MADE_BY:
+            return _MADE_BY[name]
         if name not in _VIEWS:
-            return False
+            return None
         fn = next((f for f, _ in fn.next_functions if f is not None), None)
-    return False
+    return None
+
+
+def from_sigmoid(z: torch.Tensor, depth: int = 6) -> bool:
+    """Whether ``z`` was made by a sigmoid, seen through up to ``depth`` view-like autograd nodes (host only)."""
+    return made_by(z, depth) == "sigmoid"
 
 
 def measure_binary(z: torch.Tensor, t: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:

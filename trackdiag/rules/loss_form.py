@@ -99,6 +99,38 @@ class NllWithoutLogSoftmax(_Once):
                 f"without bound (raw scores) or saturates at -1 (probabilities).")
 
 
+class ActivationBeforeCE(_Once):
+    """The step's loss is the cross-entropy of class scores made by a bounding activation at the end of the model: a
+    sigmoid or a tanh (every score squeezed into (0, 1) or (-1, 1): the softmax inside the cross-entropy can never be
+    confident, the loss cannot fall below ``log(1 + (C - 1) e^-w)`` for a range of width ``w``) or a ReLU (no score below
+    0: a score the ReLU zeroed gets no gradient, so a class can never be pushed down, and once zeroed for an input,
+    never back up). The scores' autograd node, through views, is the activation's. Critical (``unambiguous``,
+    ``loss``)."""
+
+    kind = "activation_before_ce"
+    hint = ("CrossEntropyLoss takes raw, unbounded logits: remove the final nn.Sigmoid / nn.ReLU / nn.Tanh from the "
+            "model (the last layer should be the Linear). For multi-label targets (several classes per sample) use "
+            "BCEWithLogitsLoss on the logits instead.")
+
+    def found(self, table: dict[str, float]) -> bool:
+        n, eps = table["targets"], table["eps"]
+        return (table.get("activation", 0.0) > 0 and matches(table["loss"], table["ce"], n, eps)
+                and not matches(table["loss"], table["nll"], n, eps))
+
+    def say(self, table: dict[str, float]) -> str:
+        act, c = table["activation"], int(table["classes"])
+        head = f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is the cross-entropy of class scores that "
+        if act == 2.0:
+            return head + (f"come out of a ReLU: none can go below 0, and {table['at_zero']:.0%} of them are exactly 0 at "
+                           f"that step. A zeroed score gets no gradient: its class cannot be pushed down for that input, "
+                           f"nor come back up, so whole classes go unpredicted.")
+        width, name, span = (1.0, "sigmoid", "(0, 1)") if act == 1.0 else (2.0, "tanh", "(-1, 1)")
+        floor = math.log(1 + (c - 1) * math.exp(-width))
+        return head + (f"come out of a {name}: every score is squeezed into {span}, so the softmax inside the "
+                       f"cross-entropy can never be confident and the loss cannot fall below {floor:.3g} "
+                       f"(log(1 + (C - 1) e^-{width:g}) for {c} classes).")
+
+
 class SoftmaxWrongDim(_Once):
     """The step's loss is a classification loss of scores normalised along the wrong dimension: a softmax or
     log-softmax over the batch (``nn.Softmax(dim=0)``, ``F.log_softmax(logits, dim=0)``, or no ``dim`` on a 3-D
