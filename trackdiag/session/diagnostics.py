@@ -118,6 +118,7 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
         self._on_step = [p for p in self.probes if type(p).on_step is not Probe.on_step]
         self._init_plan()
         self._after_record = [p for p in self.probes if type(p).after_record is not Probe.after_record]
+        self._eval_probes = [p for p in self.probes if hasattr(p, "on_eval")]
         self._schedules = self._distinct_schedules()
         self._init_budget(cfg)
         name, out_dir, cwd, group, job = resolve_run(cfg["output_dir"], cfg["run_name"])
@@ -280,6 +281,9 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
         record = Record(step=step, time=time.time())
         for k, v in values.items():
             record.scalars[f"diag/eval/{k}"] = v
+        for p in self._eval_probes:  # what they saw of the evaluation (the eval_mode probe: the models' calls)
+            if p.enabled:
+                self._guard(p, "on_eval", self._ctx, record)
         if batch is not None:  # the probes that fingerprint training batches say whether it is one of them
             for p in self.probes:
                 if p.enabled and hasattr(p, "on_eval_batch"):

@@ -1,0 +1,65 @@
+"""``eval_train_mode``: an evaluation run with the model in training mode (the ``eval_mode`` probe's keys)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from trackdiag.capture.context import Component
+from trackdiag.core.alert import Alert
+from trackdiag.core.record import Record
+from trackdiag.rules.base import Rule
+
+
+class EvalTrainMode(Rule):
+    """Fires at a ``log_eval`` whose evaluation called a model without autograd while it was in training mode and held
+    dropout or BatchNorm layers in training mode (``diag/[<c>/]model/eval_train_calls`` > 0 and the table
+    ``eval_train_modules``): ``model.eval()`` was forgotten before the validation pass. Dropout makes the evaluation
+    noisy and pessimistic; BatchNorm normalises with each evaluation batch's statistics and folds them into its running
+    ones, so the model used afterwards has seen the validation data. ``step``: the evaluation's; ``persistent`` (a
+    warning). Once per component."""
+
+    kind = "eval_train_mode"
+    hint = ("Call model.eval() before the evaluation pass and model.train() after it (dropout off, BatchNorm on its "
+            "running statistics); torch.no_grad() alone does not change the mode. Dropout wanted at evaluation (Monte "
+            "Carlo dropout): diag.rules.eval_train_mode.enabled=false.")
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._fired: set[str] = set()
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        return []
+
+    def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
+        out = []
+        for key, calls in record.scalars.items():
+            if not key.endswith("model/eval_train_calls") or calls <= 0:
+                continue
+            modules = record.tables.get(key.replace("eval_train_calls", "eval_train_modules"))
+            comp = key[len("diag/"):-len("model/eval_train_calls")].rstrip("/")
+            if not modules or comp in self._fired:
+                continue
+            self._fired.add(comp)
+            drop = {k: v for k, v in modules.items() if v == 1.0}
+            norm = {k: v for k, v in modules.items() if v == 2.0}
+            what = "; ".join(filter(None, [
+                f"dropout was on in {_named(drop)}" if drop else "",
+                f"BatchNorm normalised with the evaluation batches' statistics and folded them into its running ones "
+                f"in {_named(norm)}" if norm else ""]))
+            whose = f"component {comp!r}" if comp else "the model"
+            msg = (f"the evaluation logged at step {record.step} called {whose} {int(calls)} time(s) without autograd "
+                   f"while it was in training mode: {what}. model.eval() was not called before the evaluation: its "
+                   f"results are noisier and worse than the model's, and the model used afterwards has seen the "
+                   f"evaluation data.")
+            out.append(self.make(record.step, msg, calls, 0.0, key, ["persistent"]))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fired": sorted(self._fired)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._fired = set(state.get("fired", []))
+
+
+def _named(modules: dict[str, float]) -> str:
+    names = sorted(modules)
+    return ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
