@@ -26,22 +26,8 @@ from trackdiag.capture.context import ProbeContext
 from trackdiag.capture.forward_watch import FORWARD, may_watch
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.probes.modes import _DROPOUT, _NORM
+from trackdiag.probes.modes import mode_dependent
 from trackdiag.util.schedule import Never
-
-
-def train_dependent(model: nn.Module) -> dict[str, float]:
-    """``{module: 1.0 (dropout) | 2.0 (normalisation)}`` of the modules in training mode whose output depends on the
-    mode; host pass over the modules."""
-    out: dict[str, float] = {}
-    for name, m in model.named_modules():
-        if not m.training:
-            continue
-        if isinstance(m, _DROPOUT) and getattr(m, "p", 0.0) > 0:
-            out[name or "(root)"] = 1.0
-        elif isinstance(m, _NORM) and getattr(m, "track_running_stats", False):
-            out[name or "(root)"] = 2.0
-    return out
 
 
 class EvalModeProbe(Probe):
@@ -88,7 +74,7 @@ class EvalModeProbe(Probe):
             step, n = self._calls.pop(comp.name, (-1, 0))
             if comp.model is None or step != ctx.step:
                 continue
-            modules = train_dependent(comp.model)
+            modules = mode_dependent(comp.model, training=True)
             record.scalars[comp.key("model/eval_train_calls")] = float(n)
             if modules:
                 record.tables[comp.key("model/eval_train_modules")] = modules

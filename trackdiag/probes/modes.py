@@ -36,12 +36,12 @@ _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropou
 _NORM = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
-def mode_dependent(model: nn.Module) -> dict[str, float]:
-    """``{module: 1.0 (dropout) | 2.0 (normalisation)}`` of the modules in eval mode whose output
-    depends on the mode; host pass over the modules."""
+def mode_dependent(model: nn.Module, training: bool = False) -> dict[str, float]:
+    """``{module: 1.0 (dropout) | 2.0 (normalisation)}`` of the modules in eval mode (``training``: in training
+    mode) whose output depends on the mode; host pass over the modules."""
     out: dict[str, float] = {}
     for name, m in model.named_modules():
-        if m.training:
+        if m.training != training:
             continue
         if isinstance(m, _DROPOUT) and getattr(m, "p", 0.0) > 0:
             out[name or "(root)"] = 1.0

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules.base import Rule
@@ -25,9 +24,6 @@ class EvalTrainMode(Rule):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self._fired: set[str] = set()
-
-    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
-        return []
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         out = []
