@@ -98,12 +98,23 @@ class _Slot:
                 return caller._call_impl(*args, **kwargs)
         if self.gate._paused or transform_level() is not None:
             return impl(*args, **kwargs)
+        around = None
         for fn in self.pre:
             try:
-                fn(module, args)
+                cm = fn(module, args)
+                if cm is not None:  # a context to run this one call in (the eval_mode probe's dropout spy)
+                    cm.__enter__()
+                    around = [cm] if around is None else [*around, cm]
             except Exception as exc:  # noqa: BLE001 - never raise into the user's forward
                 log.warning("trackdiag: forward watcher failed (%s)", brief(exc))
-        output = impl(*args, **kwargs)
+        if around is None:
+            output = impl(*args, **kwargs)
+        else:
+            try:
+                output = impl(*args, **kwargs)
+            finally:
+                for cm in reversed(around):
+                    cm.__exit__(None, None, None)
         for fn in self.post:
             try:
                 fn(module, args, kwargs, output)
@@ -120,7 +131,8 @@ class _Slot:
 
 def install(module: nn.Module, pre: tuple[PreFn, ...], post: tuple[PostFn, ...], gate: Pausable,
             current: Callable[..., Any] | None = None) -> Callable[..., Any]:
-    """Route ``module``'s calls through ``pre(module, args)`` watchers, the module's own
+    """Route ``module``'s calls through ``pre(module, args)`` watchers (one that returns a context manager has this
+    call run inside it: entered after the watchers, left however the call ends), the module's own
     ``_call_impl``, then ``post(module, args, kwargs, output)`` watchers, unless ``gate`` is paused
     (trackdiag's own forwards) or a ``torch.func`` transform is running (its tensors must not escape it); returns
     the installed call, for :func:`uninstall`. ``current``: the call installed before (the watchers

@@ -59,3 +59,44 @@ class EvalTrainMode(Rule):
 def _named(modules: dict[str, float]) -> str:
     names = sorted(modules)
     return ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
+
+
+class EvalDropout(Rule):
+    """Fires at a ``log_eval`` whose evaluation ran a functional dropout with ``training=True`` inside a module in
+    eval mode (the ``eval_mode`` probe's table ``[<c>/]model/eval_dropout``, ``{module: p}``): ``F.dropout(x, p)``
+    without ``training=self.training`` ignores ``model.eval()``, so every evaluation and every prediction after
+    training drops units at random. ``step``: the evaluation's; ``persistent`` (a warning). Once per component."""
+
+    kind = "eval_dropout"
+    hint = ("Pass the module's mode: F.dropout(x, p, training=self.training) (its default is training=True), or use "
+            "an nn.Dropout module, which model.eval() switches off. Dropout wanted at evaluation (Monte Carlo "
+            "dropout): diag.rules.eval_dropout.enabled=false.")
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._fired: set[str] = set()
+
+    def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
+        out = []
+        for key, found in record.tables.items():
+            if not key.endswith("model/eval_dropout") or not found:
+                continue
+            comp = key[len("diag/"):-len("model/eval_dropout")].rstrip("/") if key.startswith("diag/") else \
+                key[:-len("model/eval_dropout")].rstrip("/")
+            if comp in self._fired:
+                continue
+            self._fired.add(comp)
+            whose = f"component {comp!r}" if comp else "the model"
+            where = ", ".join(f"{name} (p={p:g})" for name, p in sorted(found.items())[:4])
+            msg = (f"the evaluation logged at step {record.step} ran {whose} in eval mode, yet dropout was applied in "
+                   f"{where}: a functional dropout called with training=True (F.dropout's default) does not follow "
+                   f"model.eval(). Evaluation results are noisy and worse than the model's, and so is every "
+                   f"prediction made with it after training.")
+            out.append(self.make(record.step, msg, max(found.values()), 0.0, ", ".join(sorted(found)), ["persistent"]))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fired": sorted(self._fired)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._fired = set(state.get("fired", []))

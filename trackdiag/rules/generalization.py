@@ -9,6 +9,7 @@ from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules._eval_series import LrRestarts, after_descent, curve_noise, noise_of, recent_train_loss, smoothed_best
 from trackdiag.rules.base import Rule
+from trackdiag.rules.eval_inputs import input_shift_in
 
 _TRAIN_EMA = "diag/loss/ema"
 
@@ -68,7 +69,9 @@ class Overfitting(Rule):
     loss is many times larger (``leak_ratio``, 20x), the message names label/data leakage as well.
     ``where`` is ``eval/<metric>``. A warm restart of the learning rate (:class:`LrRestarts`: SGDR, a bump after a
     decay) starts the series again from the evaluations ``settle`` (60) steps after it: both losses jump back up and
-    the validation loss wanders while the rate is high, by design.
+    the validation loss wanders while the rate is high, by design. Evaluation inputs seen on another scale than the
+    training inputs (``eval_input_shift``: the validation data skipped a normalisation) end the rule for the run: a
+    validation loss on inputs the model never saw says nothing of fitting.
     """
 
     kind = "overfitting"
@@ -90,9 +93,14 @@ class Overfitting(Rule):
         self._gap_at = math.inf  # the best validation loss when the gap path last fired
         self._onset = -1  # the onset last said: an episode that ends and resumes from the same best is one
         self._restarts, self._settled = LrRestarts(), -1
+        self._shifted = False  # the evaluation inputs were seen on another scale: its losses say nothing of fitting
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         val = record.scalars.get(f"diag/eval/{self.metric}")
+        if input_shift_in(record):  # inputs prepared unlike the training ones (eval_input_shift): not overfitting
+            self._shifted = True
+        if self._shifted:
+            return []
         train, train_now = latest_train_loss(history), recent_train_loss(history)
         if val is None or not math.isfinite(val) or not math.isfinite(train) or train <= 0:
             return []
@@ -217,9 +225,10 @@ class Overfitting(Rule):
 
     def state_dict(self) -> dict[str, Any]:
         return {"evals": [list(e) for e in self._evals], "active": self._active, "gap_at": self._gap_at,
-                "onset": self._onset}
+                "onset": self._onset, "shifted": self._shifted}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._evals = [tuple(e) if len(e) == 4 else (*e, e[2]) for e in state.get("evals", [])]  # type: ignore[misc]
         self._active = bool(state.get("active", False))
         self._gap_at, self._onset = float(state.get("gap_at", math.inf)), int(state.get("onset", -1))
+        self._shifted = bool(state.get("shifted", False))
