@@ -41,7 +41,8 @@ def _run(tmp_path, digits, *, val: str = "standardised", level: str = "advanced"
          train_aug: str = "", chunks: int = 1, nograd_in_step: bool = False, probes: dict | None = None):
     """The digits MLP; returns the session and the training batches of the steps the probe samples."""
     xtr, ytr, xva, yva, mu, sd = _split(digits)
-    xva = {"standardised": (xva - mu) / sd, "raw": xva * 16.0, "divided": xva}[val]  # digits holds x / 16
+    xva = {"standardised": (xva - mu) / sd, "raw": xva * 16.0, "divided": xva,  # digits holds x / 16
+           "offset": (xva - mu) / sd + 3.0}[val]
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -101,6 +102,17 @@ def test_a_validation_split_left_unnormalised_is_found_not_called_overfitting(tm
     assert record.scalars["diag/data/eval_input_scale"] == pytest.approx(scale, rel=1e-4)
     assert record.scalars["diag/data/eval_input_offset"] == pytest.approx(offset, rel=1e-4, abs=1e-6)
     assert (scale > 2.5) if val == "raw" else (scale < 0.4), scale
+
+
+def test_means_moved_on_the_same_spread_are_info_only(tmp_path, digits):
+    """The same spread, means 3 training standard deviations away: as likely a distribution that moved (a series with a
+    trend split by time) as a bug; said as info, and the validation loss is still judged."""
+    diag, sampled, evals = _run(tmp_path, digits, val="offset")
+    found = [a for a in diag.alerts if a.kind == "eval_input_shift"]
+    assert [(a.step, a.severity) for a in found] == [(2 * EVERY - 1, "info")], diag.alerts
+    assert "another distribution" in found[0].message
+    scale, offset = _reference(sampled[:TRAIN_CALLS], evals)
+    assert 0.6 < scale < 1.5 and offset > 2.0 and found[0].value == pytest.approx(offset, rel=1e-4)
 
 
 def test_without_the_probe_the_same_run_reads_as_overfitting(tmp_path, digits):
