@@ -12,7 +12,8 @@ on the device:
 
 - training calls (autograd on, the model in training mode): the first call of each of the ``TRAIN_CALLS`` (8) steps
   after every ``log_eval``, pooled over the run (up to ``TRAIN_POOL`` calls);
-- evaluation calls (autograd off) since the last ``step()``: the first ``EVAL_CALLS`` (8) of each evaluation.
+- evaluation calls (autograd off, the model in eval mode) since the last ``step()``: the first ``EVAL_CALLS`` (8) of
+  each evaluation (no-grad calls in training mode, an RL rollout or a GAN's fake batch at every step, cost nothing).
 
 At each later ``log_eval``, with at least ``MIN_ROWS`` (32) rows of each and the same feature count, per component:
 ``diag/[<c>/]data/eval_input_scale`` (the median over features of the evaluation's standard deviation over the
@@ -133,6 +134,8 @@ class EvalInputsProbe(Probe):
                 self._due[name] -= 1
                 train = self._train.setdefault(name, _Moments())
                 train.add(x)
+            return
+        if module.training:  # a rollout or a GAN's fake batch inside a training step: evaluations run in eval mode
             return
         step, moments = self._eval.get(name, (-1, None))
         if step != ctx.step or moments is None:  # the calls since the last step(); a no-grad call inside a step is dropped there
