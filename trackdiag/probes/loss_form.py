@@ -22,6 +22,12 @@ number), ``simplex`` (the largest distance of a row's sum from 1; negative score
 too), ``min`` (the smallest score), ``logsumexp`` (the mean absolute log-sum-exp of the rows: 0 for
 log-probabilities), ``eps`` (the loss dtype's machine epsilon).
 
+Sequence targets ``(B, T)`` against scores ``(B, T, C)`` (``padding_in_loss``): the value most rows end with, where it
+runs to the end of its rows, is padding; the table then also holds ``pad_share`` (the positions it fills),
+``pad_suffix`` (the rows where it is a suffix), ``pad_inputs`` (the share of them where an integer input of the batch
+holds its own end value, aligned or shifted by one; -1 without one), ``pad_value`` and ``ce_unpadded`` (the
+cross-entropy without those positions). A loss equal to ``ce`` and not to ``ce_unpadded`` counts the padding.
+
 The binary and multi-label case (``sigmoid_before_bce``): targets with as many values as the scores, and
 scores that come out of a sigmoid (the output's autograd node, through view-like ops, is ``SigmoidBackward0``: an
 ``nn.Sigmoid`` at the end of the model or ``torch.sigmoid``). On such a step the probe computes the binary
@@ -36,6 +42,7 @@ copy of the scores: scores of more than ``MAX_ELEMENTS`` (16.8M: a large-vocabul
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -94,6 +101,9 @@ class LossFormProbe(Probe):
             values = measure(z, t, dim, loss)
             if wrong is not None:  # a softmax over another dimension: the cross-entropy along it, beside
                 extras["along"] = along(z, t, dim, wrong[0])
+            pad = padding(z, t, dim, inputs.batch)
+            if pad is not None:  # trailing padding in the targets: the cross-entropy without it, and its evidence
+                extras.update(zip(("pad_share", "pad_suffix", "pad_inputs", "pad_value", "ce_unpadded"), pad))
             if act in ACTIVATIONS:  # a bounding activation made the scores: how many sit at its floor, its top
                 extras["at_zero"] = (z == 0).to(values.dtype).mean()
                 extras["max"] = z.detach().max()
@@ -149,6 +159,8 @@ class LossFormProbe(Probe):
             if act:
                 table.update(activation=act, at_zero=extra.get("at_zero", math.nan), max=extra.get("max", math.nan),
                              classes=float(classes))
+            if "ce_unpadded" in extra:
+                table.update({k: extra[k] for k in ("pad_share", "pad_suffix", "pad_inputs", "pad_value", "ce_unpadded")})
             if "along" in extra and self._wrong is not None:
                 d, made, cdim, size, classes = self._wrong
                 table.update(softmax_dim=float(d), along=extra["along"], softmax_output=float(made),
@@ -172,6 +184,41 @@ def measure(z: torch.Tensor, t: torch.Tensor, dim: int, loss: torch.Tensor) -> t
     return torch.stack([loss.detach().to(wide).reshape(()), ((lse - picked) * keep).sum() / denom,
                         (-picked * keep).sum() / denom, n.to(wide), (rows.sum(1) - 1).abs().max(), rows.min(),
                         lse.abs().mean()])
+
+
+def padding(z: torch.Tensor, t: torch.Tensor, dim: int, batch: Any) -> list[torch.Tensor] | None:
+    """Trailing padding in sequence targets ``t`` ``(B, T)`` (scores ``(B, T, C)``): the value ``v`` most rows end with
+    (a class index: a negative or out-of-range one is left out by the loss already), and as device scalars ``[share of
+    positions holding v, share of rows where v is a suffix (no v before a non-v), share of those positions where an
+    integer input of the batch of the same length holds its own end value (aligned at the start or shifted by one:
+    -1 without such an input), v, the cross-entropy over the counted targets other than v]``. None for other shapes."""
+    if t.dim() != 2 or t.shape[1] < 4 or t.is_floating_point() or z.dim() != 3 or dim % 3 != 2:
+        return None
+    wide = torch.float64 if z.device.type in ("cpu", "cuda") else torch.float32
+    c = z.shape[dim]
+    v = t[:, -1].mode().values
+    pad = t == v
+    share = pad.to(wide).mean()
+    suffix = (pad[:, :-1] <= pad[:, 1:]).all(1).to(wide).mean()  # once padding starts, it runs to the end
+    inputs = -torch.ones((), dtype=wide, device=t.device)
+    parts = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else ()
+    x = next((a for a in parts if isinstance(a, torch.Tensor)
+              and a is not t and a.dim() == 2 and not a.is_floating_point() and a.shape[0] == t.shape[0]
+              and abs(a.shape[1] - t.shape[1]) <= 1 and a.device == t.device), None)
+    if x is not None:
+        xp = x == x[:, -1].mode().values
+        n = min(xp.shape[1], pad.shape[1])
+        same = (xp[:, :n] & pad[:, :n]).sum().to(wide) / pad[:, :n].sum().clamp(min=1).to(wide)
+        # decoder inputs shifted right (the targets one position ahead): the target's last column has no input after it
+        shifted = (xp[:, 1:n] & pad[:, :n - 1]).sum().to(wide) / pad[:, :n - 1].sum().clamp(min=1).to(wide)
+        inputs = torch.maximum(same, shifted)
+    rows = z.detach().to(wide).reshape(-1, c)
+    flat = t.reshape(-1)
+    counted = (flat >= 0) & (flat < c) & (flat != v)
+    picked = rows.gather(1, flat.clamp(0, c - 1).unsqueeze(1)).squeeze(1)
+    keep = counted.to(wide)
+    ce = ((torch.logsumexp(rows, 1) - picked) * keep).sum() / keep.sum().clamp(min=1)
+    return [share, suffix, inputs, v.to(wide), ce]
 
 
 _SOFTMAX = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0"})

@@ -187,3 +187,43 @@ class SigmoidBeforeBCE(_Once):
         return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is BCEWithLogitsLoss of outputs that come "
                 f"out of a sigmoid (between {table['min']:.3g} and {table['max']:.3g}): the sigmoid is applied twice, so "
                 f"every prediction is a probability between 0.5 and 0.73 and the model cannot predict a negative.")
+
+
+class PaddingInLoss(_Once):
+    """The step's loss is the cross-entropy over every position of padded sequence targets, padding included: the
+    targets' end value fills at least ``share`` (5 %) of the positions, runs to the end of at least 95 % of the rows,
+    and sits where an integer input of the batch holds its own padding (at least 80 % of those positions, aligned or
+    shifted by one); the loss equals the cross-entropy over all positions and differs from the one without the padding
+    by over ``gap`` (1 %) of it. ``ignore_index`` was not set to the padding value (or a mask was not applied): the
+    model learns to predict padding, which dilutes the gradient of the real tokens and makes the loss and the
+    perplexity read better than the model is. ``persistent`` (a warning), once per run."""
+
+    kind = "padding_in_loss"
+    hint = ("Leave the padding out of the loss: nn.CrossEntropyLoss(ignore_index=PAD) (or F.cross_entropy(..., "
+            "ignore_index=PAD)), or targets set to -100 at padded positions, or a mask: (loss * mask).sum() / mask.sum().")
+
+    def __init__(self, *, share: float = 0.05, gap: float = 0.01, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.share, self.gap = share, gap
+
+    def found(self, table: dict[str, float]) -> bool:
+        if "ce_unpadded" not in table:
+            return False
+        loss, ce, bare, eps = table["loss"], table["ce"], table["ce_unpadded"], table["eps"]
+        padded = table["pad_share"] >= self.share and table["pad_suffix"] >= 0.95 and table["pad_inputs"] >= 0.8
+        return padded and matches(loss, ce, table["targets"], eps) and abs(ce - bare) > self.gap * max(abs(bare), 1e-12)
+
+    def say(self, table: dict[str, float]) -> str:
+        return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is the cross-entropy over every target "
+                f"position, the padding included: the value {int(table['pad_value'])} ends the target rows, fills "
+                f"{100 * table['pad_share']:.0f}% of the positions and sits where the inputs are padded; without those "
+                f"positions the cross-entropy is {table['ce_unpadded']:.4g}. The model is trained to predict padding, "
+                f"the real tokens' gradient is diluted, and the loss reads better than the model is.")
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        table = record.tables.get(self.table)
+        if self._fired or not table or not self.found(table):
+            return []
+        self._fired = True
+        return [self.make(int(table["step"]), self.say(table), table["loss"], table["ce_unpadded"], "loss",
+                          ["persistent"])]
