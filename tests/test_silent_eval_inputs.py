@@ -130,3 +130,30 @@ def test_healthy_evaluations_are_silent(tmp_path, digits, case: str):
     scale, offset = _reference(sampled[:TRAIN_CALLS], evals)
     assert record.scalars["diag/data/eval_input_scale"] == pytest.approx(scale, rel=1e-4)
     assert 0.6 < scale < 1.5 and offset < 0.5, (scale, offset)
+
+
+def test_a_policy_told_its_objective_is_not_judged(tmp_path, digits):
+    """``objective="rl"``: a policy evaluated greedily visits a narrower set of states than it trained on; the same
+    unnormalised evaluation is measured but not judged."""
+    xtr, ytr, xva, _, _, _ = _split(digits)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    opt = torch.optim.Adam(net.parameters(), 1e-3)
+    with one_thread(), trackdiag.Diagnostics(net, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                             probes=OFF, budget=None, objective="rl") as diag:
+        for step in range(60):
+            out = net(xtr[step * 16:(step + 1) * 16])
+            loss = -(out.log_softmax(1)[:, 0] * torch.randn(16)).sum()  # a policy-gradient shape
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss)
+            if (step + 1) % EVERY == 0:
+                net.eval()
+                with torch.no_grad():
+                    net(xva * 16)
+                net.train()
+                diag.log_eval(reward=1.0)
+    scales = [r.scalars["diag/data/eval_input_scale"] for r in read_records(tmp_path) if "diag/data/eval_input_scale" in r.scalars]
+    assert scales and min(scales) > 2.5  # measured
+    assert not [a for a in diag.alerts if a.kind == "eval_input_shift"], diag.alerts
