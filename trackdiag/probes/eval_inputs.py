@@ -31,10 +31,8 @@ import torch
 from torch import nn
 
 from trackdiag.capture.context import ProbeContext
-from trackdiag.capture.forward_watch import FORWARD, may_watch
 from trackdiag.core.record import Record
-from trackdiag.probes.base import Probe
-from trackdiag.util.schedule import Never
+from trackdiag.probes._eval_watch import EvalWatchProbe
 
 TRAIN_CALLS = 8
 TRAIN_POOL = 64
@@ -93,33 +91,17 @@ class _Moments:
         return s[0], np.sqrt(np.maximum(s[1] - s[0] ** 2, 0.0))
 
 
-class EvalInputsProbe(Probe):
+class EvalInputsProbe(EvalWatchProbe):
     """See module docstring."""
 
     name = "eval_inputs"
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)
-        self._ctx: ProbeContext | None = None
-        self._stops: list[Any] = []
         self._train: dict[str, _Moments] = {}
         self._eval: dict[str, tuple[int, _Moments]] = {}  # component -> (ctx.step of the calls, their moments)
         self._due: dict[str, int] = {}  # component -> training steps still to sample since the last log_eval
         self._sampled: dict[str, int] = {}  # component -> the ctx.step last sampled
-
-    def bind(self, default_every: int) -> None:
-        self.schedule = Never()
-
-    def quiet(self, ctx: ProbeContext) -> bool:
-        return True
-
-    def attach(self, ctx: ProbeContext) -> None:
-        self._ctx = ctx
-
-    def detach(self) -> None:
-        for stop in self._stops:
-            stop()
-        self._stops.clear()
 
     def _saw(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         ctx = self._ctx
@@ -147,13 +129,9 @@ class EvalInputsProbe(Probe):
                 moments.add(x)
 
     def on_eval(self, ctx: ProbeContext, record: Record) -> None:
-        if not self._stops:
-            if may_watch(ctx.compiled):
-                for comp in ctx.components:
-                    if comp.model is not None:
-                        root = comp.outer if comp.outer is not None else comp.model
-                        self._stops.append(FORWARD.watch(root, pre=partial(self._saw, comp.name), root=True))
-                        self._due[comp.name] = TRAIN_CALLS
+        if not self.watching:
+            for comp in self.watch_models(ctx, lambda c: partial(self._saw, c.name)):
+                self._due[comp.name] = TRAIN_CALLS
             return
         for comp in ctx.components:
             step, moments = self._eval.pop(comp.name, (-1, None))

@@ -35,11 +35,9 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from trackdiag.capture.context import ProbeContext
-from trackdiag.capture.forward_watch import FORWARD, may_watch
 from trackdiag.core.record import Record
-from trackdiag.probes.base import Probe
+from trackdiag.probes._eval_watch import EvalWatchProbe
 from trackdiag.probes.modes import mode_dependent
-from trackdiag.util.schedule import Never
 
 
 #: functional dropouts and where their ``p`` / ``training`` arguments sit: ``F.dropout(input, p, training, inplace)``
@@ -84,33 +82,17 @@ class DropoutSpy(TorchFunctionMode):
             frame = frame.f_back
 
 
-class EvalModeProbe(Probe):
+class EvalModeProbe(EvalWatchProbe):
     """See module docstring."""
 
     name = "eval_mode"
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)
-        self._stops: list[Any] = []
-        self._ctx: ProbeContext | None = None
         self._calls: dict[str, tuple[int, int]] = {}  # component -> (ctx.step of the calls, no-grad train-mode calls)
         self._spy: dict[str, int] = {}  # component -> evaluations whose first eval-mode call is still to spy on
         self._spied: dict[str, dict[str, float]] = {}  # component -> dropouts found on at evaluation {module: p}
         self._spy_due: dict[str, bool] = {}  # component -> its next eval-mode call is spied on
-
-    def bind(self, default_every: int) -> None:
-        self.schedule = Never()  # never the reason for a logging step
-
-    def quiet(self, ctx: ProbeContext) -> bool:
-        return True
-
-    def attach(self, ctx: ProbeContext) -> None:
-        self._ctx = ctx
-
-    def detach(self) -> None:
-        for stop in self._stops:
-            stop()
-        self._stops.clear()
 
     def _saw(self, name: str, model: nn.Module, module: nn.Module, args: tuple[Any, ...]) -> DropoutSpy | None:
         """Pre-watcher of a model's call: count a no-grad call in training mode (an evaluation pass); the first call
@@ -128,14 +110,10 @@ class EvalModeProbe(Probe):
 
     def on_eval(self, ctx: ProbeContext, record: Record) -> None:
         """At ``log_eval``: what the models' calls since the last ``step()`` say; the watch starts at the first."""
-        if not self._stops:
-            if may_watch(ctx.compiled):
-                for comp in ctx.components:
-                    if comp.model is not None:
-                        root = comp.outer if comp.outer is not None else comp.model
-                        self._stops.append(FORWARD.watch(root, pre=partial(self._saw, comp.name, comp.model), root=True))
-                        self._spy[comp.name] = SPY_EVALS
-                        self._spy_due[comp.name] = True
+        if not self.watching:
+            for comp in self.watch_models(ctx, lambda c: partial(self._saw, c.name, c.model)):
+                self._spy[comp.name] = SPY_EVALS
+                self._spy_due[comp.name] = True
             return
         for comp in ctx.components:
             found = self._spied.pop(comp.name, None)
