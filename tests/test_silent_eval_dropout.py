@@ -5,7 +5,8 @@ model is evaluated, and later serves, with half its units dropped at random. On 
 gives 95.2 % and 96.0 % accuracy twice in a row; the previous build said nothing (or ``overfitting``, from the noise).
 
 Now ``eval_dropout`` (warning) at the second ``log_eval`` (the spy starts at the first), naming the module whose code
-called it and its ``p``, at every preset, for ``F.dropout``, ``torch.dropout`` and ``F.dropout2d``. Healthy twins,
+called it and its ``p``, at every preset, for ``F.dropout``, ``torch.dropout``, ``F.dropout2d`` and the attention
+dropout of ``F.scaled_dot_product_attention(..., dropout_p=0.2)`` not gated by ``self.training``. Healthy twins,
 silent: ``training=self.training``, ``nn.Dropout`` modules, Monte Carlo dropout (``nn.Dropout`` modules put back in
 training mode on purpose), and the spied evaluation gives the same numbers as an unwatched one.
 """
@@ -36,6 +37,12 @@ class Block(nn.Module):
             return F.dropout(h, 0.3)  # the fault: training defaults to True
         if self.form == "torch_dropout":
             return torch.dropout(h, 0.3, True)
+        if self.form == "sdpa":  # attention dropout not gated by the mode (dropout_p=0.2 always)
+            q = h.view(-1, 4, 16)
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=0.2).reshape(-1, 64)
+        if self.form == "sdpa_gated":
+            q = h.view(-1, 4, 16)
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=0.2 if self.training else 0.0).reshape(-1, 64)
         if self.form == "dropout2d":
             return F.dropout2d(h.view(-1, 16, 2, 2), p=0.2).view(-1, 64)
         if self.form == "with_mode":
@@ -96,14 +103,14 @@ def test_functional_dropout_left_on_at_evaluation_is_found(tmp_path, digits, lev
     assert tables == [None, {"block": 0.3}, None, None, None], tables  # found at the first spied evaluation, once
 
 
-@pytest.mark.parametrize("form,p", [("torch_dropout", 0.3), ("dropout2d", 0.2)])
+@pytest.mark.parametrize("form,p", [("torch_dropout", 0.3), ("dropout2d", 0.2), ("sdpa", 0.2)])
 def test_other_functional_forms_are_found(tmp_path, digits, form: str, p: float):
     diag, _ = _run(tmp_path, digits, form)
     found = [a for a in diag.alerts if a.kind == "eval_dropout"]
     assert [(a.step, a.where, a.value) for a in found] == [(39, "block", pytest.approx(p))], diag.alerts
 
 
-@pytest.mark.parametrize("form", ["with_mode", "module", "mc_dropout"])
+@pytest.mark.parametrize("form", ["with_mode", "module", "mc_dropout", "sdpa_gated"])
 def test_dropout_that_follows_the_mode_or_is_kept_on_purpose_is_silent(tmp_path, digits, form: str):
     diag, seen = _run(tmp_path, digits, form)
     assert not [a for a in diag.alerts if a.severity != "info"], diag.alerts

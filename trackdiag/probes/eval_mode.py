@@ -15,7 +15,8 @@ since the last ``step()``) and, when there were any, the table ``[<c>/]model/eva
 Compiled models are not watched (a recompile).
 
 Dropout that ignores the mode (``eval_dropout``): ``F.dropout(x, p)`` in a ``forward`` without
-``training=self.training`` (its default is ``True``) stays on after ``model.eval()``. The first call of a model in
+``training=self.training`` (its default is ``True``) stays on after ``model.eval()``; so does
+``F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)`` without ``if self.training else 0.0``. The first call of a model in
 eval mode after each of the next ``SPY_EVALS`` (3) ``log_eval`` runs under a :class:`DropoutSpy` (a
 ``TorchFunctionMode`` that sees every torch function of that one call and passes it through): a functional dropout
 with ``training=True`` and ``p > 0`` called from a module in eval mode is recorded with the module's name (an
@@ -41,9 +42,12 @@ from trackdiag.probes.modes import mode_dependent
 
 
 #: functional dropouts and where their ``p`` / ``training`` arguments sit: ``F.dropout(input, p, training, inplace)``
-#: and its 1d/2d/3d/alpha variants; ``torch.dropout(input, p, train)`` and the feature variants the same
+#: and its 1d/2d/3d/alpha variants; ``torch.dropout(input, p, train)`` and the feature variants the same; and
+#: ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p)``, whose dropout has no training flag
 DROPOUTS = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-                      torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout})
+                      torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+                      F.scaled_dot_product_attention})
+_SDPA = F.scaled_dot_product_attention  # its ``dropout_p`` applies in any mode: ``dropout_p=p if self.training else 0``
 SPY_EVALS = 3
 
 
@@ -60,14 +64,17 @@ class DropoutSpy(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in DROPOUTS:
             try:
-                self._saw(args, kwargs)
+                self._saw(func, args, kwargs)
             except Exception:  # noqa: BLE001 - never raise into the user's forward
                 pass
         return func(*args, **kwargs)
 
-    def _saw(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-        on = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+    def _saw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if func is _SDPA:  # attention dropout: applied whenever dropout_p > 0 (no training flag)
+            p, on = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0), True
+        else:
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            on = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
         if not on or not p:
             return
         if self._names is None:
