@@ -157,3 +157,20 @@ def test_a_policy_told_its_objective_is_not_judged(tmp_path, digits):
     scales = [r.scalars["diag/data/eval_input_scale"] for r in read_records(tmp_path) if "diag/data/eval_input_scale" in r.scalars]
     assert scales and min(scales) > 2.5  # measured
     assert not [a for a in diag.alerts if a.kind == "eval_input_shift"], diag.alerts
+
+
+@pytest.mark.parametrize("shape,dtype", [((16, 3, 8, 8), torch.float32), ((64, 12), torch.bfloat16), ((50,), torch.float64),
+                                         ((4, 5000), torch.float32)])
+def test_feature_moments_equal_sums_taken_another_way(shape, dtype):
+    """Per feature (dim 1; one feature for 1-D inputs or over 4096 features): the sums of the values and of their
+    squares, against float64 sums over the feature's values gathered by a transpose."""
+    from trackdiag.probes.eval_inputs import MAX_FEATURES, feature_moments
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 3).to(dtype)
+    sums, rows = feature_moments(x)
+    v = x.double()
+    cols = v.reshape(-1, 1) if v.dim() == 1 or v.shape[1] > MAX_FEATURES else v.transpose(0, 1).reshape(v.shape[1], -1).T
+    assert rows == cols.shape[0]
+    torch.testing.assert_close(sums[0].double(), cols.sum(0), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(sums[1].double(), (cols * cols).sum(0), rtol=1e-5, atol=1e-3)

@@ -59,13 +59,18 @@ def first_float(args: tuple[Any, ...]) -> torch.Tensor | None:
 
 
 def feature_moments(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """``(stack([sum, sum of squares]) per feature, rows)`` of ``x`` (features: dim 1), on its device."""
+    """``(stack([sum, sum of squares]) per feature, rows)`` of ``x`` (features: dim 1), on its device: one ``var_mean``
+    over the other dims (no copy of the input, no squared temporary; half-precision inputs are widened first)."""
     if x.dim() == 0 or x.numel() == 0 or x.is_complex():
         return None
     v = x.detach()
-    v = v.reshape(-1, 1) if v.dim() == 1 or v.shape[1] > MAX_FEATURES else v.transpose(0, 1).reshape(v.shape[1], -1).T
-    v = v.float()
-    return torch.stack([v.sum(0), (v * v).sum(0)]), v.shape[0]
+    if v.dim() == 1 or v.shape[1] > MAX_FEATURES:
+        v = v.reshape(-1, 1)
+    if v.dtype in (torch.float16, torch.bfloat16):
+        v = v.float()
+    rows = v.numel() // v.shape[1]
+    var, mean = torch.var_mean(v, dim=[d for d in range(v.dim()) if d != 1], correction=0)
+    return torch.stack([mean * rows, (var + mean * mean) * rows]).float(), rows
 
 
 class _Moments:
