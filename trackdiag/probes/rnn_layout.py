@@ -13,7 +13,8 @@ two dimensions equals the batch size and it is the one the layer takes as time, 
 when it is the one the layer takes as the batch, for it. Emitted, per component, once ``checks`` (3) steps were judged
 or the watch ended: the table ``diag/[<c>/]model/rnn_batch_axis`` (``{layer: 1.0 when every judged step put the batch
 on the time axis, else 0.0, <layer>/batch_first, <layer>/dim0, <layer>/dim1, <layer>/batch}``). Cost: the global
-forward pre-hook for at most 20 steps (~2 us per module call), a shape read per judged step; nothing after.
+forward pre-hook for at most 20 steps (~2 us per module call), a shape read per judged step; nothing after. Compiled
+models are not watched (the hook's removal would cost a recompile).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from trackdiag.capture.context import ProbeContext, StepInputs
-from trackdiag.capture.forward_watch import FORWARD, may_watch
+from trackdiag.capture.forward_watch import FORWARD
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
 from trackdiag.util.schedule import Never
@@ -55,7 +56,7 @@ class RnnLayoutProbe(Probe):
         return self._done and not self._emit
 
     def attach(self, ctx: ProbeContext) -> None:
-        if not may_watch(ctx.compiled):
+        if ctx.compiled:  # the global pre-hook's removal after the watch would cost a compiled model a recompile
             self._done = True
             return
         for comp in ctx.components:
