@@ -212,3 +212,20 @@ def test_a_loss_falling_steeply_from_the_start_is_no_early_rise() -> None:
     rising = [1.0, 1.1, 1.2, 2.5, 3.6, 4.8, 5.5, 6.0]
     why, step, now, base = scan(rising)
     assert (why, base) == ("early", 1.0) and now > 3.0 and step == 5
+
+
+def test_rules_that_report_once_keep_what_they_reported_across_a_resume():
+    """Every once-per-key rule (``OncePer``): a key is first once, and a rule loaded from its state does not report
+    it again while a new key is still first."""
+    from trackdiag.core.registry import RULES
+    from trackdiag.rules.base import OncePer
+
+    once = sorted(kind for kind, cls in RULES.items() if issubclass(cls, OncePer))
+    assert {"eval_dropout", "eval_input_shift", "eval_train_mode", "optimizer_recreated", "rnn_batch_first",
+            "symmetric_units"} <= set(once), once
+    for kind in once:
+        rule = RULES[kind]()
+        assert rule.first("model") and not rule.first("model"), kind
+        resumed = RULES[kind]()
+        resumed.load_state_dict(rule.state_dict())
+        assert not resumed.first("model") and resumed.first("encoder"), kind

@@ -163,3 +163,25 @@ def latest(record: Record, key: str) -> float | None:
     """The last value of ``key`` in ``record`` (series or scalar), or None."""
     pts = points_of(record, key)
     return pts[-1][1] if pts else None
+
+
+class OncePer(Rule):
+    """A rule that reports each key (a component, a layer) once per run: :meth:`first` says whether ``key`` is new
+    and marks it; the keys reported travel in the rule's state (a resumed run does not report them again)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._fired: set[str] = set()
+
+    def first(self, key: str) -> bool:
+        """True the first time ``key`` is reported (and marks it), False after."""
+        if key in self._fired:
+            return False
+        self._fired.add(key)
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fired": sorted(self._fired)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._fired = set(state.get("fired", []))

@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
-from trackdiag.rules.base import Rule
+from trackdiag.rules.base import OncePer
 
 SCALE = "data/eval_input_scale"
 OFFSET = "data/eval_input_offset"
@@ -22,7 +22,7 @@ def input_shift_in(record: Record, ratio: float = 2.5) -> bool:
     return any(key.endswith(SCALE) and rescaled(scale, ratio) for key, scale in record.scalars.items())
 
 
-class EvalInputShift(Rule):
+class EvalInputShift(OncePer):
     """Fires at a ``log_eval`` whose evaluation calls got inputs whose per-feature spread is over ``ratio`` (2.5)
     times, or under 1/``ratio`` times, the training calls' (the median over features): the validation data skipped
     (or got another) normalisation, ``persistent`` (a warning). Augmentation does not come near (mixup narrows the
@@ -41,7 +41,6 @@ class EvalInputShift(Rule):
     def __init__(self, *, ratio: float = 2.5, offset: float = 2.0, **kw: Any) -> None:
         super().__init__(**kw)
         self.ratio, self.offset = ratio, offset
-        self._fired: set[str] = set()
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         out = []
@@ -51,9 +50,8 @@ class EvalInputShift(Rule):
             offset = record.scalars.get(key[:-len(SCALE)] + OFFSET, 0.0)
             comp = key[len("diag/"):-len(SCALE)].rstrip("/")
             scaled = rescaled(scale, self.ratio)
-            if comp in self._fired or not (scaled or offset > self.offset) or self.objectives.of(comp) == "rl":
+            if not (scaled or offset > self.offset) or self.objectives.of(comp) == "rl" or not self.first(comp):
                 continue  # a policy evaluated greedily visits fewer states than it trained on: not a preprocessing bug
-            self._fired.add(comp)
             whose = f"component {comp!r}" if comp else "the model"
             if scaled:
                 msg = (f"the evaluation logged at step {record.step} gave {whose} inputs with a spread {scale:.3g}x the "
@@ -68,9 +66,3 @@ class EvalInputShift(Rule):
                    f"to one split only. The validation loss is judged on data unlike the training data.")
             out.append(self.make(record.step, msg, offset, self.offset, "eval inputs"))
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"fired": sorted(self._fired)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._fired = set(state.get("fired", []))

@@ -1,14 +1,14 @@
 """``eval_train_mode``: an evaluation run with the model in training mode (the ``eval_mode`` probe's keys)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
-from trackdiag.rules.base import Rule
+from trackdiag.rules.base import OncePer
 
 
-class EvalTrainMode(Rule):
+class EvalTrainMode(OncePer):
     """Fires at a ``log_eval`` whose evaluation called a model without autograd while it was in training mode and held
     dropout or BatchNorm layers in training mode (``diag/[<c>/]model/eval_train_calls`` > 0 and the table
     ``eval_train_modules``): ``model.eval()`` was forgotten before the validation pass. Dropout makes the evaluation
@@ -21,10 +21,6 @@ class EvalTrainMode(Rule):
             "running statistics); torch.no_grad() alone does not change the mode. Dropout wanted at evaluation (Monte "
             "Carlo dropout): diag.rules.eval_train_mode.enabled=false.")
 
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self._fired: set[str] = set()
-
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         out = []
         for key, calls in record.scalars.items():
@@ -32,9 +28,8 @@ class EvalTrainMode(Rule):
                 continue
             modules = record.tables.get(key.replace("eval_train_calls", "eval_train_modules"))
             comp = key[len("diag/"):-len("model/eval_train_calls")].rstrip("/")
-            if not modules or comp in self._fired:
+            if not modules or not self.first(comp):
                 continue
-            self._fired.add(comp)
             drop = {k: v for k, v in modules.items() if v == 1.0}
             norm = {k: v for k, v in modules.items() if v == 2.0}
             what = "; ".join(filter(None, [
@@ -49,19 +44,13 @@ class EvalTrainMode(Rule):
             out.append(self.make(record.step, msg, calls, 0.0, key, ["persistent"]))
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"fired": sorted(self._fired)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._fired = set(state.get("fired", []))
-
 
 def _named(modules: dict[str, float]) -> str:
     names = sorted(modules)
     return ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
 
 
-class EvalDropout(Rule):
+class EvalDropout(OncePer):
     """Fires at a ``log_eval`` whose evaluation ran a functional dropout with ``training=True`` inside a module in
     eval mode (the ``eval_mode`` probe's table ``[<c>/]model/eval_dropout``, ``{module: p}``): ``F.dropout(x, p)``
     without ``training=self.training`` ignores ``model.eval()``, so every evaluation and every prediction after
@@ -72,10 +61,6 @@ class EvalDropout(Rule):
             "an nn.Dropout module, which model.eval() switches off. Dropout wanted at evaluation (Monte Carlo "
             "dropout): diag.rules.eval_dropout.enabled=false.")
 
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self._fired: set[str] = set()
-
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         out = []
         for key, found in record.tables.items():
@@ -83,9 +68,8 @@ class EvalDropout(Rule):
                 continue
             comp = key[len("diag/"):-len("model/eval_dropout")].rstrip("/") if key.startswith("diag/") else \
                 key[:-len("model/eval_dropout")].rstrip("/")
-            if comp in self._fired:
+            if not self.first(comp):
                 continue
-            self._fired.add(comp)
             whose = f"component {comp!r}" if comp else "the model"
             where = ", ".join(f"{name} (p={p:g})" for name, p in sorted(found.items())[:4])
             msg = (f"the evaluation logged at step {record.step} ran {whose} in eval mode, yet dropout was applied in "
@@ -94,9 +78,3 @@ class EvalDropout(Rule):
                    f"prediction made with it after training.")
             out.append(self.make(record.step, msg, max(found.values()), 0.0, ", ".join(sorted(found)), ["persistent"]))
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"fired": sorted(self._fired)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._fired = set(state.get("fired", []))

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
-from trackdiag.rules.base import Rule
+from trackdiag.rules.base import OncePer
 
 #: what a fresh optimizer of each class starts without, and what that does to its steps
 LOST = {
@@ -20,7 +20,7 @@ LOST = {
 LOST["AdamW"] = LOST["NAdam"] = LOST["RAdam"] = LOST["Adamax"] = LOST["Adam"]
 
 
-class OptimizerRecreated(Rule):
+class OptimizerRecreated(OncePer):
     """Fires when a new optimizer of the same class over the same parameters took the previous one's place at
     ``patience`` (3) optimizer steps in a row, and a replaced one held state a fresh one starts without (Adam's
     moment estimates, SGD's momentum buffer): the optimizer is constructed inside the training loop. Training goes on
@@ -37,15 +37,13 @@ class OptimizerRecreated(Rule):
     def __init__(self, *, patience: int = 3, **kw: Any) -> None:
         super().__init__(**kw)
         self.patience = patience
-        self._fired: set[str] = set()
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for comp in components:
             table = record.tables.get(comp.key("opt/recreated"))
-            if not table or comp.name in self._fired or table["steps"] < self.patience or not table["stateful"]:
+            if not table or table["steps"] < self.patience or not table["stateful"] or not self.first(comp.name):
                 continue
-            self._fired.add(comp.name)
             kind = comp.recreations.kind or "optimizer"
             since, steps = int(table["since"]), int(table["steps"])
             whose = f"of component {comp.name!r} " if comp.name else ""
@@ -56,9 +54,3 @@ class OptimizerRecreated(Rule):
             out.append(self.make(since, msg, float(steps), float(self.patience), comp.key("opt/recreated"),
                                  ["persistent"]))
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"fired": sorted(self._fired)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._fired = set(state.get("fired", []))

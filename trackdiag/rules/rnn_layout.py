@@ -1,15 +1,15 @@
 """``rnn_batch_first``: a recurrent layer fed its batch along the axis it takes as time (the ``rnn_layout`` probe)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
-from trackdiag.rules.base import Rule
+from trackdiag.rules.base import OncePer
 
 
-class RnnBatchFirst(Rule):
+class RnnBatchFirst(OncePer):
     """Fires when the table ``diag/[<c>/]model/rnn_batch_axis`` marks a layer (1.0): at every judged step (at least
     two) its input had the step's batch size on the axis the layer takes as time (``batch_first=False`` and a
     ``(batch, time, features)`` input, or the reverse). The recurrence runs across the samples of the batch: each output
@@ -20,19 +20,14 @@ class RnnBatchFirst(Rule):
     hint = ("Build the layer with batch_first=True for (batch, time, features) inputs (nn.LSTM(..., batch_first=True)), "
             "or feed it x.transpose(0, 1); its hidden state h_n is (layers, batch, hidden) either way.")
 
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self._fired: set[str] = set()
-
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for key, table in record.tables.items():
             if not key.endswith("model/rnn_batch_axis"):
                 continue
             for layer, bad in table.items():
-                if "/" in layer or bad != 1.0 or f"{key}:{layer}" in self._fired:
+                if "/" in layer or bad != 1.0 or not self.first(f"{key}:{layer}"):
                     continue
-                self._fired.add(f"{key}:{layer}")
                 first = bool(table.get(f"{layer}/batch_first", 0.0))
                 d0, d1, batch = (int(table.get(f"{layer}/{k}", 0)) for k in ("dim0", "dim1", "batch"))
                 takes = "(batch, time, features)" if first else "(time, batch, features)"
@@ -42,9 +37,3 @@ class RnnBatchFirst(Rule):
                        f"step\" is a position of every sequence.")
                 out.append(self.make(record.step, msg, float(batch), float(d1 if first else d0), layer, ["persistent"]))
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"fired": sorted(self._fired)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._fired = set(state.get("fired", []))

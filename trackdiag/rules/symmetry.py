@@ -2,16 +2,16 @@
 table ``diag/[<c>/]model/symmetric_units``)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
-from trackdiag.rules.base import Rule
+from trackdiag.rules.base import OncePer
 from trackdiag.util.modnames import layer_label, layers_named
 
 
-class SymmetricUnits(Rule):
+class SymmetricUnits(OncePer):
     """Fires when a trained ``Linear``/``Conv`` layer's output units have the same weights (to 1e-6 of their scale)
     at two checks of the ``symmetry`` probe in a row, updated in between: the layer was initialised to one value
     (``nn.init.constant_``, ``zeros_``) and every unit gets the same gradient, so the units never differ and the layer
@@ -22,17 +22,12 @@ class SymmetricUnits(Rule):
             "init, or use nn.init.kaiming_uniform_/xavier_uniform_); a constant is fine for biases, and zeros only for "
             "a final layer (or a residual branch's last layer) whose inputs differ.")
 
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self._fired: set[str] = set()
-
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         for comp in components:
             table = record.tables.get(comp.key("model/symmetric_units"))
-            if not table or comp.name in self._fired:
+            if not table or not self.first(comp.name):
                 continue
-            self._fired.add(comp.name)
             first = next(iter(table))
             units = int(table[first])
             more = f" Same in {len(table)} layers: {layers_named(comp, table)}." if len(table) > 1 else ""
@@ -41,9 +36,3 @@ class SymmetricUnits(Rule):
                    f"same gradient and they never differ; the layer computes one feature {units} times.{more}")
             out.append(self.make(record.step, msg, float(len(table)), 1.0, layer_label(comp, first), ["persistent"]))
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"fired": sorted(self._fired)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._fired = set(state.get("fired", []))
