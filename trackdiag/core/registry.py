@@ -58,6 +58,22 @@ class _Registry(dict):  # a dict that fills itself on first use
         self._load()
         return super().keys()
 
+    def values(self):  # type: ignore[no-untyped-def]
+        self._load()
+        return super().values()
+
+    def items(self):  # type: ignore[no-untyped-def]
+        self._load()
+        return super().items()
+
+    def get(self, k: str, default: Any = None) -> Any:
+        self._load()
+        return super().get(k, default)
+
+    def __len__(self) -> int:
+        self._load()
+        return super().__len__()
+
 
 PROBES: dict[str, type] = _Registry("trackdiag.probes", "name")
 RULES: dict[str, type] = _Registry("trackdiag.rules", "kind")
