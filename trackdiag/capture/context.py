@@ -96,6 +96,12 @@ class Component:
         return any(opt is o for o in self.optimizers)
 
 
+def component_of(key: str, suffix: str) -> str:
+    """The component a metric key ``diag/[<name>/]<suffix>`` belongs to (:meth:`Component.key` read backwards):
+    ``name``, or ``""`` for the single model (and for a key outside ``diag/``)."""
+    return key[len("diag/"):-len(suffix)].rstrip("/") if key.startswith("diag/") else ""
+
+
 @dataclass
 class StepInputs:
     """What the user passed to ``Diagnostics.step``; losses and outputs keyed by component."""

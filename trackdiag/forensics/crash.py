@@ -15,6 +15,7 @@ from typing import Iterable
 
 from torch import nn
 
+from trackdiag.capture.context import component_of
 from trackdiag.core.record import Record
 
 SERIES = (("loss", "loss"), ("grad/global_norm", "grad norm"))  # every-step series a crash finding shows
@@ -96,7 +97,7 @@ def series_text(points: dict[str, list[tuple[int, float]]]) -> str:
         if not pts:
             continue
         suffix, label = next((suf, lab) for suf, lab in SERIES if key.endswith(f"/{suf}"))
-        comp = key[len("diag/"):-len(suffix)].rstrip("/") if key.startswith("diag/") else ""
+        comp = component_of(key, suffix)
         values = " ".join(f"{v:.4g}" if math.isfinite(v) else str(v) for _, v in pts)
         steps = f"{pts[0][0]}-{pts[-1][0]}" if len(pts) > 1 else f"{pts[0][0]}"
         parts.append(f"{comp + ' ' if comp else ''}{label} at steps {steps}: {values}")

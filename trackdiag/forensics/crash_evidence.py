@@ -22,6 +22,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable
 
+from trackdiag.capture.context import component_of
 from trackdiag.core.record import Record
 
 LR_FACTOR, GRAD_FACTOR, LOSS_FACTOR, TAIL = 10.0, 10.0, 3.0, 3
@@ -106,7 +107,7 @@ def series(points: dict[str, list[tuple[int, float]]]) -> list[Evidence]:
             continue
         level, tail = got
         suffix = "grad/global_norm" if key.endswith("/grad/global_norm") else "loss"
-        comp = key[len("diag/"):-len(suffix)].rstrip("/") if key.startswith("diag/") else ""
+        comp = component_of(key, suffix)
         of = f" of {comp}" if comp else ""
         span = f"steps {pts[0][0]}-{pts[-TAIL - 1][0]}"
         if suffix != "loss":

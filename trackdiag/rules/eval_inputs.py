@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from trackdiag.capture.context import component_of
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules.base import OncePer
@@ -48,7 +49,7 @@ class EvalInputShift(OncePer):
             if not key.endswith(SCALE):
                 continue
             offset = record.scalars.get(key[:-len(SCALE)] + OFFSET, 0.0)
-            comp = key[len("diag/"):-len(SCALE)].rstrip("/")
+            comp = component_of(key, SCALE)
             scaled = rescaled(scale, self.ratio)
             if not (scaled or offset > self.offset) or self.objectives.of(comp) == "rl" or not self.first(comp):
                 continue  # a policy evaluated greedily visits fewer states than it trained on: not a preprocessing bug

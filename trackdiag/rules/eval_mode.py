@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from trackdiag.capture.context import component_of
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules.base import OncePer
@@ -27,7 +28,7 @@ class EvalTrainMode(OncePer):
             if not key.endswith("model/eval_train_calls") or calls <= 0:
                 continue
             modules = record.tables.get(key.replace("eval_train_calls", "eval_train_modules"))
-            comp = key[len("diag/"):-len("model/eval_train_calls")].rstrip("/")
+            comp = component_of(key, "model/eval_train_calls")
             if not modules or not self.first(comp):
                 continue
             drop = {k: v for k, v in modules.items() if v == 1.0}
@@ -66,8 +67,7 @@ class EvalDropout(OncePer):
         for key, found in record.tables.items():
             if not key.endswith("model/eval_dropout") or not found:
                 continue
-            comp = key[len("diag/"):-len("model/eval_dropout")].rstrip("/") if key.startswith("diag/") else \
-                key[:-len("model/eval_dropout")].rstrip("/")
+            comp = component_of(key, "model/eval_dropout")
             if not self.first(comp):
                 continue
             whose = f"component {comp!r}" if comp else "the model"
