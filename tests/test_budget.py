@@ -166,7 +166,10 @@ def test_extreme_sheds_its_per_step_extras_first(tmp_path):
     replay = next(p for p in diag.probes if p.name == "nan_replay")
     assert flight.flags is None and replay.mode == "log" and replay.snapshot_bytes > 0
     text = format_summary(diag.summary())
-    assert "cost budget from step 300: per-module output flags" in text
+    # from the first decision (step 300) on a quiet machine; a window a busy machine's clock makes unusable is not
+    # judged, and the shed comes a window later (310 in a full 2-core run)
+    assert shed[0]["step"] % 10 == 0 and 300 <= shed[0]["step"] < 330, shed
+    assert f"cost budget from step {shed[0]['step']}: per-module output flags" in text
 
 
 def test_extreme_after_shedding_still_names_the_nan(tmp_path):
