@@ -6,6 +6,15 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 VPY=.venv/bin/python
+# headless Chromium for the browser tests (apt-get, as root; they are skipped with a reason without it), in the
+# background while pip works (a fresh machine spends ~30-60 s fetching and unpacking it; it needs no Python).
+# Playwright (the test extra) drives this system Chromium (scripts/browser.py: executable_path): no
+# `playwright install`, which downloads a browser build of its own and fails without internet.
+APT_PID=
+if ! command -v chromium >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 &
+  APT_PID=$!
+fi
 # Nothing changed since the last install (this script, pyproject.toml, the package's files and folders): pip is
 # skipped (~25 s of building and resolving); the stamp is written only once every install below succeeded.
 STAMP=.venv/.trackdiag-installed
@@ -21,10 +30,8 @@ else
   $VPY -m pip install -q --no-deps --force-reinstall .
   mv "$STAMP.new" "$STAMP"
 fi
-# headless Chromium for the browser tests (apt-get, as root; they are skipped with a reason without it).
-# Playwright (the test extra) drives this system Chromium (scripts/browser.py: executable_path): no
-# `playwright install`, which downloads a browser build of its own and fails without internet.
-command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
-  || echo "bootstrap: could not apt-get install chromium (not root?): the browser tests will be skipped" >&2
 # .venv-oldest: the oldest transformers/accelerate/lightning trackdiag claims, over .venv's torch (~1 min the first time)
 bash scripts/oldest_env.sh || echo "scripts/oldest_env.sh failed: tests/test_oldest_versions.py will fail until it runs" >&2
+if [ -n "$APT_PID" ] && ! wait "$APT_PID"; then
+  echo "bootstrap: could not apt-get install chromium (not root?): the browser tests will be skipped" >&2
+fi

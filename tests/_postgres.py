@@ -103,7 +103,9 @@ class Postgres:
 
 class PgMlflowServer(MlflowServer):
     """``mlflow server`` with a PostgreSQL backend store and proxied artifacts (``--serve-artifacts``),
-    in its own process group. ``uri`` is its ``http://127.0.0.1:<port>``."""
+    in its own process group. ``uri`` is its ``http://127.0.0.1:<port>``. Two workers: each costs ~2 s of CPU
+    to start (12 s for four, 8 for two), and two serve the suite's 16-job sweeps (benchmarks/sweep_server.py
+    measures four)."""
 
-    def __init__(self, root: Path, store_uri: str, port: int | None = None, workers: int = 4) -> None:
+    def __init__(self, root: Path, store_uri: str, port: int | None = None, workers: int = 2) -> None:
         super().__init__(root, port, store_uri=store_uri, workers=workers, serve_artifacts=True)

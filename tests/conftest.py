@@ -83,9 +83,9 @@ SHARED_FIXTURES = {"test_benchmarks", "test_compare", "test_delivery_server", "t
 #: the other idles; a module's figure is the whole module's when it is a group (one scope), each test's when not.
 #: The rest follows in file order. A guess is enough: the order matters, not the figures.
 COSTLY: dict[str, float] = {
-    "tests/test_sweep_server.py::test_16_parallel_jobs_one_parent_every_point_true_statuses[joblib]": 210,
+    "tests/test_sweep_server.py::test_parallel_jobs_one_parent_every_point_true_statuses[joblib]": 210,
     "tests/test_sweep_ray.py": 175,
-    "tests/test_sweep_server.py::test_16_parallel_jobs_one_parent_every_point_true_statuses[submitit_local]": 165,
+    "tests/test_sweep_server.py::test_parallel_jobs_one_parent_every_point_true_statuses[submitit_local]": 110,
     "tests/test_sweep_faults.py::test_server_restarted_mid_sweep_loses_nothing": 120,
     "tests/test_sweep_faults.py::test_killed_job_is_killed_others_unaffected": 110,
     "tests/test_compare.py": 100,
