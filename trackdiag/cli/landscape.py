@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from trackdiag.core.errors import TrackdiagError
-from trackdiag.forensics.landscape import LOSSES
+
+#: the keys of ``forensics.landscape.LOSSES`` (tests/test_cli_startup.py checks them): that module imports
+#: torch, which every other subcommand does without
+LOSS_NAMES = ("cross_entropy", "mse")
 
 _STATE_KEYS = ("model", "state_dict", "model_state_dict")
 
@@ -24,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", type=Path, help="torch.save'd model, or a state dict (with --factory)")
     p.add_argument("--batch", type=Path, required=True, help="torch.save'd (inputs, targets) to score the model on")
     p.add_argument("--factory", help="module:function that returns the model, for a state-dict checkpoint")
-    p.add_argument("--loss", choices=sorted(LOSSES), default="cross_entropy", help="loss(model(inputs), targets)")
+    p.add_argument("--loss", choices=LOSS_NAMES, default="cross_entropy", help="loss(model(inputs), targets)")
     p.add_argument("--dims", type=int, choices=(1, 2), default=2, help="1-D slice or 2-D contour (default 2)")
     p.add_argument("--steps", type=int, default=21, help="grid points per axis, rounded down to odd (default 21)")
     p.add_argument("--span", type=float, default=1.0, help="grid covers [-span, span] (default 1.0)")

@@ -139,9 +139,10 @@ _BOOT = ("import importlib, sys, types; pkg = types.ModuleType('trackdiag'); pkg
 
 
 def child_command(module: str, *args: str) -> list[str]:
-    """The command line that runs ``module.main()`` of this trackdiag in a child Python without
-    executing ``trackdiag/__init__.py``: that imports torch (~2 s of CPU), which a delivery child
-    never needs (it was a third of the worker's start-up on a busy machine)."""
+    """The command line that runs ``module.main()`` of this very trackdiag (the parent's package directory,
+    whatever the child's ``sys.path`` finds first) in a child Python, without executing
+    ``trackdiag/__init__.py`` (it no longer imports torch, which a delivery child never needs, but it
+    registers the Optuna watcher and loads the package's face)."""
     package = Path(__file__).resolve().parents[2]  # trackdiag/sinks/mlflow/worker.py -> trackdiag/
     return [sys.executable, "-c", _BOOT, str(package), module, *args]
 
