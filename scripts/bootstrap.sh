@@ -24,8 +24,13 @@ if [ -f "$STAMP" ] && [ -z "$(find scripts/bootstrap.sh pyproject.toml trackdiag
 else
   touch "$STAMP.new"   # before: a file edited while pip runs is newer than the stamp, so the next run reinstalls
   $VPY -m pip install -q --upgrade pip >/dev/null
-  $VPY -c "import torch" 2>/dev/null || $VPY -m pip install -q "torch==2.13.0"
-  $VPY -m pip install -q ".[all,test,sweeps,ray,optuna,accelerate,lightning,transformers]"
+  # --no-compile, then compileall on every core: pip byte-compiles the ~24,000 files one after another (33 s of
+  # the fresh install's 78 here; compileall -j 0: 25 s on 2 cores). Compiled either way: where
+  # PYTHONDONTWRITEBYTECODE is set (this sandbox), nothing would write a .pyc on first import.
+  $VPY -c "import torch" 2>/dev/null || $VPY -m pip install -q --no-compile "torch==2.13.0"
+  $VPY -m pip install -q --no-compile ".[all,test,sweeps,ray,optuna,accelerate,lightning,transformers]"
+  $VPY -m compileall -q -j 0 "$($VPY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 \
+    || true   # a few packages ship files that are not Python 3 (test data); pip skips them the same way
   # a regular (non-editable) install of the current tree, so Hydra apps anywhere use the package as users get it
   $VPY -m pip install -q --no-deps --force-reinstall .
   mv "$STAMP.new" "$STAMP"

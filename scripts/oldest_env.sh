@@ -27,6 +27,7 @@ echo "$BASE" > "$OWN/_trackdiag_base_venv.pth"   # .venv's packages, after this 
 plan=$(.venv/bin/python -m pip install --dry-run --report - -q "${PINS[@]}" 2>/dev/null \
        | .venv/bin/python -c 'import json, sys; print(" ".join(i["metadata"]["name"] + "==" + i["metadata"]["version"] for i in json.load(sys.stdin)["install"]))')
 case " $plan " in *" torch=="*|*" nvidia-"*) echo "refusing: the old frameworks would pull another torch: $plan" >&2; exit 3;; esac
-.venv/bin/python -m pip install -q --no-deps --target "$OWN" "${PINS[@]}" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q --no-compile --no-deps --target "$OWN" "${PINS[@]}" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m compileall -q -j 0 "$OWN" >/dev/null 2>&1 || true   # --no-compile above: on every core
 "$OPY" -c "import transformers, accelerate, lightning" && "$OPY" -c "$check"   # made now: they import, too
 echo ".venv-oldest: transformers 4.49.0, accelerate 1.0.0, lightning 2.1.4 over .venv's torch $("$OPY" -c 'import torch; print(torch.__version__)')"
