@@ -1,0 +1,87 @@
+"""``conventions``: a layer argument written in another framework's convention (``tf_convention``).
+
+Two PyTorch arguments mean the complement of their TensorFlow/Keras namesakes, and code ported from there (or
+written from a paper's TF hyperparameter table) keeps the TF value; nothing crashes and the model still learns:
+
+- ``nn.Dropout(p)``: ``p`` is the probability of *dropping* a unit. TF 1's ``keep_prob=0.9`` written as
+  ``nn.Dropout(0.9)`` zeroes 90 % of the layer's inputs at every training step (and scales the rest x10).
+- ``nn.BatchNorm*d(momentum=m)``: ``m`` is the weight of the *new* batch in the running statistics (default 0.1).
+  Keras' ``momentum=0.99`` (TF's ``decay``: the weight of the old statistics) written as ``momentum=0.99`` makes the
+  running statistics those of the last batch: every evaluation normalises with one batch's mean and variance.
+
+At the first step the probe lists, per component, the model's dropout modules (the ``nn.Dropout`` family) with
+``dropout_p <= p < 1`` (0.8; ``p = 1`` switches a layer off on purpose) and its batch-norm modules that track running
+statistics with ``momentum >= bn_momentum`` (0.5; ``None``, a cumulative average, is PyTorch's own choice). Emitted at
+the first logging step, only when something is found: ``diag/[<c>/]model/dropout_p`` (``{module: p}``) and
+``diag/[<c>/]model/bn_momentum`` (``{module: momentum}``). Cost: one pass over the modules at the first step.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from trackdiag.capture.context import ProbeContext, StepInputs
+from trackdiag.core.errors import ConfigError
+from trackdiag.core.record import Record
+from trackdiag.probes.base import Probe
+from trackdiag.util.schedule import Never
+
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def suspects(model: nn.Module, dropout_p: float, bn_momentum: float) -> dict[str, dict[str, float]]:
+    """``{"dropout_p": {module: p}, "bn_momentum": {module: momentum}}`` of ``model``'s layers past the thresholds."""
+    out: dict[str, dict[str, float]] = {"dropout_p": {}, "bn_momentum": {}}
+    for name, m in model.named_modules():
+        if isinstance(m, _DROPOUT) and dropout_p <= float(m.p) < 1.0:
+            out["dropout_p"][name or type(m).__name__] = float(m.p)
+        elif (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.momentum is not None
+              and float(m.momentum) >= bn_momentum):
+            out["bn_momentum"][name or type(m).__name__] = float(m.momentum)
+    return out
+
+
+class ConventionsProbe(Probe):
+    """See module docstring. Args: ``dropout_p`` and ``bn_momentum``, the values from which a layer is listed."""
+
+    name = "conventions"
+    always_collect = True
+
+    def __init__(self, *, enabled: bool = True, every: int | None = None, dropout_p: float = 0.8,
+                 bn_momentum: float = 0.5) -> None:
+        super().__init__(enabled=enabled, every=every)
+        problems = [f"diag.probes.conventions.{key}: must be in (0, 1], got {value!r}"
+                    for key, value in (("dropout_p", dropout_p), ("bn_momentum", bn_momentum)) if not 0 < value <= 1]
+        if problems:
+            raise ConfigError(problems)
+        self.dropout_p, self.bn_momentum = float(dropout_p), float(bn_momentum)
+        self._found: list[tuple[Any, dict[str, dict[str, float]]]] = []  # (component, suspects), until published
+        self._done = False
+
+    def bind(self, default_every: int) -> None:
+        self.schedule = Never()
+
+    def quiet(self, ctx: ProbeContext) -> bool:
+        return self._done and not self._found
+
+    def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
+        if self._done:
+            return
+        self._done = True
+        for comp in ctx.components:
+            if isinstance(comp.model, nn.Module):
+                found = suspects(comp.model, self.dropout_p, self.bn_momentum)
+                if any(found.values()):
+                    self._found.append((comp, found))
+
+    def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
+        return {"layers": float(len(self._found))} if self._found else {}  # publish() is called for what was collected
+
+    def publish(self, ctx: ProbeContext, values: dict[str, Any], record: Record) -> None:
+        found, self._found = self._found, []
+        for comp, tables in found:
+            for what, table in tables.items():
+                if table:
+                    record.tables.setdefault(comp.key(f"model/{what}"), {}).update(table)
