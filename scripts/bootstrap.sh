@@ -31,7 +31,9 @@ else
   $VPY -m pip install -q --no-compile ".[all,test,sweeps,ray,optuna,accelerate,lightning,transformers]"
   $VPY -m compileall -q -j 0 "$($VPY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 \
     || true   # a few packages ship files that are not Python 3 (test data); pip skips them the same way
-  # a regular (non-editable) install of the current tree, so Hydra apps anywhere use the package as users get it
+  # a regular (non-editable) install of the current tree, so Hydra apps anywhere use the package as users get it;
+  # setuptools' build/ is removed first: a module renamed or deleted since the last build would still be in it
+  rm -rf build
   $VPY -m pip install -q --no-deps --force-reinstall .
   mv "$STAMP.new" "$STAMP"
 fi

@@ -1,19 +1,22 @@
-"""``conventions``: a layer argument written in another framework's convention (``tf_convention``).
-
-Two PyTorch arguments mean the complement of their TensorFlow/Keras namesakes, and code ported from there (or
-written from a paper's TF hyperparameter table) keeps the TF value; nothing crashes and the model still learns:
+"""``layer_args``: layer arguments that do not mean what they were written for (``tf_convention``,
+``linear_activation``). Nothing crashes and the model still learns, worse.
 
 - ``nn.Dropout(p)``: ``p`` is the probability of *dropping* a unit. TF 1's ``keep_prob=0.9`` written as
   ``nn.Dropout(0.9)`` zeroes 90 % of the layer's inputs at every training step (and scales the rest x10).
 - ``nn.BatchNorm*d(momentum=m)``: ``m`` is the weight of the *new* batch in the running statistics (default 0.1).
   Keras' ``momentum=0.99`` (TF's ``decay``: the weight of the old statistics) written as ``momentum=0.99`` makes the
   running statistics those of the last batch: every evaluation normalises with one batch's mean and variance.
+- ``nn.LeakyReLU(True)``, written as ``nn.ReLU(True)`` is (``inplace``): LeakyReLU's first argument is
+  ``negative_slope``, so the slope is 1 and the layer is the identity; the layers around it compose into one linear
+  map.
 
 At the first step the probe lists, per component, the model's dropout modules (the ``nn.Dropout`` family) with
-``dropout_p <= p < 1`` (0.8; ``p = 1`` switches a layer off on purpose) and its batch-norm modules that track running
-statistics with ``momentum >= bn_momentum`` (0.5; ``None``, a cumulative average, is PyTorch's own choice). Emitted at
-the first logging step, only when something is found: ``diag/[<c>/]model/dropout_p`` (``{module: p}``) and
-``diag/[<c>/]model/bn_momentum`` (``{module: momentum}``). Cost: one pass over the modules at the first step.
+``dropout_p <= p < 1`` (0.8; ``p = 1`` switches a layer off on purpose), its batch-norm modules that track running
+statistics with ``momentum >= bn_momentum`` (0.5; ``None``, a cumulative average, is PyTorch's own choice) and its
+``nn.LeakyReLU`` modules whose ``negative_slope`` is 1 (``True``). Emitted at the first logging step, only
+when something is found: ``diag/[<c>/]model/dropout_p`` (``{module: p}``), ``diag/[<c>/]model/bn_momentum``
+(``{module: momentum}``) and ``diag/[<c>/]model/leaky_slope`` (``{module: slope}``). Cost: one pass over the modules
+at the first step.
 """
 from __future__ import annotations
 
@@ -32,27 +35,31 @@ _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropou
 
 
 def suspects(model: nn.Module, dropout_p: float, bn_momentum: float) -> dict[str, dict[str, float]]:
-    """``{"dropout_p": {module: p}, "bn_momentum": {module: momentum}}`` of ``model``'s layers past the thresholds."""
-    out: dict[str, dict[str, float]] = {"dropout_p": {}, "bn_momentum": {}}
+    """``{"dropout_p": {module: p}, "bn_momentum": {module: momentum}, "leaky_slope": {module: slope}}`` of
+    ``model``'s layers whose argument reads as something else than it was likely written for."""
+    out: dict[str, dict[str, float]] = {"dropout_p": {}, "bn_momentum": {}, "leaky_slope": {}}
     for name, m in model.named_modules():
+        name = name or type(m).__name__
         if isinstance(m, _DROPOUT) and dropout_p <= float(m.p) < 1.0:
-            out["dropout_p"][name or type(m).__name__] = float(m.p)
+            out["dropout_p"][name] = float(m.p)
         elif (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.momentum is not None
               and float(m.momentum) >= bn_momentum):
-            out["bn_momentum"][name or type(m).__name__] = float(m.momentum)
+            out["bn_momentum"][name] = float(m.momentum)
+        elif isinstance(m, nn.LeakyReLU) and float(m.negative_slope) == 1.0:  # True, as nn.LeakyReLU(True) sets it
+            out["leaky_slope"][name] = float(m.negative_slope)
     return out
 
 
-class ConventionsProbe(Probe):
+class LayerArgsProbe(Probe):
     """See module docstring. Args: ``dropout_p`` and ``bn_momentum``, the values from which a layer is listed."""
 
-    name = "conventions"
+    name = "layer_args"
     always_collect = True
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, dropout_p: float = 0.8,
                  bn_momentum: float = 0.5) -> None:
         super().__init__(enabled=enabled, every=every)
-        problems = [f"diag.probes.conventions.{key}: must be in (0, 1], got {value!r}"
+        problems = [f"diag.probes.layer_args.{key}: must be in (0, 1], got {value!r}"
                     for key, value in (("dropout_p", dropout_p), ("bn_momentum", bn_momentum)) if not 0 < value <= 1]
         if problems:
             raise ConfigError(problems)

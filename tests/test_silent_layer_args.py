@@ -1,6 +1,8 @@
-"""A layer argument in TensorFlow's convention (``tf_convention``): ``nn.Dropout(0.9)`` written for ``keep_prob=0.9``
-(it drops 90 % of the units), ``nn.BatchNorm1d(..., momentum=0.99)`` written for Keras' ``momentum=0.99`` (the running
-statistics become the last batch's). Nothing crashes and the model learns; the previous build said nothing."""
+"""Layer arguments that do not mean what they were written for (the ``layer_args`` probe): in TensorFlow's convention
+(``tf_convention``: ``nn.Dropout(0.9)`` written for ``keep_prob=0.9`` drops 90 % of the units,
+``nn.BatchNorm1d(..., momentum=0.99)`` written for Keras' ``momentum=0.99`` makes the running statistics the last
+batch's), and ``nn.LeakyReLU(True)`` written as ``nn.ReLU(True)`` is (``linear_activation``: a slope of 1, the identity).
+Nothing crashes and the model learns; the previous build said nothing."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,8 +18,8 @@ from trackdiag.core.errors import ConfigError
 PRESETS = ("basic", "advanced", "extreme")
 
 
-def mlp(dropout: nn.Module | None = None, norm: nn.Module | None = None) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(16, 32), norm or nn.BatchNorm1d(32), nn.ReLU(), dropout or nn.Dropout(0.2),
+def mlp(dropout: nn.Module | None = None, norm: nn.Module | None = None, act: nn.Module | None = None) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(16, 32), norm or nn.BatchNorm1d(32), act or nn.ReLU(), dropout or nn.Dropout(0.2),
                          nn.Linear(32, 3))
 
 
@@ -40,7 +42,7 @@ def train(tmp_path: Path, model: nn.Module, level: str = "advanced", steps: int 
 
 
 def found(diag: Any) -> list[tuple[str, int, str, str]]:
-    return [(a.kind, a.step, a.severity, a.where) for a in diag.alerts if a.kind == "tf_convention"]
+    return [(a.kind, a.step, a.severity, a.where) for a in diag.alerts if a.kind in ("tf_convention", "linear_activation")]
 
 
 def table(tmp_path: Path, level: str, what: str) -> dict[str, float]:
@@ -56,6 +58,17 @@ def test_dropout_written_as_keep_prob_is_named_at_the_first_step(tmp_path: Path,
     alert = next(a for a in diag.alerts if a.kind == "tf_convention")
     assert "nn.Dropout(p=0.9) zeroes 90%" in alert.message and "keep_prob" in alert.hint
     assert table(tmp_path, level, "dropout_p") == {"3": pytest.approx(0.9)}
+
+
+@pytest.mark.parametrize("level", PRESETS)
+def test_leaky_relu_true_is_named_at_the_first_step(tmp_path: Path, level: str) -> None:
+    diag = train(tmp_path, mlp(act=nn.LeakyReLU(True)), level)
+    assert found(diag) == [("linear_activation", 0, "warning", "2")]
+    alert = next(a for a in diag.alerts if a.kind == "linear_activation")
+    assert "is the identity" in alert.message and "nn.LeakyReLU(0.2, inplace=True)" in alert.hint
+    assert table(tmp_path, level, "leaky_slope") == {"2": 1.0}
+    x = torch.randn(5, 3)
+    assert torch.equal(nn.LeakyReLU(True)(x), x)  # why: the identity
 
 
 @pytest.mark.parametrize("level", PRESETS)
@@ -91,6 +104,8 @@ SILENT: dict[str, Callable[[], nn.Module]] = {
     "momentum_0.01": lambda: mlp(norm=nn.BatchNorm1d(32, momentum=0.01)),
     "cumulative_average": lambda: mlp(norm=nn.BatchNorm1d(32, momentum=None)),
     "no_running_stats": lambda: mlp(norm=nn.BatchNorm1d(32, momentum=0.99, track_running_stats=False)),
+    "leaky_relu_inplace": lambda: mlp(act=nn.LeakyReLU(inplace=True)),
+    "leaky_relu_0.2": lambda: mlp(act=nn.LeakyReLU(0.2, True)),
 }
 
 
@@ -98,12 +113,12 @@ SILENT: dict[str, Callable[[], nn.Module]] = {
 def test_pytorch_conventions_are_silent(tmp_path: Path, name: str) -> None:
     diag = train(tmp_path, SILENT[name]())
     assert found(diag) == []
-    assert table(tmp_path, "advanced", "dropout_p") == {} and table(tmp_path, "advanced", "bn_momentum") == {}
+    assert all(table(tmp_path, "advanced", what) == {} for what in ("dropout_p", "bn_momentum", "leaky_slope"))
 
 
 def test_thresholds_are_settings(tmp_path: Path) -> None:
-    diag = train(tmp_path, mlp(dropout=nn.Dropout(0.7)), probes={"conventions": {"dropout_p": 0.6}})
+    diag = train(tmp_path, mlp(dropout=nn.Dropout(0.7)), probes={"layer_args": {"dropout_p": 0.6}})
     assert found(diag) == [("tf_convention", 0, "warning", "3")]
     with pytest.raises(ConfigError) as err:
-        train(tmp_path, mlp(), probes={"conventions": {"dropout_p": 0.0, "bn_momentum": 1.5}})
-    assert "diag.probes.conventions.dropout_p" in str(err.value) and "diag.probes.conventions.bn_momentum" in str(err.value)
+        train(tmp_path, mlp(), probes={"layer_args": {"dropout_p": 0.0, "bn_momentum": 1.5}})
+    assert "diag.probes.layer_args.dropout_p" in str(err.value) and "diag.probes.layer_args.bn_momentum" in str(err.value)
