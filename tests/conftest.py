@@ -55,6 +55,23 @@ def batches(x: torch.Tensor, y: torch.Tensor, batch_size: int = 64, seed: int = 
 
 
 @pytest.fixture(autouse=True)
+def _sigint_handler_restored():
+    """The SIGINT handler as it was before each test: one left installed by a test (or by what it ran in-process)
+    changes what a Ctrl-C does in every later test of the worker (``util/uninterrupted.py`` holds the signal only
+    under Python's own handler), so the tests about Ctrl-C would depend on the order the suite ran in."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    if signal.getsignal(signal.SIGINT) is not before and before is not None:
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture(autouse=True)
 def _close_sessions_left_open():
     """A test that leaves a session open (it would be closed at exit) keeps torch's global hooks installed
     for every later test: close it when the test ends, as the interpreter's exit would."""
