@@ -37,12 +37,15 @@ class RnnLayoutProbe(Probe):
 
     name = "rnn_layout"
     always_collect = True
+    #: the layers watched (each has ``batch_first``) and the table their verdicts go to
+    layer_types: tuple[type[nn.Module], ...] = (nn.RNNBase,)
+    table = "model/rnn_batch_axis"
 
     def __init__(self, *, enabled: bool = True, every: int | None = None, steps: int = 20, checks: int = 3) -> None:
         super().__init__(enabled=enabled, every=every)
         self.steps, self.checks = steps, checks
         self._stops: list[Any] = []
-        self._layers: list[tuple[Any, str, nn.RNNBase]] = []  # (component, name, layer)
+        self._layers: list[tuple[Any, str, nn.Module]] = []  # (component, name, layer)
         self._seen: dict[int, tuple[int, int]] = {}  # id(layer) -> its input's first two dims, this step
         self._votes: dict[int, list[bool]] = {}  # id(layer) -> per judged step: the batch on the time axis
         self._shape: dict[int, tuple[int, int, int]] = {}  # id(layer) -> (dim0, dim1, batch) last judged
@@ -63,7 +66,7 @@ class RnnLayoutProbe(Probe):
             if comp.model is None:
                 continue
             for name, m in comp.model.named_modules():
-                if isinstance(m, nn.RNNBase):
+                if isinstance(m, self.layer_types):
                     self._layers.append((comp, name, m))
                     self._stops.append(FORWARD.watch(m, pre=partial(self._saw, id(m))))
         self._done = not self._layers
@@ -108,7 +111,7 @@ class RnnLayoutProbe(Probe):
             if not votes:
                 continue
             d0, d1, batch = self._shape[id(layer)]
-            table = record.tables.setdefault(comp.key("model/rnn_batch_axis"), {})
+            table = record.tables.setdefault(comp.key(self.table), {})
             table[name] = 1.0 if len(votes) >= 2 and all(votes) else 0.0
             table.update({f"{name}/batch_first": float(layer.batch_first), f"{name}/dim0": float(d0),
                           f"{name}/dim1": float(d1), f"{name}/batch": float(batch)})
