@@ -29,9 +29,8 @@ from trackdiag.capture.context import ProbeContext, StepInputs
 from trackdiag.core.errors import ConfigError
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
+from trackdiag.probes.modes import DROPOUT
 from trackdiag.util.schedule import Never
-
-_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 def suspects(model: nn.Module, dropout_p: float, bn_momentum: float) -> dict[str, dict[str, float]]:
@@ -40,7 +39,7 @@ def suspects(model: nn.Module, dropout_p: float, bn_momentum: float) -> dict[str
     out: dict[str, dict[str, float]] = {"dropout_p": {}, "bn_momentum": {}, "leaky_slope": {}}
     for name, m in model.named_modules():
         name = name or type(m).__name__
-        if isinstance(m, _DROPOUT) and dropout_p <= float(m.p) < 1.0:
+        if isinstance(m, DROPOUT) and dropout_p <= float(m.p) < 1.0:
             out["dropout_p"][name] = float(m.p)
         elif (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.momentum is not None
               and float(m.momentum) >= bn_momentum):

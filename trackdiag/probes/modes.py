@@ -32,7 +32,8 @@ from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
 from trackdiag.util.schedule import Never
 
-_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+#: the nn.Dropout family (also read by the layer_args probe)
+DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _NORM = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
@@ -43,7 +44,7 @@ def mode_dependent(model: nn.Module, training: bool = False) -> dict[str, float]
     for name, m in model.named_modules():
         if m.training != training:
             continue
-        if isinstance(m, _DROPOUT) and getattr(m, "p", 0.0) > 0:
+        if isinstance(m, DROPOUT) and getattr(m, "p", 0.0) > 0:
             out[name or "(root)"] = 1.0
         elif isinstance(m, _NORM) and getattr(m, "track_running_stats", False):
             out[name or "(root)"] = 2.0
