@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=500, help="timed steps (a multiple of the logging cadence)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--warmup", type=int, default=30, help="untimed steps first (past the cost budget's decisions: ~1,200)")
     args = ap.parse_args()
     device = torch.device(args.device)
     wl = workloads.get(args.workload)
@@ -124,7 +125,7 @@ def main() -> None:
     instrument_session(arm.diag, timers)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for a in (bare, arm):
-        for _ in range(30):
+        for _ in range(args.warmup):
             a.step()
     timers.spent.clear()
     timers.calls.clear()

@@ -138,6 +138,37 @@ def test_shedding_stretches_the_logging_cadence(tmp_path):
     assert not [a for a in diag.alerts if a.severity != "info"]  # a healthy run stays silent
 
 
+def test_the_window_checks_stacks_are_the_logging_steps_series_every_step_once(tmp_path):
+    """Under a stretched cadence the window checks between logging steps stack the losses and gradient norms they
+    read, and the logging step reuses those chunks: the full-resolution series still hold every step once, in order,
+    equal to the loop's own loss and to ``clip_grad_norm_``'s return value (max_norm=inf: it measures only)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 3, generator=g)
+    losses, norms = [], []
+    diag = trackdiag.Diagnostics(model, opt, level="basic", sinks=["local"], output_dir=str(tmp_path / "b"),
+                                 budget=TINY, probes={"report": {"enabled": False}})
+    with diag:
+        for step in range(700):
+            x = torch.randn(16, 8, generator=g)
+            loss = nn.functional.cross_entropy(model(x), (x @ w).argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+            opt.step()
+            losses.append(float(loss))
+            diag.step(loss)
+    assert [s["shed"] for s in diag.summary()["budget"]["shed"]][:1] == ["every x2"]
+    records = list(read_records(tmp_path / "b"))
+    logged = [r.step for r in records]
+    assert any(b - a > 50 for a, b in zip(logged, logged[1:])), logged  # stretched: window checks in between
+    for key, want in (("diag/loss", losses), ("diag/grad/global_norm", norms)):
+        points = [p for r in records for p in r.series.get(key, [])]
+        assert [s for s, _ in points] == list(range(700)), key
+        assert [v for _, v in points] == pytest.approx(want, rel=1e-5), key
+
+
 def test_no_budget_keeps_the_cadence(tmp_path):
     diag, _ = _train(tmp_path, "advanced", None, 360)
     assert diag.summary()["budget"] is None

@@ -80,6 +80,8 @@ class GradProbe(Probe):
         self.per_layer = per_layer
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._ring: dict[str, list[tuple[int, Any]]] = {}  # per step: Tap.lazy()
+        #: per component: the window's earlier steps and their norms, worked out by the cost budget's window checks
+        self._folded: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         self._steps: dict[str, list[int]] = {}
         self._kept: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # per step: sentinel norm at backward, at the step
         self._kept_steps: dict[str, list[int]] = {}
@@ -138,8 +140,18 @@ class GradProbe(Probe):
         self._kept.setdefault(comp.name, []).append((ctx.step, pre, now))
 
     def window_values(self) -> dict[str, list[Any]]:
-        """Each model's pre-clip gradient norms since the last logging step (see ``LossProbe.window_values``)."""
-        return {f"grad:{name}": [totals([v for _, v in ring])] for name, ring in self._ring.items() if ring}
+        """Each model's pre-clip gradient norms since the last call or logging step (see
+        ``LossProbe.window_values``), kept for the logging step's series: each step's norm is worked out once."""
+        out = {}
+        for name, ring in self._ring.items():
+            if ring:
+                chunk = totals([v for _, v in ring])
+                steps, chunks = self._folded.setdefault(name, ([], []))
+                steps += [s for s, _ in ring]
+                chunks.append(chunk)
+                ring.clear()
+                out[f"grad:{name}"] = [chunk]
+        return out
 
     def collect(self, ctx: ProbeContext) -> dict[str, Any]:
         out = take_pending(self._pending)
@@ -157,10 +169,15 @@ class GradProbe(Probe):
                 kept.clear()
         self._steps = {}
         for name, ring in self._ring.items():
-            if ring:
-                self._steps[name] = [s for s, _ in ring]
-                out[f"{name}|global_norm_series"] = totals([v for _, v in ring])  # 2-3 kernels for the window
-                ring.clear()
+            steps, chunks = self._folded.get(name, ([], []))
+            if ring:  # 2-3 kernels for the window (or its part since the cost budget's last window check)
+                steps, chunks = [*steps, *(s for s, _ in ring)], [*chunks, totals([v for _, v in ring])]
+            if steps:
+                self._steps[name] = steps
+                out[f"{name}|global_norm_series"] = chunks[0] if len(chunks) == 1 else \
+                    torch.cat([c.to(chunks[0].device) for c in chunks])
+            ring.clear()
+        self._folded = {}
         return out
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:

@@ -18,6 +18,7 @@ steps only: the class count from shapes and one cross-entropy (or MSE) of the ou
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -42,25 +43,47 @@ def classes_of(outputs: Any, batch: Any) -> int:
     return int(logits.shape[dim]) if dim is not None and logits is not None else -1
 
 
+def _stacked(values: list[Any]) -> torch.Tensor:
+    """Per-step losses as one 1-D tensor: fp32 on their device when all are tensors, else fp64 host floats."""
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return stack_scalars(values)
+    return torch.tensor([float(v) for v in values], dtype=torch.float64)
+
+
 class _Ring:
     """Per-step values of one loss between two logging steps: detached references, not copies
-    (one ``detach`` per step), stacked into one tensor at the logging step."""
+    (one ``detach`` per step), stacked into one tensor at the logging step. The cost budget's window checks
+    between stretched logging steps stack what came since the last check (:meth:`fold`); the logging step
+    reuses those chunks, so every value is stacked once."""
 
     def __init__(self) -> None:
-        self.values: list[Any] = []
-        self.steps: list[int] = []
+        self.values: list[Any] = []  # since the last fold
+        self.steps: list[int] = []  # the whole window's
+        self.folded: list[torch.Tensor] = []  # 1-D fp32 chunks of the window's earlier values (fold)
 
     def push(self, step: int, value: Any) -> None:
         self.values.append(value.detach() if isinstance(value, torch.Tensor) else float(value))
         self.steps.append(step)
 
+    def fold(self) -> torch.Tensor | None:
+        """The values since the last fold as one 1-D tensor (:func:`_stacked`), kept for :meth:`take`; None when
+        there are none."""
+        if not self.values:
+            return None
+        chunk = _stacked(self.values)
+        self.folded.append(chunk)
+        self.values = []
+        return chunk
+
     def take(self) -> tuple[list[int], torch.Tensor]:
-        steps, values = self.steps, self.values
-        if all(isinstance(v, torch.Tensor) for v in values):
-            stacked = stack_scalars(values)
+        steps, values, folded = self.steps, self.values, self.folded
+        parts = [*folded, _stacked(values)] if values else folded
+        if len(parts) == 1:
+            stacked = parts[0]
         else:
-            stacked = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        self.steps, self.values = [], []  # last: a Ctrl-C in the stacking leaves the ring whole for close()
+            dev, dtype = parts[0].device, functools.reduce(torch.promote_types, (t.dtype for t in parts))
+            stacked = torch.cat([t.to(dev, dtype) for t in parts])
+        self.steps, self.values, self.folded = [], [], []  # last: a Ctrl-C in the stacking leaves the ring whole for close()
         return steps, stacked
 
 
@@ -115,8 +138,9 @@ class LossProbe(Probe):
             ring.push(ctx.step, value)
 
     def window_values(self) -> dict[str, list[Any]]:
-        """Each loss's values since the last logging step (the cost budget's check between stretched ones)."""
-        return {f"loss:{name}": ring.values for name, ring in self._rings.items() if ring.values}
+        """Each loss's values since the last call or logging step (the cost budget's check between stretched
+        ones): one 1-D tensor each, kept for the logging step (:meth:`_Ring.fold`)."""
+        return {f"loss:{name}": [chunk] for name, ring in self._rings.items() if (chunk := ring.fold()) is not None}
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         out: dict[str, Any] = {}

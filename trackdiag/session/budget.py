@@ -46,7 +46,6 @@ class CostBudget:
         self._base: dict[Any, Any] = {}  # probe -> its schedule before any stretch
         self._gaps: list[float] | None = None  # per step: the loop's time between two step() calls
         self._clean = False  # the window since the last logging step began at a scheduled one
-        self._seen: dict[str, int] = {}  # per source: values of this window already checked (_window_check)
         self._levels: dict[str, float] = {}  # per source: the median of the previous check's values
         self._log_seconds = 0.0  # the last logging step's own time: it opens the next window (see _budget_window)
         share = share_of(cfg.get("budget", "auto"), cfg["level"])
@@ -69,7 +68,7 @@ class CostBudget:
         every-step logging, nor a NaN's)."""
         if self._budget is None or self._gaps is None:
             return
-        gaps, self._gaps, self._seen = self._gaps, [], {}
+        gaps, self._gaps = self._gaps, []
         regular = any(s(step) for s in self._schedules)
         clean, self._clean = self._clean, regular
         if not (clean and regular) or len(gaps) < 2:
@@ -128,9 +127,10 @@ class CostBudget:
 
     def _window_check(self, step: int) -> bool:
         """Between stretched logging steps, at a step the preset would have logged: whether to log now. The
-        window's every-step losses and pre-clip gradient norms, in one host read: a NaN/Inf, or a value
-        ``JUMP``-fold off the level of the previous check (``|v - level| > JUMP x |level|``: a spike or an
-        explosion the rules judge at once, as at the preset's own cadence), asks for a logging step."""
+        window's every-step losses and pre-clip gradient norms since the last check, in one host read: a NaN/Inf, or
+        a value ``JUMP``-fold off the level of the previous check (``|v - level| > JUMP x |level|``: a spike or an
+        explosion the rules judge at once, as at the preset's own cadence), asks for a logging step. The probes keep
+        what they stacked for it (``window_values``): the logging step does not stack those steps again."""
         if not any(s(step) for s in self._checks):
             return False
         sources: dict[str, list[Any]] = {}
@@ -139,9 +139,7 @@ class CostBudget:
             if got is not None and p.enabled:
                 sources.update(got())
         values = _on_host(sources)
-        for src, vals in values.items():
-            new = vals[self._seen.get(src, 0):]
-            self._seen[src] = len(vals)
+        for src, new in values.items():
             if not new:
                 continue
             if not all(math.isfinite(v) for v in new):
