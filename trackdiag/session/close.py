@@ -62,6 +62,7 @@ class RunEnd:
         if status not in (exit_status.FINISHED, exit_status.FAILED, exit_status.KILLED):
             raise ValueError(f"status: {status!r} is not one of FINISHED, FAILED, KILLED")
         self._closed = True
+        self._plainly = False  # a step() after close takes the full path
         atexit.unregister(self.close)
         if status == exit_status.KILLED:
             atexit.register(_skip_the_final_collection)

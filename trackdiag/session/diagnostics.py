@@ -143,6 +143,7 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
         self.should_stop = False
         self._preflighted = False
         self._held_fit: Any = None  # a pre-flight fit judged at the next step (SetupChecks._settle_fit)
+        self._plainly = False  # the next steps may take the plain path (_lane_open)
         self._warned_shape: set[str] = set()
         self._struck: dict[str, tuple[str, Exception]] = {}  # probes whose last collect/publish failed (see _guard)
         self._init_events()
@@ -188,19 +189,25 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
         diagnostic. Returns ``should_stop``. Raises ``AlertRaised`` for a rule whose action is ``raise``.
         """
         t0 = time.perf_counter()
+        ctx = self._ctx
+        # the plain step (most steps): a scalar loss, no micro-batches, no pre-flight pending, not a logging step nor a
+        # window check (the step plan, step_plan.py): the same work as below with nothing asked that cannot apply
+        if type(loss) is torch.Tensor and self._plainly and ctx.step < self._next_check and ctx.step > ctx.anomaly_until \
+                and loss.ndim == 0 and not self._phase_pending and not self._is_micro_step():
+            return self._plain(t0, ctx, loss, outputs, batch, batch_size)
         if not self._opened:
             self._open()
         if self._t_first is None:
             self._t_first = t0
         elif self._gaps is not None:  # the cost budget's measure of the loop (session_budget.py)
             self._gaps.append(t0 - self._t_last)
-        ctx = self._ctx
         if type(loss) is dict or (not isinstance(loss, torch.Tensor) and isinstance(loss, Mapping)):
             losses = {k: self._scalar_loss(k, v) for k, v in loss.items()}
         else:
             losses = {"": self._scalar_loss("", loss)}
         if self._is_micro_step():  # accelerate's accumulate: not an optimizer step yet
             self._micro.append(losses)
+            self._plainly = False  # the step that merges them takes the full path
             self._window_overhead += time.perf_counter() - t0
             return self.should_stop
         losses = self._merge_micro(losses)
@@ -240,12 +247,41 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
         self._reset_steps()
         self._step += 1
         ctx.step = self._step
+        self._plainly = self._lane_open()
         self._t_last = time.perf_counter()
         self._window_overhead += self._t_last - t0
         if log_now:
             self._log_seconds = self._t_last - t0  # the next window's logging part (the cost budget's)
         if raised is not None:
             raise AlertRaised(raised)
+        return self.should_stop
+
+    def _lane_open(self) -> bool:
+        """Whether the next steps may take :meth:`_plain`: the session open and past its first step, the pre-flight
+        settled, no micro-batch losses pending, the step plan made (checked again after every full step)."""
+        return (self._opened and self._t_first is not None and self._preflighted and self._held_fit is None
+                and not self._micro and self._phase_ready and self._busy is not None)
+
+    def _plain(self, t0: float, ctx: ProbeContext, loss: torch.Tensor, outputs: Any, batch: Any,
+               batch_size: int | None) -> bool:
+        """:meth:`step` on a plain step (its caller checked, and :meth:`_lane_open` after the last full one): what
+        :meth:`step` does there, without the questions whose answer is known (a dict of losses, a pre-flight, a new
+        phase, the schedules). The step's objective is not observed again: one unnamed loss, as before or new, sets
+        nothing (:meth:`Objectives.observe`)."""
+        self._gaps is not None and self._gaps.append(t0 - self._t_last)  # noqa: B018 - the cost budget's measure
+        inputs = StepInputs({"": loss}, outputs, batch, batch_size if batch_size is not None else batch_size_of(batch))
+        self._finish_components()
+        for p in self._busy:
+            if p.enabled:
+                try:
+                    p.on_step(ctx, inputs)
+                except Exception as exc:
+                    self._fail(p, "on_step", exc)
+        self._reset_steps()
+        self._step += 1
+        ctx.step = self._step
+        self._t_last = time.perf_counter()
+        self._window_overhead += self._t_last - t0
         return self.should_stop
 
     def _scalar_loss(self, name: str, value: Any) -> Any:
