@@ -19,8 +19,9 @@ from conftest import LEAN_PROBES, make_mlp
 PKG = str(Path(trackdiag.__file__).parent)
 
 #: trackdiag Python frames in a plain ``basic`` step of a 3-layer MLP (backward hooks and the end-of-backward
-#: measurement, the optimizer's step hooks, ``Diagnostics.step``): 74 before issue 44's step path, 61 after
-CALLS = 64
+#: measurement, the optimizer's step hooks, ``Diagnostics.step``): 74 before issue 44's step path, 61 after, 57 with
+#: the plain path of ``Diagnostics.step``
+CALLS = 60
 #: torch ops trackdiag adds to such a step: the per-tensor gradient norms (one ``_foreach_norm``), the loss's
 #: ``detach`` and the batch's NaN/Inf check (one ``aminmax``)
 OPS = 3
@@ -110,3 +111,63 @@ def test_due_checks_between_logging_steps_call_no_schedule_of_the_plan(tmp_path:
     calls = [_traced(step, i, where) for i in range(61, 70)]  # logging steps at 60 and 70
     assert diag is not None and max(calls) <= 4, calls
     diag.close()
+
+
+def _records(tmp: Path, level: str, lane: bool, monkeypatch: Any) -> list[dict[str, Any]]:
+    """A run's records without what the clock decides (timings, throughput, overhead)."""
+    from trackdiag.core.record import read_records
+    from trackdiag.session.diagnostics import Diagnostics
+
+    with monkeypatch.context() as m:
+        if not lane:
+            m.setattr(Diagnostics, "_lane_open", lambda self: False)
+        diag, _ = _loop(tmp, 130, plant=73, level=level)
+        assert diag is not None
+        diag.close()
+    timed = ("diag/perf/", "diag/throughput/", "diag/mem/")
+    out = []
+    for r in read_records(tmp):
+        out.append({"step": r.step, "alerts": [(a.kind, a.step, a.where) for a in r.alerts],
+                    "scalars": {k: v for k, v in r.scalars.items() if not k.startswith(timed)},
+                    "series": r.series})
+    return out
+
+
+def test_the_plain_path_records_what_the_full_path_does(tmp_path: Path, monkeypatch: Any) -> None:
+    """``Diagnostics.step`` takes a shorter path on plain steps (``_plain``); forced to take the full one on every
+    step, the same run (a NaN gradient planted between logging steps, then its anomaly window) records the same
+    series, scalars and alerts at the same steps."""
+    for level in ("basic", "advanced"):
+        plain = _records(tmp_path / f"{level}-plain", level, True, monkeypatch)
+        full = _records(tmp_path / f"{level}-full", level, False, monkeypatch)
+        assert [r["step"] for r in plain] == [r["step"] for r in full], level
+        assert any(r["alerts"] for r in plain), level  # the planted NaN was found
+        for a, b in zip(plain, full):
+            assert a["alerts"] == b["alerts"], (level, a["step"])
+            assert a["series"].keys() == b["series"].keys(), (level, a["step"])
+            for k, pts in a["series"].items():
+                assert [(st, repr(v)) for st, v in pts] == [(st, repr(v)) for st, v in b["series"][k]], (level, k)
+            assert a["scalars"].keys() == b["scalars"].keys(), (level, a["step"])
+            for k, v in a["scalars"].items():
+                w = b["scalars"][k]
+                assert v == w or (v != v and w != w), (level, a["step"], k, v, w)
+
+
+def test_most_steps_take_the_plain_path(tmp_path: Path) -> None:
+    from trackdiag.session.diagnostics import Diagnostics
+
+    taken = [0]
+    orig = Diagnostics._plain
+
+    def counted(self: Any, *args: Any) -> bool:
+        taken[0] += 1
+        return orig(self, *args)
+
+    Diagnostics._plain = counted  # type: ignore[method-assign]
+    try:
+        diag, _ = _loop(tmp_path, 200)
+    finally:
+        Diagnostics._plain = orig  # type: ignore[method-assign]
+    assert diag is not None
+    diag.close()
+    assert taken[0] >= 190, taken  # logging steps 0, 50, 100, 150 and the first step take the full one
