@@ -90,3 +90,73 @@ def test_sharded_stream_and_cycled_small_dataset_are_silent(tmp_path) -> None:
     cycled = DataLoader(data, batch_size=16, shuffle=False)  # two batches an epoch, the same two every epoch
     diag, seen = _train(tmp_path / "cycled", cycled, 60)
     assert torch.equal(seen[0], seen[2]) and not _warned(diag), _warned(diag)
+
+
+def _ppo(tmp_path, take: str, objective: str = "auto", epochs: int = 4) -> trackdiag.Diagnostics:
+    """A PPO-style update: each rollout (256 transitions) trained on for ``epochs`` full-batch epochs. ``take``: how
+    the loop hands the rollout to the model each epoch: ``slice`` (``obs[:256]``: a view of the kept rollout),
+    ``index`` (``obs[torch.arange(256)]``: a copy with the same contents), ``buffer`` (copied into one input
+    tensor, ``buf.copy_(obs)``: the same object, changed in place)."""
+    torch.manual_seed(0)
+    pi = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(pi.parameters(), lr=3e-4)
+    g = torch.Generator().manual_seed(1)
+    buf = torch.empty(256, 8)
+    with one_thread(), trackdiag.Diagnostics(pi, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                             probes=OFF, objective=objective) as diag:
+        for _ in range(25):
+            obs = torch.randn(256, 8, generator=g)
+            with torch.no_grad():
+                dist = torch.distributions.Categorical(logits=pi(obs))
+                act = dist.sample()
+                old = dist.log_prob(act)
+                adv = (act == 0).float() - 0.25  # the first action pays
+            for _ in range(epochs):
+                o = {"slice": lambda: obs[:256], "index": lambda: obs[torch.arange(256)],
+                     "buffer": lambda: buf.copy_(obs)}[take]()
+                ratio = (torch.distributions.Categorical(logits=pi(o)).log_prob(act) - old).exp()
+                loss = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                diag.step(loss, batch=(o, act))
+    return diag
+
+
+def test_ppo_epochs_over_a_kept_rollout_are_not_repeated_batches(tmp_path) -> None:
+    """A view of the same region of the rollout, unchanged, is held data (as the same tensor object is): silent. The
+    same contents re-indexed into new tensors repeat (a warning, which names the usual causes), unless the run is
+    judged as RL (``objective="rl"``): then it is information that says why."""
+    assert not _warned(_ppo(tmp_path / "slice", "slice"))
+    indexed = _warned(_ppo(tmp_path / "index", "index"))
+    assert [a.kind for a in indexed] == ["repeated_batches"], indexed
+    rl = _ppo(tmp_path / "rl", "index", objective="rl")
+    assert not _warned(rl)
+    told = [a for a in rl.alerts if a.kind == "repeated_batches"]
+    assert told and told[0].severity == "info" and "objective=\"rl\"" in told[0].message, told
+
+
+def test_a_batch_copied_into_one_input_tensor_still_repeats(tmp_path) -> None:
+    """The same object changed in place (its version counter moves) is not held data: ten epochs of one rollout
+    copied into the input buffer are ``same_batch`` (8 equal steps in a row), a warning outside RL."""
+    warned = _warned(_ppo(tmp_path, "buffer", epochs=10))
+    assert "same_batch" in {a.kind for a in warned}, warned
+
+
+def test_one_window_of_a_kept_corpus_every_step_still_repeats(tmp_path) -> None:
+    """A view of the same part of a kept tensor every step (a loop whose data index never advances) is not held
+    data: ``same_batch``, as for a loader restarted every step."""
+    torch.manual_seed(0)
+    corpus = torch.randn(64, 8)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with one_thread(), trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                             probes=OFF) as diag:
+        for _ in range(40):
+            x = corpus[0:16]  # the window that should move on with the step
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, batch=x)
+    assert [a.kind for a in _warned(diag)] == ["same_batch"], [(a.kind, a.step) for a in diag.alerts]

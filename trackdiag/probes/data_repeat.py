@@ -10,8 +10,10 @@ Fed by the ``batch=`` passed to ``Diagnostics.step``. Emits at every logging ste
   ``diag/data/batch_size``: the first dimension of the last step's fingerprinted tensor.
 With ``log_eval(batch=...)``, into the evaluation's record: ``diag/data/eval_train_step`` (:meth:`on_eval_batch`).
 A batch that is the very same tensor object as the step before, unchanged in place, is *held* (full-batch
-training: a graph, an in-memory dataset, an L-BFGS closure's data): it never counts as a repeat. What counts is a
-batch rebuilt every step with identical contents, as a loader restarted each step gives.
+training: a graph, an in-memory dataset, an L-BFGS closure's data): it never counts as a repeat; nor does a view of
+all of a tensor the loop keeps, taken anew each step and unchanged (a PPO update's epochs over ``rollout.obs[:n]``).
+What counts is a batch rebuilt every step with identical contents, as a loader restarted each step gives, or a view
+of the same part of a kept tensor every step (a loop that never advances past one window of its corpus).
 
 Cost per step: on the batch's first floating/integer tensor, a position-weighted dot product over a strided view of
 at most ``samples`` (4096) evenly spaced elements and, when that view missed some, a sum (on the CPU only up to 2**20
@@ -77,6 +79,7 @@ class DataRepeatProbe(Probe):
         self._known: deque[tuple[int, tuple[int, ...], float, float]] = deque(maxlen=max(1, keep))  # judged, on the host
         self._prev: Any = None  # weakref to the previous step's tensor
         self._prev_version = -1
+        self._region: tuple[int, torch.Size, tuple[int, ...]] | None = None  # a view's place in its base (on_step)
         self._weights: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self._seen: list[tuple[int, tuple[int, ...], bool, Fingerprint]] = []  # (step, shape, held, fingerprint)
         self._window: list[tuple[int, tuple[int, ...], bool]] = []
@@ -90,11 +93,20 @@ class DataRepeatProbe(Probe):
         t = first_tensor(inputs.batch)
         if t is None:
             return
-        held = self._prev is not None and self._prev() is t and t._version == self._prev_version
+        # held: the very tensor of the step before, unchanged; or a view of all of a tensor the loop keeps, taken anew
+        # each step (a rollout's ``obs[:n]`` over a PPO update's epochs): views share their base's version counter, so
+        # "unchanged" holds for both. A view of a part of it, the same part every step, is a loop that does not
+        # advance through its data (one window of a corpus): a repeat
+        base = t._base
+        prev = self._prev() if self._prev is not None else None
+        held = t._version == self._prev_version and prev is not None and (
+            prev is t or base is not None and prev is base and t.numel() == base.numel()
+            and (t.storage_offset(), t.shape, t.stride()) == self._region)
         try:
-            self._prev = weakref.ref(t)
+            self._prev = weakref.ref(t if base is None else base)
         except TypeError:
             self._prev = None
+        self._region = (t.storage_offset(), t.shape, t.stride()) if base is not None else None
         self._prev_version = t._version
         self._rows = int(t.shape[0]) if t.ndim else 1
         self._seen.append((ctx.step, tuple(t.shape), held, self._fingerprint(t.detach() if t.requires_grad else t)))

@@ -11,19 +11,31 @@ from trackdiag.core.record import Record
 from trackdiag.rules.base import Rule
 
 
+def rollout_epochs(rule: Rule, components: Sequence[Component]) -> bool:
+    """Whether every component is judged as an RL objective (``objective="rl"``): there a batch that repeats is the
+    algorithm's (PPO and its kin train several epochs on each rollout), so a repeat is told, not warned about."""
+    return bool(components) and all(rule.objectives.of(c.name) == "rl" for c in components)
+
+
+RL_NOTE = (" Under objective=\"rl\" this is what several epochs over each rollout do (PPO): information, not a "
+           "warning; a replay buffer or loader that hands the same batch each step is the bug to look for.")
+
+
 class SameBatch(Rule):
     """Fires when ``patience`` (8) consecutive steps got a batch with the same contents as the step before
     (``diag/data/repeat_streak``), each a new tensor: a loader restarted every step (``next(iter(loader))``
     inside the loop on an unshuffled loader), a cached batch copied into the input buffer, a sampler that
     returns one index. A batch passed as the very same tensor object every step (full-batch training) is held
     data, not counted by the probe. ``step`` is the first step the repeated batch was seen at; ``persistent``
-    (a warning). Fires again only after the batch changed. Not while the model input is one value everywhere: a batch
+    (a warning; information under ``objective="rl"``, whose rollouts are trained on for several epochs). Fires again
+    only after the batch changed. Not while the model input is one value everywhere: a batch
     of zeros repeats because of it (``constant_inputs`` names that)."""
 
     kind = "same_batch"
     hint = ("The model sees one batch over and over. Create the iterator once outside the loop (it = iter(loader); "
             "batch = next(it), or `for batch in loader`), shuffle the training loader, and check that the batch "
-            "variable is reassigned each step. Full-batch training on purpose: pass the same tensor object each step.")
+            "variable is reassigned each step. Full-batch training on purpose: pass the same tensor object each step; "
+            "an RL loop's epochs over one rollout (PPO): objective=\"rl\".")
 
     def __init__(self, *, patience: int = 8, **kw: Any) -> None:
         super().__init__(**kw)
@@ -38,10 +50,11 @@ class SameBatch(Rule):
         if record.scalars.get("diag/data/inputs_constant_steps", 0.0) > 0:
             return []  # a batch of one value everywhere repeats because of it: constant_inputs names the cause
         self._fired_start = start
+        rl = rollout_epochs(self, components)
         msg = (f"the training batch passed to step() had the same contents at {int(streak) + 1} consecutive steps "
                f"from step {start} (a new tensor each step with identical values: a loader restarted every step, "
-               f"not full-batch data held in memory).")
-        return [self.make(start, msg, streak, self.patience, "input batch", ["persistent"])]
+               f"not full-batch data held in memory).{RL_NOTE if rl else ''}")
+        return [self.make(start, msg, streak, self.patience, "input batch", [] if rl else ["persistent"])]
 
     def state_dict(self) -> dict[str, Any]:
         return {"fired_start": self._fired_start}
@@ -56,13 +69,15 @@ class RepeatedBatches(Rule):
     row. The classic cause: an ``IterableDataset`` read by ``num_workers`` DataLoader workers, each yielding the whole
     stream (no sharding by ``get_worker_info()``), so the loader interleaves identical copies; also a batch list
     extended with itself, a sampler repeating each index. ``step``: the first step of the judged span;
-    ``persistent`` (a warning). Once per run."""
+    ``persistent`` (a warning; information under ``objective="rl"``: PPO's epochs over a rollout repeat its batches).
+    Once per run."""
 
     kind = "repeated_batches"
     hint = ("Each batch reaches the model twice or more in a row: the run trains on 1/k of the data it seems to. With an "
             "IterableDataset and num_workers > 1, shard the stream per worker in __iter__ (torch.utils.data."
             "get_worker_info(): skip items so worker i yields every num_workers-th, or split the files), or use a "
-            "map-style Dataset; otherwise check for a batch list or sampler that repeats its items.")
+            "map-style Dataset; otherwise check for a batch list or sampler that repeats its items. An RL loop that "
+            "trains several epochs on each rollout (PPO) repeats them by design: pass objective=\"rl\".")
 
     def __init__(self, *, share: float = 0.4, min_steps: int = 32, **kw: Any) -> None:
         super().__init__(**kw)
@@ -86,11 +101,12 @@ class RepeatedBatches(Rule):
         self._fired = True
         copies = 1.0 / max(1e-9, 1.0 - repeats / total)
         start = self._span[0][0]
+        rl = rollout_epochs(self, components)
         msg = (f"{int(repeats)} of the {int(total)} steps up to step {record.step} got the same batch contents as the "
                f"step before, each a new tensor, in short runs (the longest {int(longest) + 1} steps): every batch "
                f"arrives ~{copies:.1f} times in a row, as when {round(copies)} DataLoader workers each read the whole "
-               f"stream of an IterableDataset.")
-        return [self.make(start, msg, repeats / total, self.share, "input batch", ["persistent"])]
+               f"stream of an IterableDataset.{RL_NOTE if rl else ''}")
+        return [self.make(start, msg, repeats / total, self.share, "input batch", [] if rl else ["persistent"])]
 
     def state_dict(self) -> dict[str, Any]:
         return {"fired": self._fired, "span": self._span}
