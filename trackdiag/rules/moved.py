@@ -31,7 +31,9 @@ class WeightsMoved(Rule):
             "its work: an EMA update written into the model instead of the EMA copy (ema_p.lerp_(p, 1 - decay), "
             "not p.copy_(decay * ema_p + (1 - decay) * p)), a checkpoint or 'best' state reloaded every epoch, "
             "load_state_dict / copy_ into the trained model, two models that share tensors. Update only the EMA "
-            "copy, reload once before training, and give every optimizer that steps these weights to trackdiag.")
+            "copy, reload once before training, and give every optimizer that steps these weights to trackdiag. "
+            "Set on purpose (federated averaging or Reptile loading averaged weights into this model between local "
+            "steps): diag.rules.weights_moved.enabled=false.")
 
     def __init__(self, *, ratio: float = 0.05, patience: int = 2, **kw: Any) -> None:
         super().__init__(**kw)
