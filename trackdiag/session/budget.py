@@ -25,7 +25,9 @@ def _on_host(sources: dict[str, list[Any]]) -> dict[str, list[float]]:
     for src, vals in sources.items():
         for v in vals:
             if isinstance(v, torch.Tensor):
-                by_device.setdefault(v.device, []).append((src, v.detach().reshape(-1).float()))
+                if v.ndim != 1 or v.dtype is not torch.float32 or v.requires_grad:  # the probes' chunks are, already
+                    v = v.detach().reshape(-1).float()
+                by_device.setdefault(v.device, []).append((src, v))
             else:
                 out[src].append(float(v))
     for parts in by_device.values():
@@ -48,6 +50,7 @@ class CostBudget:
         self._clean = False  # the window since the last logging step began at a scheduled one
         self._levels: dict[str, float] = {}  # per source: the median of the previous check's values
         self._log_seconds = 0.0  # the last logging step's own time: it opens the next window (see _budget_window)
+        self._windowed = [p for p in self.probes if hasattr(p, "window_values")]  # what a window check reads
         share = share_of(cfg.get("budget", "auto"), cfg["level"])
         if share is None or self._dist is not None:  # ranks must log at the same steps: no per-rank decisions
             return
@@ -134,10 +137,9 @@ class CostBudget:
         if not any(s(step) for s in self._checks):
             return False
         sources: dict[str, list[Any]] = {}
-        for p in self.probes:
-            got = getattr(p, "window_values", None)
-            if got is not None and p.enabled:
-                sources.update(got())
+        for p in self._windowed:
+            if p.enabled:
+                sources.update(p.window_values())
         values = _on_host(sources)
         for src, new in values.items():
             if not new:
