@@ -27,7 +27,7 @@ R = TypeVar("R")
 INDEPENDENT = frozenset({
     "label_range", "label_leak", "param_not_optimized", "grads_not_zeroed", "accumulation_reset", "memory_leak",
     "memory_pressure", "data_bottleneck", "straggler", "preflight", "initial_loss", "eval_mode", "grads_wiped",
-    "nonfinite_input", "crash",
+    "nonfinite_input", "crash", "targets_from_outputs",
 })
 
 

@@ -85,7 +85,7 @@ def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
             return None
         scores = logits.detach().float() if dim == -1 else logits.detach().float().movedim(1, -1)
         ce, n = masked_ce(scores, t)
-        out = {"ce": ce, "n": n}
+        out = {"ce": ce, "n": n, **_agreement(scores, t)}
         if scores.dim() == 3 and scores.shape[1] > 1:  # (B, T, C): the target of position t is token t+1
             out["ce_shift"] = masked_ce(scores[:, :-1], t[:, 1:])[0]
         return out
@@ -105,6 +105,18 @@ def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
         # can equal the logits' MSE at one step by chance (0.5648 vs 0.5622 at a PixelCNN's step 1)
         return {"mse": F.mse_loss(out_f, yf), "var": yf.var(unbiased=False), **_binary_terms(out_f, yf)}
     return None
+
+
+def _agreement(scores: torch.Tensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``agree``: the share of the (non-padding) class targets equal to the outputs' own prediction (argmax);
+    ``spread``: how far apart the predicted classes are (0: one class predicted everywhere). A model at its start
+    agrees with real labels about as often as chance; one whose targets were computed from its outputs (``y =
+    out.argmax(1)``) agrees on every one (``targets_from_outputs``)."""
+    c = scores.shape[-1]
+    pred = scores.argmax(-1)
+    valid = (t >= 0) & (t < c)
+    agree = (valid & (pred == t)).sum() / valid.sum().clamp_min(1)
+    return {"agree": agree.float(), "spread": (pred.max() - pred.min()).float()}
 
 
 def _soft_terms(logits: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor] | None:

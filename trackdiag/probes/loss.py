@@ -43,6 +43,20 @@ def classes_of(outputs: Any, batch: Any) -> int:
     return int(logits.shape[dim]) if dim is not None and logits is not None else -1
 
 
+#: a model's own predictions as its targets: every one of at least this many targets equal to the argmax of the
+#: outputs, at a loss of at least this share of the chance level (a trained model agrees with its labels at a loss
+#: near 0; one at chance agrees with real labels on about 1/C of them)
+OWN_MIN_TARGETS, OWN_AT_CHANCE = 16, 0.5
+
+
+def own_predictions(task: Task, got: dict[str, float]) -> bool:
+    """Whether a step's class targets are the outputs' own predictions (``targets_from_outputs``): all of them (16+)
+    equal to the argmax of the outputs, more than one class predicted, and the loss still at half the chance level
+    or more."""
+    return (task.kind == "classification" and got.get("agree") == 1.0 and got.get("spread", 0.0) > 0
+            and got.get("n", 0.0) >= OWN_MIN_TARGETS and got.get("ce", 0.0) >= OWN_AT_CHANCE * math.log(max(task.classes, 2)))
+
+
 def _stacked(values: list[Any]) -> torch.Tensor:
     """Per-step losses as one 1-D tensor: fp32 on their device when all are tensors, else fp64 host floats."""
     if all(isinstance(v, torch.Tensor) for v in values):
@@ -100,14 +114,15 @@ class LossProbe(Probe):
         self._emas: dict[str, Ema] = {}
         self._classes = -1
         self.task = Task()
-        self._task_seen: list[tuple[bool, Any, list[str], list[Any]]] = []  # (accumulated, loss, names, terms)
-        self._task_taken: list[tuple[bool, list[str]]] = []
+        self._task_seen: list[tuple[int, bool, Any, list[str], list[Any]]] = []  # (step, accumulated, loss, names, terms)
+        self._task_taken: list[tuple[int, bool, list[str]]] = []
         self._task_steps = 0
         self._task_classes = -1
         self._task_sequence = False
         self._marginal = Marginal()
         self._entropy: tuple[float, float] | None = None
         self._task_told = False
+        self._told_own = -1  # the step whose targets were shown to be the outputs' own predictions (own_predictions)
         self._phase = 0
 
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
@@ -125,7 +140,7 @@ class LossProbe(Probe):
             if got:
                 names = list(got)
                 accumulated = max(ctx.passes.values(), default=1) > 1
-                self._task_seen.append((accumulated, loss.detach(), names, [got[k] for k in names]))
+                self._task_seen.append((ctx.step, accumulated, loss.detach(), names, [got[k] for k in names]))
                 self._task_classes = classes_of(inputs.outputs, inputs.batch)
                 self._task_sequence = per_position(inputs.batch)
         for name, value in inputs.losses.items():
@@ -149,9 +164,9 @@ class LossProbe(Probe):
             if ring.steps:
                 self._steps[name], out[name] = ring.take()
         self._task_taken = []
-        for i, (acc, loss, names, vals) in enumerate(self._task_seen):
+        for i, (step, acc, loss, names, vals) in enumerate(self._task_seen):
             out[f"\ttask{i}"] = stack_scalars([loss, *vals], torch.float64)
-            self._task_taken.append((acc, names))
+            self._task_taken.append((step, acc, names))
         self._task_seen = []
         counts = self._marginal.take(self.task.soft)
         if counts is not None:
@@ -159,11 +174,17 @@ class LossProbe(Probe):
         return out
 
     def publish(self, ctx: ProbeContext, values: dict[str, np.ndarray], record: Record) -> None:
-        for i, (acc, names) in enumerate(self._task_taken):
+        for i, (step, acc, names) in enumerate(self._task_taken):
             got = values.pop(f"\ttask{i}", None)
             if got is not None and self.task.kind == "unknown":
                 host = got.reshape(-1).tolist()
-                self.task = decide(host[0], dict(zip(names, host[1:])), self._task_classes, acc, self._task_sequence)
+                terms_ = dict(zip(names, host[1:]))
+                self.task = decide(host[0], terms_, self._task_classes, acc, self._task_sequence)
+                if self._told_own < 0 and own_predictions(self.task, terms_):
+                    self._told_own = step
+                    record.scalars["diag/task/targets_from_outputs"] = float(step)
+                    record.scalars["diag/task/targets_agree"] = terms_["agree"]
+                    record.scalars["diag/task/targets_n"] = terms_["n"]
         self._task_taken = []
         counts = values.pop("\tmarginal", None)
         if counts is not None:

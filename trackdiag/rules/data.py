@@ -165,6 +165,37 @@ class LabelLeak(Rule):
         return [self.make(self._first, msg, copy, nxt - self.margin * math.log(classes), "targets", ["unambiguous"])]
 
 
+class TargetsFromOutputs(Rule):
+    """The class targets handed to ``step(batch=...)`` are the model's own predictions: at a first step (while the
+    loss probe reads the task off the outputs, ``diag/task/targets_from_outputs``) every one of them (16 or more)
+    equalled the argmax of the outputs, more than one class was predicted, and the loss was still at half the
+    chance level or more. A model at its start agrees with real labels on about 1/C of them, a trained one at a
+    loss near 0; agreeing on all of them while unsure is what ``y = out.argmax(1)`` gives (a typo, or pseudo-labels
+    taken from the same forward pass they train): the loss then falls fast and teaches the model nothing but to
+    agree with itself. ``unambiguous``; ``step`` is that step. Once per run."""
+
+    kind = "targets_from_outputs"
+    hint = ("The loss compares the outputs with targets computed from those same outputs. Use the dataset's labels "
+            "(the batch's y, not outputs.argmax(1)); for pseudo-labels take them from a separate no-grad forward (a "
+            "weak augmentation, an EMA teacher) and keep the confident ones only (FixMatch, Noisy Student).")
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._done = False
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        step = record.scalars.get("diag/task/targets_from_outputs")
+        if self._done or step is None:
+            return []
+        self._done = True
+        n = int(record.scalars.get("diag/task/targets_n", 0.0))
+        chance = record.scalars.get("diag/task/chance_loss", math.nan)
+        msg = (f"at step {int(step)} all {n} class targets passed to step() equal the model's own prediction (the "
+               f"argmax of its outputs) while its loss is still near chance (ln C = {chance:.3g}): the targets are "
+               f"computed from the outputs, so the loss only teaches the model to agree with itself.")
+        return [self.make(int(step), msg, 1.0, 1.0, "targets", ["unambiguous"])]
+
+
 class DataBottleneck(Rule):
     """Fires when the loop waits for data more than ``threshold`` (0.5) of its wall time, summed
     over the last ``window`` (3) logging steps, once ``min_batches`` (20) batches were timed in that
