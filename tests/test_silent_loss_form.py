@@ -200,4 +200,55 @@ def test_binary_losses_of_the_right_form_are_silent(tmp_path, case) -> None:
     diag, _ = _binary(tmp_path, loss_fn, sigmoid=sigmoid)
     assert not [a for a in diag.alerts if a.severity in ("warning", "critical")], [(a.kind, a.message) for a in diag.alerts]
     checks = [r.scalars.get("diag/data/loss_form_checks") for r in read_records(tmp_path)]
-    assert max(c for c in checks if c is not None) == (0 if sigmoid == "none" else 3)  # logits: nothing measured
+    assert max(c for c in checks if c is not None) == 3  # logits measured too: a sigmoid may sit in the loss line
+
+
+# ------------------------------------------------------------------ the activation in the loss line
+def test_a_softmax_in_the_loss_line_is_found(tmp_path) -> None:
+    """The model returns logits and they are handed to ``step()``, but the loss line takes their softmax before
+    ``F.cross_entropy``: the loss is the cross-entropy of the scores' softmax (kept as ``ce_softmax``, equal to
+    ``torch.nn.functional``'s), not of the scores."""
+    diag, (out, y, loss) = _classify(tmp_path, lambda o, t: F.cross_entropy(F.softmax(o, dim=1), t))
+    got = [a for a in diag.alerts if a.kind == "softmax_before_ce"]
+    assert [(a.step, a.severity) for a in got] == [(0, "critical")], _loud(diag)
+    assert "softmax of the outputs handed to step()" in got[0].message, got[0].message
+    kept = _kept(tmp_path)
+    assert kept["ce_softmax"] == pytest.approx(F.cross_entropy(F.softmax(out.double(), dim=1), y).item(), rel=1e-9)
+    assert kept["loss"] == pytest.approx(loss.item(), rel=1e-6)
+
+
+def test_a_sigmoid_in_the_loss_line_is_found(tmp_path) -> None:
+    """Logits handed to ``step()``, ``BCEWithLogitsLoss(torch.sigmoid(logits), y)`` in the loss line."""
+    diag, (out, y, loss) = _binary(tmp_path, lambda o, t: F.binary_cross_entropy_with_logits(torch.sigmoid(o), t),
+                                   sigmoid="none", labels=5)
+    found = [a for a in diag.alerts if a.kind == "sigmoid_before_bce"]
+    assert len(found) == 1 and found[0].step == 0 and found[0].severity == "critical", diag.alerts
+    assert "the sigmoid of the outputs handed to step()" in found[0].message, found[0].message
+    table = next(r.tables["diag/data/bce_form"] for r in read_records(tmp_path) if "diag/data/bce_form" in r.tables)
+    probs = torch.sigmoid(out.double())
+    assert table["raw"] == 1.0
+    assert table["with_logits"] == pytest.approx(float(F.binary_cross_entropy_with_logits(probs, y.double())))
+
+
+def test_a_regression_onto_targets_outside_0_1_is_measured_without_failing(tmp_path) -> None:
+    """Targets of the output's shape that are no probabilities (a regression's): the binary measurement must not
+    raise (``binary_cross_entropy`` refuses such targets, and asserts on a CUDA device), the probe stays on, silent."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    w = torch.randn(16, 3, generator=gen) * 3
+    with one_thread(), trackdiag.Diagnostics(model, opt, level="basic", every=10, sinks=["local"],
+                                             output_dir=str(tmp_path), probes=OFF) as diag:
+        for _ in range(40):
+            x = torch.randn(64, 16, generator=gen)
+            y = x @ w  # values far outside [0, 1]
+            out = model(x)
+            loss = F.mse_loss(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=out, batch=(x, y))
+    assert not diag.summary()["disabled_probes"], diag.summary()["disabled_probes"]
+    assert not [a for a in diag.alerts if a.severity != "info"], _loud(diag)
+    assert max(r.scalars.get("diag/data/loss_form_checks", 0) for r in read_records(tmp_path)) == 3

@@ -17,8 +17,8 @@ loss. The rules compare them on the host: a loop that computes its loss from oth
 label smoothing, matches neither and is never judged.
 
 Emits ``diag/data/loss_form_checks`` at every logging step and, after a measured step, the table
-``diag/data/loss_form``: ``step``, ``loss``, ``ce`` and ``nll`` (means over the counted targets), ``targets`` (their
-number), ``simplex`` (the largest distance of a row's sum from 1; negative scores make it large: ``min`` is kept
+``diag/data/loss_form``: ``step``, ``loss``, ``ce`` and ``nll`` (means over the counted targets), ``ce_softmax`` (the
+cross-entropy of the scores' softmax: the loss of a softmax applied in the loss line), ``targets`` (their number), ``simplex`` (the largest distance of a row's sum from 1; negative scores make it large: ``min`` is kept
 too), ``min`` (the smallest score), ``logsumexp`` (the mean absolute log-sum-exp of the rows: 0 for
 log-probabilities), ``eps`` (the loss dtype's machine epsilon).
 
@@ -30,10 +30,11 @@ cross-entropy without those positions). A loss equal to ``ce`` and not to ``ce_u
 
 The binary and multi-label case (``sigmoid_before_bce``): targets with as many values as the scores, and
 scores that come out of a sigmoid (the output's autograd node, through view-like ops, is ``SigmoidBackward0``: an
-``nn.Sigmoid`` at the end of the model or ``torch.sigmoid``). On such a step the probe computes the binary
-cross-entropy of the scores taken as logits (``BCEWithLogitsLoss``'s) and as probabilities (``BCELoss``'s) beside the
-step's loss: the table ``diag/data/bce_form`` holds ``step``, ``loss``, ``with_logits``, ``plain``, ``targets``,
-``min``, ``max`` and ``eps``. A sigmoid before ``BCEWithLogitsLoss`` squeezes every logit into (0, 1): the model
+``nn.Sigmoid`` at the end of the model or ``torch.sigmoid``), or raw scores, then taken through one (a
+``torch.sigmoid`` in the loss line). On such a step the probe computes the binary
+cross-entropy of those probabilities taken as logits (``BCEWithLogitsLoss``'s) and as probabilities (``BCELoss``'s)
+beside the step's loss: the table ``diag/data/bce_form`` holds ``step``, ``loss``, ``with_logits``, ``plain``, ``targets``,
+``min``, ``max``, ``eps`` and ``raw`` (1: raw scores taken through a sigmoid here). A sigmoid before ``BCEWithLogitsLoss`` squeezes every logit into (0, 1): the model
 predicts probabilities in (0.5, 0.73) only, every sample positive, and the loss cannot fall below ``log(1 + e^-1)``.
 
 Cost: host checks per step for the first ``steps`` steps; ~12 device ops on at most ``checks`` steps, over a float64
@@ -71,6 +72,7 @@ class LossFormProbe(Probe):
         self._held: tuple[int, torch.Tensor, float] | None = None
         self._taken: tuple[int, float, bool] | None = None
         self._binary_held = False  # the held values are the binary case's (measure_binary)
+        self._binary_raw = False  # ... of raw scores, taken through a sigmoid here
         #: a softmax over a non-class dimension: (its dim, made the outputs, the class dim, the two sizes)
         self._wrong: tuple[int, bool, int, int, int] | None = None
         #: the values appended to ``measure``'s, the activation code, the number of classes
@@ -101,6 +103,9 @@ class LossFormProbe(Probe):
             values = measure(z, t, dim, loss)
             if wrong is not None:  # a softmax over another dimension: the cross-entropy along it, beside
                 extras["along"] = along(z, t, dim, wrong[0])
+            # the cross-entropy of the scores' softmax: the loss's when a softmax sits between the outputs handed over
+            # and the cross-entropy (``F.cross_entropy(F.softmax(logits, 1), y)`` in the loss line)
+            extras["ce_softmax"] = measure(z.detach().to(_wide(z)).softmax(dim), t, dim, loss)[1]
             pad = padding(z, t, dim, inputs.batch)
             if pad is not None:  # trailing padding in the targets: the cross-entropy without it, and its evidence
                 extras.update(zip(("pad_share", "pad_suffix", "pad_inputs", "pad_value", "ce_unpadded"), pad))
@@ -119,13 +124,17 @@ class LossFormProbe(Probe):
         t = pick(inputs.batch, self.target, TARGET_KEYS, 1)
         z = logits_of(inputs.outputs, self.output)
         if not isinstance(t, torch.Tensor) or z is None or t.is_complex() or t.numel() != z.numel() \
-                or z.numel() == 0 or z.numel() > MAX_ELEMENTS or z.device != t.device or not from_sigmoid(z):
+                or z.numel() == 0 or z.numel() > MAX_ELEMENTS or z.device != t.device:
             return
         with torch.no_grad():
-            values = measure_binary(z, t, loss)
+            # scores out of a sigmoid as they are; raw scores through one: BCEWithLogitsLoss(torch.sigmoid(logits)) in
+            # the loss line gives the loss of the first
+            raw = not from_sigmoid(z)
+            values = measure_binary(z.detach().to(_wide(z)).sigmoid() if raw else z, t, loss)
         self._measured += 1
         self._held = (ctx.step, values, float(torch.finfo(loss.dtype).eps))
         self._binary_held = True
+        self._binary_raw = raw
 
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         out: dict[str, torch.Tensor | float] = {"checks": float(self._measured)}
@@ -147,7 +156,8 @@ class LossFormProbe(Probe):
             loss, logits, plain, n, low, high = (float(v) for v in got.reshape(-1))
             if math.isfinite(loss) and n > 0:
                 record.tables["diag/data/bce_form"] = {"step": float(step), "loss": loss, "with_logits": logits,
-                                                       "plain": plain, "targets": n, "min": low, "max": high, "eps": eps}
+                                                       "plain": plain, "targets": n, "min": low, "max": high, "eps": eps,
+                                                       "raw": float(self._binary_raw)}
             return
         loss, ce, nll, n, simplex, low, lse, *rest = (float(v) for v in got.reshape(-1))
         if math.isfinite(loss) and n > 0:
@@ -161,11 +171,18 @@ class LossFormProbe(Probe):
                              classes=float(classes))
             if "ce_unpadded" in extra:
                 table.update({k: extra[k] for k in ("pad_share", "pad_suffix", "pad_inputs", "pad_value", "ce_unpadded")})
+            if "ce_softmax" in extra:
+                table["ce_softmax"] = extra["ce_softmax"]
             if "along" in extra and self._wrong is not None:
                 d, made, cdim, size, classes = self._wrong
                 table.update(softmax_dim=float(d), along=extra["along"], softmax_output=float(made),
                              class_dim=float(cdim), dim_size=float(size), classes=float(classes))
         self._wrong, self._extras = None, ([], 0.0, 0)
+
+
+def _wide(z: torch.Tensor) -> torch.dtype:
+    """float64 where the device has it (the recomputed losses exact beside the loss's own rounding), else float32."""
+    return torch.float64 if z.device.type in ("cpu", "cuda") else torch.float32
 
 
 def measure(z: torch.Tensor, t: torch.Tensor, dim: int, loss: torch.Tensor) -> torch.Tensor:
@@ -324,6 +341,7 @@ def measure_binary(z: torch.Tensor, t: torch.Tensor, loss: torch.Tensor) -> torc
     wide = torch.float64 if z.device.type in ("cpu", "cuda") else torch.float32
     zz, tt = z.detach().to(wide).reshape(-1), t.detach().to(wide).reshape(-1)
     with_logits = torch.nn.functional.binary_cross_entropy_with_logits(zz, tt)
-    plain = torch.nn.functional.binary_cross_entropy(zz.clamp(0.0, 1.0), tt)
+    # targets outside [0, 1] (a regression's) are no BCELoss's: clamped, so that the op cannot assert on the device
+    plain = torch.nn.functional.binary_cross_entropy(zz.clamp(0.0, 1.0), tt.clamp(0.0, 1.0))
     return torch.stack([loss.detach().to(wide).reshape(()), with_logits, plain, zz.new_tensor(float(zz.numel())),
                         zz.min(), zz.max()])

@@ -68,10 +68,27 @@ class SoftmaxBeforeCE(_Once):
 
     def found(self, table: dict[str, float]) -> bool:
         n, eps = table["targets"], table["eps"]
+        if "softmax_dim" in table:
+            return False
+        if self._in_loss(table):
+            return True
         return (table["min"] >= 0 and table["simplex"] <= 1e-3 and matches(table["loss"], table["ce"], n, eps)
-                and not matches(table["loss"], table["nll"], n, eps) and "softmax_dim" not in table)
+                and not matches(table["loss"], table["nll"], n, eps))
+
+    @staticmethod
+    def _in_loss(table: dict[str, float]) -> bool:
+        """The loss is the cross-entropy of the softmax of the (raw) scores handed over, not of the scores: the softmax
+        sits between them and the cross-entropy, in the loss line."""
+        n, eps, loss = table["targets"], table["eps"], table["loss"]
+        return (not (table["min"] >= 0 and table["simplex"] <= 1e-3) and matches(loss, table.get("ce_softmax", math.nan), n, eps)
+                and not matches(loss, table["ce"], n, eps) and not matches(loss, table["nll"], n, eps))
 
     def say(self, table: dict[str, float]) -> str:
+        if self._in_loss(table):
+            return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is the cross-entropy of the softmax of "
+                    f"the outputs handed to step() (raw scores: {table['ce']:.4g} would be theirs): a softmax is applied "
+                    f"between the model and the cross-entropy, which applies its own, so the loss cannot approach 0 and "
+                    f"the gradients are flattened.")
         return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is the cross-entropy of outputs that are "
                 f"already probabilities (each row sums to 1): a softmax was applied before the cross-entropy, which "
                 f"applies its own, so the loss cannot approach 0 and the gradients are flattened.")
@@ -184,6 +201,11 @@ class SigmoidBeforeBCE(_Once):
                 and not matches(table["loss"], table["plain"], n, eps))
 
     def say(self, table: dict[str, float]) -> str:
+        if table.get("raw"):
+            return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is BCEWithLogitsLoss of the sigmoid of "
+                    f"the outputs handed to step(): a sigmoid is applied between the model and BCEWithLogitsLoss, which "
+                    f"applies its own, so every prediction is a probability between 0.5 and 0.73 and the model cannot "
+                    f"predict a negative.")
         return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is BCEWithLogitsLoss of outputs that come "
                 f"out of a sigmoid (between {table['min']:.3g} and {table['max']:.3g}): the sigmoid is applied twice, so "
                 f"every prediction is a probability between 0.5 and 0.73 and the model cannot predict a negative.")
