@@ -268,7 +268,8 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
         :meth:`step` does there, without the questions whose answer is known (a dict of losses, a pre-flight, a new
         phase, the schedules). The step's objective is not observed again: one unnamed loss, as before or new, sets
         nothing (:meth:`Objectives.observe`)."""
-        self._gaps is not None and self._gaps.append(t0 - self._t_last)  # noqa: B018 - the cost budget's measure
+        if self._gaps is not None:  # the cost budget's measure of the loop
+            self._gaps.append(t0 - self._t_last)
         inputs = StepInputs({"": loss}, outputs, batch, batch_size if batch_size is not None else batch_size_of(batch))
         self._finish_components()
         for p in self._busy:
