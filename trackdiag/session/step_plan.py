@@ -15,13 +15,22 @@ adopted, parameters re-indexed, a phase begun): :meth:`_replan`.
 The probes' own due checks (``ctx.is_due``) read the same plan: before the next logging step a schedule of the plan
 is not called (:meth:`_tell`).
 
+The plain path (:meth:`StepPlan._plain`): a step that the plan says is no logging step, with a scalar loss and nothing
+pending (no micro-batch, pre-flight or new phase: :meth:`StepPlan._lane_open`, checked after every full step), skips the
+questions of ``Diagnostics.step`` whose answer is known and does the same work: the busy probes, the components'
+gradients, the counters.
+
 Cost: a non-logging step pays two integer comparisons for the logging decision and one call per busy probe.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from trackdiag.capture.context import ProbeContext
+import torch
+
+from trackdiag.capture.components import batch_size_of
+from trackdiag.capture.context import ProbeContext, StepInputs
 from trackdiag.probes.base import Probe
 from trackdiag.util.schedule import NEVER, next_due
 
@@ -96,3 +105,32 @@ class StepPlan:
 
     def _busy_probes(self) -> list[Probe]:
         return self._on_step if self._busy is None else self._busy
+
+    def _lane_open(self) -> bool:
+        """Whether the next steps may take :meth:`_plain`: the session open and past its first step, the pre-flight
+        settled, no micro-batch losses pending, the step plan made (checked again after every full step)."""
+        return (self._opened and self._t_first is not None and self._preflighted and self._held_fit is None
+                and not self._micro and self._phase_ready and self._busy is not None)
+
+    def _plain(self, t0: float, ctx: ProbeContext, loss: torch.Tensor, outputs: Any, batch: Any,
+               batch_size: int | None) -> bool:
+        """:meth:`step` on a plain step (its caller checked, and :meth:`_lane_open` after the last full one): what
+        :meth:`step` does there, without the questions whose answer is known (a dict of losses, a pre-flight, a new
+        phase, the schedules). The step's objective is not observed again: one unnamed loss, as before or new, sets
+        nothing (:meth:`Objectives.observe`)."""
+        if self._gaps is not None:  # the cost budget's measure of the loop
+            self._gaps.append(t0 - self._t_last)
+        inputs = StepInputs({"": loss}, outputs, batch, batch_size if batch_size is not None else batch_size_of(batch))
+        self._finish_components()
+        for p in self._busy:
+            if p.enabled:
+                try:
+                    p.on_step(ctx, inputs)
+                except Exception as exc:
+                    self._fail(p, "on_step", exc)
+        self._reset_steps()
+        self._step += 1
+        ctx.step = self._step
+        self._t_last = time.perf_counter()
+        self._window_overhead += self._t_last - t0
+        return self.should_stop
