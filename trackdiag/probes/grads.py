@@ -36,7 +36,7 @@ from trackdiag.capture.context import Component, ProbeContext
 from trackdiag.capture.grad_records import GradView, sentinel_norm, totals
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe, take_pending
-from trackdiag.util.norms import max_abs, plain, stack_scalars, tensor_norms  # noqa: F401  (re-exported for user probes)
+from trackdiag.util.norms import cat_chunks, max_abs, plain, stack_scalars, tensor_norms  # noqa: F401  (re-exported for user probes)
 
 
 def publish_layers(prefix: str, comp: Component, per_layer: np.ndarray, record: Record, per_group: np.ndarray | None) -> None:
@@ -174,8 +174,7 @@ class GradProbe(Probe):
                 steps, chunks = [*steps, *(s for s, _ in ring)], [*chunks, totals([v for _, v in ring])]
             if steps:
                 self._steps[name] = steps
-                out[f"{name}|global_norm_series"] = chunks[0] if len(chunks) == 1 else \
-                    torch.cat([c.to(chunks[0].device) for c in chunks])
+                out[f"{name}|global_norm_series"] = cat_chunks(chunks)
             ring.clear()
         self._folded = {}
         return out

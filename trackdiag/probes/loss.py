@@ -18,7 +18,6 @@ steps only: the class count from shapes and one cross-entropy (or MSE) of the ou
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -30,7 +29,7 @@ from trackdiag.alerts.task import STEPS, Task, decide, per_position, terms
 from trackdiag.capture.context import ProbeContext, StepInputs
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe
-from trackdiag.util.norms import stack_scalars
+from trackdiag.util.norms import cat_chunks, stack_scalars
 from trackdiag.util.stats import Ema
 from trackdiag.util.tensors import class_dim, logits_of, targets_of
 
@@ -91,12 +90,7 @@ class _Ring:
 
     def take(self) -> tuple[list[int], torch.Tensor]:
         steps, values, folded = self.steps, self.values, self.folded
-        parts = [*folded, _stacked(values)] if values else folded
-        if len(parts) == 1:
-            stacked = parts[0]
-        else:
-            dev, dtype = parts[0].device, functools.reduce(torch.promote_types, (t.dtype for t in parts))
-            stacked = torch.cat([t.to(dev, dtype) for t in parts])
+        stacked = cat_chunks([*folded, _stacked(values)] if values else folded)
         self.steps, self.values, self.folded = [], [], []  # last: a Ctrl-C in the stacking leaves the ring whole for close()
         return steps, stacked
 

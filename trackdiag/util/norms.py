@@ -8,6 +8,7 @@ optimizer-step hook, so the probes that read them at the same hook share one ker
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterator
 
@@ -198,3 +199,12 @@ def stack_scalars(values: list[torch.Tensor], dtype: torch.dtype = torch.float32
     except RuntimeError:
         dev = values[0].device
         return torch.stack([v.reshape(()).to(dev, dtype) for v in values])
+
+
+def cat_chunks(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """1-D chunks of one series (a window stacked a part at a time) as one vector on the first one's device, in their
+    common dtype; a single chunk as it is."""
+    if len(chunks) == 1:
+        return chunks[0]
+    dtype = functools.reduce(torch.promote_types, (c.dtype for c in chunks))
+    return torch.cat([c.to(chunks[0].device, dtype) for c in chunks])
