@@ -100,8 +100,8 @@ SHARED_FIXTURES = {"test_benchmarks", "test_compare", "test_delivery_server", "t
 #: the other idles; a module's figure is the whole module's when it is a group (one scope), each test's when not.
 #: The rest follows in file order. A guess is enough: the order matters, not the figures.
 COSTLY: dict[str, float] = {
-    "tests/test_sweep_server.py::test_parallel_jobs_one_parent_every_point_true_statuses[joblib]": 210,
-    "tests/test_sweep_ray.py": 175,
+    "tests/test_sweep_server.py::test_parallel_jobs_one_parent_every_point_true_statuses[joblib]": 120,
+    "tests/test_sweep_ray.py": 120,
     "tests/test_sweep_server.py::test_parallel_jobs_one_parent_every_point_true_statuses[submitit_local]": 110,
     "tests/test_sweep_faults.py::test_server_restarted_mid_sweep_loses_nothing": 120,
     "tests/test_sweep_faults.py::test_killed_job_is_killed_others_unaffected": 110,
@@ -173,8 +173,9 @@ COLLECTED: list[str] = []
 
 
 #: ``TRACKDIAG_TEST_CPU=<file>``: each test's CPU seconds (this process and the children it waited for, setup to
-#: teardown) and wall seconds appended as ``nodeid<TAB>cpu<TAB>wall`` lines, for issue 47's "where the suite's CPU
-#: goes" (``python scripts/test_cpu_report.py <file>`` sums them by module)
+#: teardown), wall seconds, start time (epoch seconds) and xdist worker appended as
+#: ``nodeid<TAB>cpu<TAB>wall<TAB>start<TAB>worker`` lines, for issue 47's "where the suite's CPU goes"
+#: (``python scripts/test_cpu_report.py <file>`` sums them by module and draws the workers' timeline)
 CPU_LOG = os.environ.get("TRACKDIAG_TEST_CPU")
 
 
@@ -192,7 +193,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return
     import time
 
-    c0, t0 = _cpu(), time.perf_counter()
+    c0, t0, start = _cpu(), time.perf_counter(), time.time()
     yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
     with open(CPU_LOG, "a") as f:
-        f.write(f"{item.nodeid}\t{_cpu() - c0:.2f}\t{time.perf_counter() - t0:.2f}\n")
+        f.write(f"{item.nodeid}\t{_cpu() - c0:.2f}\t{time.perf_counter() - t0:.2f}\t{start:.1f}\t{worker}\n")

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The suite's whole CPU, daemons included: runs the README's test command (without the bootstrap) in a cgroup v1
+# `cpuacct` group of its own (as root), so the servers, Ray, PostgreSQL, Chromium, submitit jobs and MLflow workers
+# that outlive or escape pytest's process tree are counted too (`time` counts only the children pytest waited for:
+# ~20 % of the suite's CPU is not among them). Also writes each test's CPU, wall, start and worker to
+# $OUT/tests.tsv (tests/conftest.py) and prints the per-minute timeline (scripts/test_cpu_report.py).
+#   bash scripts/suite_cpu.sh [OUT_DIR] [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-/tmp/trackdiag-suite-cpu}; shift || true
+mkdir -p "$OUT"; rm -f "$OUT/tests.tsv"
+CG=/sys/fs/cgroup/cpuacct/trackdiag-suite-$$
+mkdir "$CG" 2>/dev/null || { echo "suite_cpu: cannot make a cpuacct cgroup (not root, or no cgroup v1 cpuacct)" >&2; exit 2; }
+trap 'rmdir "$CG" 2>/dev/null || true' EXIT
+t0=$(date +%s.%N)
+rc=0
+bash -c 'echo $$ > "$1/cgroup.procs"; shift; exec "$@"' _ "$CG" env TRACKDIAG_TEST_CPU="$OUT/tests.tsv" \
+  .venv/bin/python -m pytest -q -p no:cacheprovider "$@" > "$OUT/pytest.txt" 2>&1 || rc=$?
+t1=$(date +%s.%N)
+sleep 2   # daemons killed at the end of the last tests
+tail -3 "$OUT/pytest.txt"
+.venv/bin/python scripts/test_cpu_report.py "$OUT/tests.tsv" 10 > "$OUT/report.txt"
+head -1 "$OUT/report.txt"
+python3 -c "import sys; cpu, wall = int(sys.argv[1]) / 1e9, float(sys.argv[3]) - float(sys.argv[2]); cores = int(sys.argv[4]); print(f'whole suite: {cpu:.0f} CPU-s in {wall:.0f} s on {cores} cores ({cpu / wall / cores:.0%} of them)')" \
+  "$(cat "$CG/cpuacct.usage")" "$t0" "$t1" "$(nproc)"
+echo "per test, per module, per minute: $OUT/report.txt"
+exit $rc
