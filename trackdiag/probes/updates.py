@@ -23,6 +23,9 @@ Emits per component:
       (a textbook ``w = 0`` logistic regression, zero-initialised biases: their first steps make the weights,
       so "larger than the weights" says nothing; ``nan`` when every parameter started at zero). The rule for
       steps larger than the weights reads it.
+  table ``diag/[<c>/]update/born_zero`` (when there are any): ``{layer: 1.0}`` for the layers whose every parameter
+      was all zero when first measured (a decoder whose weight is tied to the embedding keeps only its zero-initialised
+      bias; a zero-initialised head): their ratio is to a size their own steps made.
   ``diag/[<c>/]update/idle_steps`` (every logging step, while > 0): consecutive steps in which
       backward passes reached the component but none of its optimizers stepped (an ``optimizer.step()``
       the loop stopped calling), with the table ``update/idle`` = ``{"since": first such step}``;
@@ -186,7 +189,9 @@ class UpdateProbe(Probe):
         born = live * self._not_born_zero(comp, w_norms)
         out = {"ratio": torch.where(lw > 0, ld / lw, nan),  # its median is taken on the host (CUDA's nanmedian syncs)
                "global_ratio": step / torch.linalg.vector_norm(w_norms * live),
-               "step_size": torch.linalg.vector_norm(d_norms * born) / torch.linalg.vector_norm(w_norms * born)}
+               "step_size": torch.linalg.vector_norm(d_norms * born) / torch.linalg.vector_norm(w_norms * born),
+               # layers whose every parameter was all zero when first measured: their size is what their steps made
+               "born_zero": ((idx.per_layer_norm(w_norms * born) == 0) & (lw > 0)).float()}
         if idx.grouped:
             gw, gd = idx.per_group_norm(lw), idx.per_group_norm(ld)
             out["group_ratio"] = torch.where(gw > 0, gd / gw, torch.full_like(gw, math.nan))
@@ -237,6 +242,10 @@ class UpdateProbe(Probe):
             if f"{comp.name}|step_size" in values:
                 record.scalars[comp.key("update/step_size")] = float(values[f"{comp.name}|step_size"][0])
             publish_layers(comp.key("update/ratio"), comp, ratio, record, values.get(f"{comp.name}|group_ratio"))
+            born = values.get(f"{comp.name}|born_zero")
+            if born is not None and len(born) == len(comp.index.layers) and born.any():
+                record.tables[comp.key("update/born_zero")] = {
+                    layer: 1.0 for layer, b in zip(comp.index.layers, born.tolist()) if b}
 
     def reindexed(self, ctx: ProbeContext, comp: Component) -> None:
         self._pending.pop(comp.name, None)

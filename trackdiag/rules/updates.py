@@ -60,7 +60,9 @@ class UpdateRatio(Rule):
     - one layer above ``high`` for ``patience`` (3) consecutive measurements (``persistent``): a
       param group with a wrong learning rate, a weight decay that flips the weights. One
       measurement alone is not enough for a layer: parameters initialised at or near zero
-      (LayerScale, zero-initialised heads, LoRA's B) grow by more than their size at first;
+      (LayerScale, zero-initialised heads, LoRA's B) grow by more than their size at first; a layer whose every
+      parameter was zero when first measured (``update/born_zero``: a tied decoder's bias) is held to
+      ``BORN_FACTOR`` (10) x ``high``;
     - where the optimizer steps an input, not the model (:func:`~trackdiag.capture.components.stepped_inputs`:
       style transfer's LBFGS moves the clamped image 10-100x in its first steps), a step above ``high`` is raised
       only on what followed it (the loss, a non-finite value), and layers above ``high`` are not reported;
@@ -77,6 +79,12 @@ class UpdateRatio(Rule):
 
     #: what confirms a whole-model step above ``high`` (see above; constants, not config options)
     SETTLE, LOSS_FACTOR, GRAD_FACTOR, LOSS_KEPT = 5, 3.0, 10.0, 0.8
+    #: a layer whose every parameter was zero when first measured (``update/born_zero``) is "too high" above this x
+    #: ``high``: its size is what its own steps made, so under SGD at a large rate it is rewritten every step when
+    #: healthy (word_language_model's recipe with tied weights: the decoder keeps only its zero-initialised bias, at
+    #: lr 20 and clipping 0.25 its ratio sits at 0.5-1.9). Under SGD that ratio does not move with the rate (the steps
+    #: and the size they made scale together): a rate too high on such a layer shows in the loss, not here
+    BORN_FACTOR = 10.0
 
     def __init__(self, *, high: float = 1.0, extreme: float | None = None, low: float = 1e-6, patience: int = 3,
                  lr_fraction: float = 0.01, **kw: Any) -> None:
@@ -119,9 +127,11 @@ class UpdateRatio(Rule):
                 continue
             annealed = self._annealed(record, comp)
             inputs = bool(stepped_inputs(comp))  # an image stepped and clamped: "each step rewrites it" is no fault
+            born = record.tables.get(comp.key("update/born_zero")) or {}
             for direction in ("low",) if inputs else ("high", "low"):
                 due = [lay for lay, v in layers.items()
-                       if self._streaks.bump(f"{comp.name}|{lay}|{direction}", self._off(direction, v, annealed), record.step)]
+                       if self._streaks.bump(f"{comp.name}|{lay}|{direction}", self._off(direction, v, annealed, lay in born),
+                                             record.step)]
                 if due:
                     out.append(self._layer_finding(comp, layers, due, direction))
         self.follow_until = max((p.step + self.SETTLE for p in self._pending.values()), default=-1)
@@ -208,9 +218,12 @@ class UpdateRatio(Rule):
             return f"the gradient norm fell below 1/{self.GRAD_FACTOR:g} of its level after it while the loss did not fall"
         return ""
 
-    def _off(self, direction: str, v: float, annealed: bool) -> bool:
-        """Whether ratio ``v`` is too high / too low (a ratio of exactly 0 is never "too low")."""
-        return v > self.high if direction == "high" else 0.0 < v < self.low and not annealed
+    def _off(self, direction: str, v: float, annealed: bool, born_zero: bool = False) -> bool:
+        """Whether ratio ``v`` is too high / too low (a ratio of exactly 0 is never "too low"); a layer born zero
+        is too high above ``BORN_FACTOR`` x ``high``."""
+        if direction == "high":
+            return v > self.high * (self.BORN_FACTOR if born_zero else 1.0)
+        return 0.0 < v < self.low and not annealed
 
     def _layer_finding(self, comp: Component, layers: dict[str, float], due: list[str], direction: str) -> Alert:
         worst = (max if direction == "high" else min)(due, key=lambda lay: layers[lay])
