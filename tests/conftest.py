@@ -102,7 +102,7 @@ SHARED_FIXTURES = {"test_benchmarks", "test_compare", "test_delivery_server", "t
 COSTLY: dict[str, float] = {
     "tests/test_sweep_server.py::test_parallel_jobs_one_parent_every_point_true_statuses[joblib]": 120,
     "tests/test_sweep_ray.py": 120,
-    "tests/test_sweep_server.py::test_parallel_jobs_one_parent_every_point_true_statuses[submitit_local]": 110,
+    "tests/test_sweep_server.py::test_parallel_jobs_one_parent_every_point_true_statuses[submitit_local]": 70,
     "tests/test_sweep_faults.py::test_server_restarted_mid_sweep_loses_nothing": 120,
     "tests/test_sweep_faults.py::test_killed_job_is_killed_others_unaffected": 110,
     "tests/test_compare.py": 100,

@@ -108,12 +108,12 @@ def ray_overrides(head: RayHead, uri: str) -> list[str]:
 
 
 @pytest.mark.timeout(1800)
-def test_ray_sweep_9_jobs_one_parent_true_statuses_killed_job_killed(tmp_path: Path) -> None:
+def test_ray_sweep_jobs_one_parent_true_statuses_killed_job_killed(tmp_path: Path) -> None:
     if os.environ.get(NETNS) != "1":  # run this same test inside a private network namespace
         t0 = time.monotonic()
         inner = subprocess.run(
             ["unshare", "-n", "bash", "-c", 'ip link set lo up && exec "$@"', "netns", sys.executable, "-m", "pytest",
-             f"{__file__}::{test_ray_sweep_9_jobs_one_parent_true_statuses_killed_job_killed.__name__}", "-q", "-s",
+             f"{__file__}::{test_ray_sweep_jobs_one_parent_true_statuses_killed_job_killed.__name__}", "-q", "-s",
              "-o", "addopts=", "-o", "timeout=1700", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inner'}"],
             env={**os.environ, NETNS: "1"}, capture_output=True, text=True, timeout=1750, cwd=Path(__file__).parent)
         out = inner.stdout + inner.stderr
