@@ -188,7 +188,7 @@ def _wide(z: torch.Tensor) -> torch.dtype:
 def measure(z: torch.Tensor, t: torch.Tensor, dim: int, loss: torch.Tensor) -> torch.Tensor:
     """``[loss, CE, NLL, counted targets, max |row sum - 1|, min score, mean |row logsumexp|]``, one device vector
     (float64 where the device has it: beside the loss's own rounding the recomputed values are exact)."""
-    wide = torch.float64 if z.device.type in ("cpu", "cuda") else torch.float32
+    wide = _wide(z)
     c = z.shape[dim]
     rows = z.detach().to(wide).movedim(dim, -1).reshape(-1, c)
     flat = t.reshape(-1)
@@ -211,7 +211,7 @@ def padding(z: torch.Tensor, t: torch.Tensor, dim: int, batch: Any) -> list[torc
     -1 without such an input), v, the cross-entropy over the counted targets other than v]``. None for other shapes."""
     if t.dim() != 2 or t.shape[1] < 4 or t.is_floating_point() or z.dim() != 3 or dim % 3 != 2:
         return None
-    wide = torch.float64 if z.device.type in ("cpu", "cuda") else torch.float32
+    wide = _wide(z)
     c = z.shape[dim]
     v = t[:, -1].mode().values
     pad = t == v
@@ -293,7 +293,7 @@ def softmax_dim(loss: torch.Tensor, z: torch.Tensor, cdim: int, depth: int = 5, 
 def along(z: torch.Tensor, t: torch.Tensor, cdim: int, dim: int) -> torch.Tensor:
     """The mean cross-entropy of ``z`` normalised along ``dim`` (not the class dimension ``cdim``), the target picked
     along ``cdim``; targets outside ``[0, C)`` left out (float64 where the device has it)."""
-    wide = torch.float64 if z.device.type in ("cpu", "cuda") else torch.float32
+    wide = _wide(z)
     zz = z.detach().to(wide)
     c = z.shape[cdim]
     rows = (zz.logsumexp(dim, keepdim=True) - zz).movedim(cdim, -1).reshape(-1, c)
@@ -338,7 +338,7 @@ def from_sigmoid(z: torch.Tensor, depth: int = 6) -> bool:
 def measure_binary(z: torch.Tensor, t: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """``[loss, BCE of the scores as logits, BCE of the scores as probabilities, targets, min score, max score]``, one
     device vector in float64 where the device has it (``BCELoss``'s own log clamp at -100 kept)."""
-    wide = torch.float64 if z.device.type in ("cpu", "cuda") else torch.float32
+    wide = _wide(z)
     zz, tt = z.detach().to(wide).reshape(-1), t.detach().to(wide).reshape(-1)
     with_logits = torch.nn.functional.binary_cross_entropy_with_logits(zz, tt)
     # targets outside [0, 1] (a regression's) are no BCELoss's: clamped, so that the op cannot assert on the device
