@@ -152,6 +152,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return cores + 1
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the node ids (``id@group``)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     groups: dict[str, str] = {}
     for item in items:
@@ -170,6 +171,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 #: this session's collection in the order xdist gets it (tests/test_suite_order.py checks it)
 COLLECTED: list[str] = []
+#: the node ids as xdist's scheduler gets them, after every plugin's ``pytest_collection_modifyitems`` (on a worker
+#: under ``--dist loadgroup``, a grouped test's id ends with ``@<group>``), those ``-k``/``-m`` deselected included
+SCHEDULED: list[str] = []
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    SCHEDULED.extend(item.nodeid for item in items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    SCHEDULED.extend(item.nodeid for item in session.items)
 
 
 #: ``TRACKDIAG_TEST_CPU=<file>``: each test's CPU seconds (this process and the children it waited for, setup to

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import COLLECTED, COSTLY, SHARED_FIXTURES, cost
+from conftest import COLLECTED, COSTLY, SCHEDULED, SHARED_FIXTURES, cost
 
 
 def _whole_suite() -> list[str]:
@@ -36,3 +36,17 @@ def test_the_costliest_scopes_come_first() -> None:
     costs = [max(cost(i) for i in ids if (module(i) if module(i) in SHARED_FIXTURES else i) == s) for s in scopes]
     assert costs == sorted(costs, reverse=True), list(zip(scopes, costs))[:40]
     assert costs[0] >= 100 and costs[-1] == 0
+
+
+def test_grouped_modules_reach_xdist_as_one_group(request: pytest.FixtureRequest) -> None:
+    """Each test of a :data:`SHARED_FIXTURES` module reaches xdist's scheduler as ``id@module`` (one work unit, one
+    worker, its costly module fixtures started once). The grouping was silently a no-op while conftest's hook ran
+    after xdist's, which reads the groups into the ids: the browser story trained on all three workers."""
+    if not getattr(request.config.option, "loadgroup", False) or not SCHEDULED:  # xdist sets it on its workers
+        pytest.skip("not an xdist worker under --dist loadgroup")
+    module = lambda nodeid: nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")  # noqa: E731
+    grouped = [i for i in SCHEDULED if module(i) in SHARED_FIXTURES]
+    if not grouped:
+        pytest.skip("no grouped module collected")
+    ungrouped = [i for i in grouped if not i.endswith(f"@{module(i)}")]
+    assert not ungrouped, f"{len(ungrouped)} of {len(grouped)} grouped tests reach xdist without their group: {ungrouped[:3]}"
