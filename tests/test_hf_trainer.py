@@ -8,7 +8,7 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -18,11 +18,23 @@ from _zoo_a import one_thread, quiet_probes
 from trackdiag.core.errors import ConfigError
 from trackdiag.core.record import read_records
 
-pytest.importorskip("transformers", reason="pip install 'trackdiag[transformers]'")
-from transformers import Trainer, TrainerCallback  # noqa: E402
+if TYPE_CHECKING:
+    from transformers import Trainer
 
-from _hf_util import Progressions, Recorder, accuracy, arguments, bert, gpt2  # noqa: E402
-from trackdiag.integrations.transformers import DiagnosticsCallback  # noqa: E402
+    from _hf_util import Recorder
+    from trackdiag.integrations.transformers import DiagnosticsCallback
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _hf() -> None:
+    """transformers and what needs it, imported by this module's first test rather than at collection: importing
+    transformers' Trainer costs ~2 s of CPU, paid by every xdist worker that collects the suite (issue 47)."""
+    pytest.importorskip("transformers", reason="pip install 'trackdiag[transformers]'")
+    global Trainer, TrainerCallback, Progressions, Recorder, accuracy, arguments, bert, gpt2, DiagnosticsCallback
+    from transformers import Trainer, TrainerCallback
+
+    from _hf_util import Progressions, Recorder, accuracy, arguments, bert, gpt2
+    from trackdiag.integrations.transformers import DiagnosticsCallback
 
 
 def train(tmp_path: Path, model: Any, *, cb: DiagnosticsCallback | None = None, arm_at: int | None = None,
