@@ -114,7 +114,7 @@ def test_overhead_eager_table_with_cockpit_arm(tmp_path: Path) -> None:
     BackPACK supports the model and is skipped with BackPACK's reason where it does not."""
     arms = ["disabled", "basic", "advanced", "extreme", *(["cockpit"] if HAS_COCKPIT else [])]
     res, stdout = _overhead(tmp_path, "--workloads", "cnn", "gpt_tiny", "--arms", *arms,
-                            "--rounds", "2", "--steps", "10", "--warmup", "10", "--markdown")
+                            "--rounds", "2", "--steps", "5", "--warmup", "5", "--markdown")
     rows = {(r["workload"], r["arm"]): r for r in res["rows"]}
     for wl in ("cnn", "gpt_tiny"):
         for arm in ["bare", "disabled", "basic", "advanced", "extreme"]:
@@ -194,7 +194,7 @@ def test_op_trace_profiles_each_arm_beside_the_bare_loop(tmp_path: Path) -> None
 def test_overhead_compiled_table_counts_dynamo(tmp_path: Path) -> None:
     """``--compile``: bare/basic/advanced on compiled models, finite ratios (or a reported failure,
     never a crash) and Dynamo's counts per arm."""
-    res, stdout = _overhead(tmp_path, "--workloads", "gpt_tiny", "--compile", "--rounds", "2", "--steps", "10", "--warmup", "10", "--markdown")
+    res, stdout = _overhead(tmp_path, "--workloads", "gpt_tiny", "--compile", "--rounds", "2", "--steps", "5", "--warmup", "5", "--markdown")
     rows = {r["arm"]: r for r in res["rows"]}
     assert set(rows) == {"bare", "basic", "advanced"} and "compile: on" in res["environment"]
     assert _finite(rows["bare"]) and rows["bare"]["graph_breaks"] == 0 and rows["bare"]["unique_graphs"] >= 1
