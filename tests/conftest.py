@@ -141,15 +141,15 @@ def cost(nodeid: str) -> float:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one worker per core, plus one. About a quarter of the suite's test time is spent waiting, not
-    computing (Ray and MLflow servers starting, a sweep's jobs polled, a delay proxy, Hydra's launchers
-    waiting on their jobs: 660 of 2,640 test-seconds in the last 2-worker run), and a worker that waits
-    leaves its core idle; a third worker on 2 cores fills it."""
+    """``-n auto``: one worker per core. A worker more (the previous choice: waits on servers and jobs leave a core
+    idle) costs more than the waits it fills: on 2 cores the healthy style matrix (93 CPU-bound tests) took 97 CPU-s
+    in 59 s with 2 workers and 111-115 CPU-s in 67-69 s with 3 (alternated, twice each: every test pays for sharing
+    a core), the whole suite 1,154 CPU-s in 622 s against 1,286 in 660 (issue 47)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return cores + 1
+    return cores
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the node ids (``id@group``)
