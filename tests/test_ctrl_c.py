@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -133,7 +134,9 @@ def test_ctrl_c_to_the_process_group(tmp_path: Path) -> None:
     job = _Job(tmp_path)
     took, limit, after = job.interrupt(twice=False)
     out = job.out
-    assert "_mlflow_worker" not in out and 'File "<string>"' not in out, after[-3000:]  # nothing from the worker
+    # nothing from the worker: its tracebacks start at its ``python -c`` boot frame. (A dataclass's generated
+    # ``__init__`` is ``File "<string>"`` too: the training process's own KeyboardInterrupt may land in one.)
+    assert "_mlflow_worker" not in out and not re.search(r'File "<string>", line \d+, in <module>', out), after[-3000:]
     assert "unreachable" not in out and "is back after" not in out and "not delivered" not in out, after[-3000:]
     assert after.count("training stopped; ending the run") == 1, after[-3000:]  # at once, before the report
     assert after.count("closing the MLflow run as KILLED") == 1, after[-3000:]
