@@ -90,8 +90,16 @@ def _close_sessions_left_open():
 #: run, a browser story): their tests go to one xdist worker (``--dist loadgroup``) so it starts once
 SHARED_FIXTURES = {"test_benchmarks", "test_compare", "test_delivery_server", "test_distributed", "test_hydra_app",
                    "test_lightning", "test_mlflow_sink", "test_plots", "test_view_screens", "test_view_story"}
-# The sweep modules are not grouped: their PostgreSQL + MLflow server is shared by every sweep test of a worker
-# process (_sweeps.server_fixture), and their five tests (80-180 s each) would keep one worker busy for 9 minutes.
+#: modules that share one group: the sweeps (five tests, 25-50 s each on 2 cores) wait on PostgreSQL, MLflow and Ray
+#: starting and on their jobs, so on one worker they start one PostgreSQL + MLflow server (_sweeps.server_fixture:
+#: one per worker process) and leave the other worker's CPU-bound tests the cores they do not use; spread over both
+#: workers they waited side by side at the start of the run (~15 % of the cores idle in its first 80 s)
+GROUPED_WITH = {"test_sweep_server": "sweeps", "test_sweep_faults": "sweeps", "test_sweep_ray": "sweeps"}
+
+
+def group_of(module: str) -> str | None:
+    """The xdist group of a test module (its own name for :data:`SHARED_FIXTURES`), or None."""
+    return GROUPED_WITH.get(module) or (module if module in SHARED_FIXTURES else None)
 
 #: the costliest tests (a node id or its prefix: a module, or a test and all its parameters) and their seconds
 #: on one worker of a full run on the 2-core VM (--durations=0: a quiet run's, or a busy run's x0.4). They start
@@ -157,9 +165,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     groups: dict[str, str] = {}
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
-        if module in SHARED_FIXTURES:
-            item.add_marker(pytest.mark.xdist_group(module))
-            groups[item.nodeid] = module
+        group = group_of(module)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+            groups[item.nodeid] = group
     # costliest scope first (a group is one scope: its tests stay together, in file order); stable for the rest
     scope_cost: dict[str, float] = {}
     for item in items:

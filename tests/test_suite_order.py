@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import COLLECTED, COSTLY, SCHEDULED, SHARED_FIXTURES, cost
+from conftest import COLLECTED, COSTLY, SCHEDULED, cost, group_of
 
 
 def _whole_suite() -> list[str]:
@@ -29,24 +29,24 @@ def test_the_costliest_scopes_come_first() -> None:
     module = lambda nodeid: nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")  # noqa: E731
     scopes: list[str] = []  # xdist's work units in collection order: a group is one, any other test is one
     for nodeid in ids:
-        scope = module(nodeid) if module(nodeid) in SHARED_FIXTURES else nodeid
+        scope = group_of(module(nodeid)) or nodeid
         if not scopes or scopes[-1] != scope:
             assert scope not in scopes, f"{scope}: a group's tests are split in the collection"
             scopes.append(scope)
-    costs = [max(cost(i) for i in ids if (module(i) if module(i) in SHARED_FIXTURES else i) == s) for s in scopes]
+    costs = [max(cost(i) for i in ids if (group_of(module(i)) or i) == s) for s in scopes]
     assert costs == sorted(costs, reverse=True), list(zip(scopes, costs))[:40]
     assert costs[0] >= 100 and costs[-1] == 0
 
 
 def test_grouped_modules_reach_xdist_as_one_group(request: pytest.FixtureRequest) -> None:
-    """Each test of a :data:`SHARED_FIXTURES` module reaches xdist's scheduler as ``id@module`` (one work unit, one
-    worker, its costly module fixtures started once). The grouping was silently a no-op while conftest's hook ran
-    after xdist's, which reads the groups into the ids: the browser story trained on all three workers."""
+    """Each test of a grouped module (:func:`conftest.group_of`) reaches xdist's scheduler as ``id@group`` (one work
+    unit, one worker, its costly module fixtures started once). The grouping was silently a no-op while conftest's
+    hook ran after xdist's, which reads the groups into the ids: the browser story trained on all three workers."""
     if not getattr(request.config.option, "loadgroup", False) or not SCHEDULED:  # xdist sets it on its workers
         pytest.skip("not an xdist worker under --dist loadgroup")
     module = lambda nodeid: nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")  # noqa: E731
-    grouped = [i for i in SCHEDULED if module(i) in SHARED_FIXTURES]
+    grouped = [i for i in SCHEDULED if group_of(module(i))]
     if not grouped:
         pytest.skip("no grouped module collected")
-    ungrouped = [i for i in grouped if not i.endswith(f"@{module(i)}")]
+    ungrouped = [i for i in grouped if not i.endswith(f"@{group_of(module(i))}")]
     assert not ungrouped, f"{len(ungrouped)} of {len(grouped)} grouped tests reach xdist without their group: {ungrouped[:3]}"
