@@ -4,6 +4,8 @@
 # that outlive or escape pytest's process tree are counted too (`time` counts only the children pytest waited for:
 # ~20 % of the suite's CPU is not among them). Also writes each test's CPU, wall, start and worker to
 # $OUT/tests.tsv (tests/conftest.py) and prints the per-minute timeline (scripts/test_cpu_report.py).
+# CENSUS=1 also writes one line per Python process of .venv to $OUT/census.tsv (scripts/census_site.py, installed as a
+# .pth file for this run only) and sums them by kind.
 #   bash scripts/suite_cpu.sh [OUT_DIR] [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +13,13 @@ OUT=${1:-/tmp/trackdiag-suite-cpu}; shift || true
 mkdir -p "$OUT"; rm -f "$OUT/tests.tsv"
 CG=/sys/fs/cgroup/cpuacct/trackdiag-suite-$$
 mkdir "$CG" 2>/dev/null || { echo "suite_cpu: cannot make a cpuacct cgroup (not root, or no cgroup v1 cpuacct)" >&2; exit 2; }
-trap 'rmdir "$CG" 2>/dev/null || true' EXIT
+PTH=""
+if [ "${CENSUS:-0}" = 1 ]; then
+  SITE=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  cp scripts/census_site.py "$SITE/_trackdiag_census.py"; PTH="$SITE/_trackdiag_census.pth"
+  echo "import _trackdiag_census" > "$PTH"; rm -f "$OUT/census.tsv"; export TRACKDIAG_CENSUS="$OUT/census.tsv"
+fi
+trap 'rmdir "$CG" 2>/dev/null || true; [ -z "$PTH" ] || rm -f "$PTH" "${PTH%.pth}.py"' EXIT
 t0=$(date +%s.%N)
 rc=0
 bash -c 'echo $$ > "$1/cgroup.procs"; shift; exec "$@"' _ "$CG" env TRACKDIAG_TEST_CPU="$OUT/tests.tsv" \
@@ -24,4 +32,8 @@ head -1 "$OUT/report.txt"
 python3 -c "import sys; cpu, wall = int(sys.argv[1]) / 1e9, float(sys.argv[3]) - float(sys.argv[2]); cores = int(sys.argv[4]); print(f'whole suite: {cpu:.0f} CPU-s in {wall:.0f} s on {cores} cores ({cpu / wall / cores:.0%} of them)')" \
   "$(cat "$CG/cpuacct.usage")" "$t0" "$t1" "$(nproc)"
 echo "per test, per module, per minute: $OUT/report.txt"
+if [ -n "$PTH" ] && [ -f "$OUT/census.tsv" ]; then
+  awk -F'\t' '{k = ($6 ~ /mlflow.worker/) ? "MLflow sink workers" : ($1 == "-" && $6 == "-c") ? "xdist workers" : "other Python processes";
+    c[k] += $2; n[k]++} END {for (k in c) printf "census: %-22s %4d processes %7.1f CPU-s\n", k, n[k], c[k]}' "$OUT/census.tsv"
+fi
 exit $rc
