@@ -101,6 +101,7 @@ def group_of(module: str) -> str | None:
     """The xdist group of a test module (its own name for :data:`SHARED_FIXTURES`), or None."""
     return GROUPED_WITH.get(module) or (module if module in SHARED_FIXTURES else None)
 
+
 #: the costliest tests (a node id or its prefix: a module, or a test and all its parameters) and their seconds
 #: on one worker of a full run on the 2-core VM (--durations=0: a quiet run's, or a busy run's x0.4). They start
 #: first, costliest first (pyproject's addopts has ``--no-loadscope-reorder``, so xdist keeps this order instead
