@@ -10,6 +10,11 @@ import pytest
 from conftest import COLLECTED, COSTLY, SCHEDULED, cost, group_of
 
 
+def module(nodeid: str) -> str:
+    """The test module's name of a node id (``tests/test_x.py::test_y[...]@group`` -> ``test_x``)."""
+    return nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+
+
 def _whole_suite() -> list[str]:
     """This session's collection (before ``-k`` deselected anything): ``pytest tests -k suite_order`` checks it."""
     ids = list(COLLECTED)
@@ -26,7 +31,6 @@ def test_every_costly_entry_names_a_collected_test() -> None:
 
 def test_the_costliest_scopes_come_first() -> None:
     ids = _whole_suite()
-    module = lambda nodeid: nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")  # noqa: E731
     scopes: list[str] = []  # xdist's work units in collection order: a group is one, any other test is one
     for nodeid in ids:
         scope = group_of(module(nodeid)) or nodeid
@@ -44,7 +48,6 @@ def test_grouped_modules_reach_xdist_as_one_group(request: pytest.FixtureRequest
     hook ran after xdist's, which reads the groups into the ids: the browser story trained on all three workers."""
     if not getattr(request.config.option, "loadgroup", False) or not SCHEDULED:  # xdist sets it on its workers
         pytest.skip("not an xdist worker under --dist loadgroup")
-    module = lambda nodeid: nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")  # noqa: E731
     grouped = [i for i in SCHEDULED if group_of(module(i))]
     if not grouped:
         pytest.skip("no grouped module collected")
