@@ -170,6 +170,28 @@ def test_probe_costs_times_each_part_as_often_as_the_loop_calls_it(tmp_path: Pat
     assert ratio is not None and float(ratio.group(1)) > 1.0  # (its size depends on the machine's load)
 
 
+def test_floor_table_has_the_floor_the_machinery_and_each_preset(tmp_path: Path) -> None:
+    """benchmarks/floor.py on the small MLP: a row per arm (the bare loop at +0, the hand-written floor, the session's
+    machinery, the presets, a preset without a probe), each a finite time; ``advanced``, whose first steps are all
+    logging steps, above the bare loop; an unknown probe name is refused with the preset's probes listed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, str(BENCH / "floor.py"), "--rounds", "2", "--steps", "10", "--warmup", "5"]
+    proc = subprocess.run([*cmd, "--drop", "basic:data_finite"], capture_output=True, text=True, timeout=240, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 4 and cells[1].replace(".", "").isdigit():
+            rows[cells[0]] = (float(cells[1]), float(cells[2]), float(cells[3]))
+    assert set(rows) == {"bare", "floor", "machinery", "basic", "advanced", "basic without data_finite"}, proc.stdout
+    assert rows["bare"][1:] == (0.0, 1.0) and all(math.isfinite(v) and v > 0 for v, _, _ in rows.values())
+    assert rows["advanced"][2] > 1.0, proc.stdout
+    bad = subprocess.run([*cmd, "--drop", "basic:no_such_probe"], capture_output=True, text=True, timeout=240, env=env,
+                         cwd=tmp_path)
+    assert bad.returncode != 0 and "no probe ['no_such_probe'] in 'basic'" in bad.stderr and "data_finite" in bad.stderr
+
+
 def test_op_trace_profiles_each_arm_beside_the_bare_loop(tmp_path: Path) -> None:
     """benchmarks/op_trace.py on the small MLP: one profiled section per arm with finite timings, and the
     operations trackdiag adds show in its arm only (the gradient tap's one multi-tensor norm per backward)."""
