@@ -25,8 +25,9 @@ Emits per judged component at each due step that had both fingerprints:
       optimizer's step at ``D`` over all judged tensors (0 in a healthy loop; ``nan`` when the step changed nothing);
   ``diag/[<c>/]moved/tensors``: judged tensors whose fingerprint changed at all between the steps;
   table ``[<c>/]moved/layers``: ``{layer: its share of the ratio}`` for the layers counted in ``moved/ratio``.
-Cost on a due step, per component: three fingerprints (each one ``_foreach_norm`` and, per tensor, an ``abs().sum()``
-(CPU; a ``_foreach_norm`` elsewhere) and a ``sum()``; ~0.3 ms for a 400k-parameter MLP on one CPU thread), a
+Cost on a due step, per component: three fingerprints (each one ``_foreach_norm`` and, per tensor, an ``abs`` into
+one kept buffer and its ``sum`` (CPU: :class:`~trackdiag.util.norms.AbsSums`; a ``_foreach_norm`` elsewhere) and a
+``sum()``; ~0.3 ms for a 400k-parameter MLP on one CPU thread), a
 ``[3, n]`` tensor kept between two hooks, host work at publish; on other steps two schedule look-ups.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ from trackdiag.capture.context import Component, ProbeContext, StepInputs
 from trackdiag.capture.optimizers import chain_of
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe, take_pending
-from trackdiag.util.norms import tensor_norms
+from trackdiag.util.norms import AbsSums, tensor_norms
 from trackdiag.util.ranks import local
 
 #: the relative rounding of a norm or sum taken twice that still counts as shrinking (a fingerprint is one fp32 reduction)
@@ -62,6 +63,7 @@ class MovedProbe(Probe):
         self._between: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # comp -> (generation, pre fingerprint, its change)
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._masks: dict[str, tuple[int, np.ndarray]] = {}  # comp -> (generation, judged tensors)
+        self._abs_sums = AbsSums()  # the CPU's L1 norms through one kept buffer (no fresh pages per fingerprint)
 
     @torch.no_grad()
     def _fingerprint(self, comp: Component) -> torch.Tensor:
@@ -72,7 +74,7 @@ class MovedProbe(Probe):
         try:
             wide = torch.float32 if idx.low_precision else None
             if l2.device.type == "cpu":  # the CPU's foreach L1 norm is 3x slower than abs().sum() (one tensor at a time)
-                l1 = torch.stack([p.abs().sum(dtype=wide) for p in params]).float()
+                l1 = torch.stack(self._abs_sums(params, wide)).float()
             else:
                 l1 = tensor_norms(params, 1.0, wide).float().to(l2.device)
             sums = torch.stack([p.sum(dtype=wide) for p in params]).float()
