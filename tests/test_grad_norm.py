@@ -19,14 +19,19 @@ def _series(out_dir, key: str) -> dict[int, float]:
 
 @pytest.mark.parametrize("every", [1, 7])
 @pytest.mark.parametrize("mode", ["plain", "scaler_explicit_unscale", "scaler_implicit_unscale", "accumulate", "clipped"])
-def test_global_grad_norm_matches_clip_grad_norm(digits, tmp_path, mode: str, every: int) -> None:
+@pytest.mark.parametrize("hidden", [32, 300])
+def test_global_grad_norm_matches_clip_grad_norm(digits, tmp_path, mode: str, every: int, hidden: int) -> None:
     """``every=7``: off the due steps a step's norm is kept as its per-tensor norms and worked out for the
-    whole window at the logging step (:func:`trackdiag.capture.grad_records.totals`); every step still matches."""
+    whole window at the logging step (:func:`trackdiag.capture.grad_records.totals`); every step still matches.
+    ``hidden=300``: a 90,000-value weight, which the CPU measures by the same one ``_foreach_norm`` (few tensors,
+    whatever their size: ``LayerIndex.foreach``)."""
     x, y = digits
-    model = make_mlp()
+    model = make_mlp(hidden=hidden)
+    assert max(p.numel() for p in model.parameters()) == {32: 2048, 300: 90_000}[hidden]
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if mode.startswith("scaler") else None
     diag = trackdiag.Diagnostics(model, opt, scaler, level="advanced", every=every, sinks=["local"], output_dir=str(tmp_path), probes=LEAN_PROBES)
+    assert diag.components[0].index.foreach  # one _foreach_norm a pass, large tensors too
     expected: dict[int, float] = {}
     data = batches(x, y)
     micro = 3 if mode == "accumulate" else 1

@@ -9,12 +9,12 @@ layer: a Linear's weight stands for its bias, see :func:`firing`; parameter hook
 not deep-copied, and run in the autograd engine, outside any compiled graph). The first hook to fire in a backward pass queues one end-of-backward callback (under
 ``torch.distributed`` twice removed, so it runs after DDP's and FSDP's own end-of-backward work); that
 callback measures, for each component the pass reached, the global L2 norm of the accumulated gradients
-(fp32, divided by the ``GradScaler``'s scale when there is one). A small model's (at most
-``LAZY_TENSORS`` tensors, none large on the CPU) is kept as its per-tensor norms, one ``_foreach_norm``,
-and their norm is worked out when first asked for: the every-step series asks for a whole window at the logging step
-(:func:`totals`: one ``stack`` and one norm for the window), so a plain step pays one kernel;
-``clip_grad_norm_``'s arithmetic. A model of more tensors is taken at once (off the CPU: the foreach
-norms' norm, 3 kernels; on the CPU: a dot per large tensor, :func:`~trackdiag.util.norms.global_norm`). On steps that need detail also the per-tensor norms, the largest
+(fp32, divided by the ``GradScaler``'s scale when there is one). A model of at most ``LAZY_TENSORS`` tensors (any
+size) is kept as its per-tensor norms, one ``_foreach_norm``, and their norm is worked out when first asked for: the
+every-step series asks for a whole window at the logging step (:func:`totals`: one ``stack`` and one norm for the
+window), so a plain step pays one kernel; ``clip_grad_norm_``'s arithmetic. A model of more tensors is taken at once
+(off the CPU: the foreach norms' norm, 3 kernels; on the CPU: small tensors in chunks, a dot per large one,
+:func:`~trackdiag.util.norms.global_norm`). On steps that need detail also the per-tensor norms, the largest
 magnitude and the gradients' version counters (to tell later whether something clipped or unscaled
 them). One parameter per component, the *sentinel*, also records per backward whether its gradient was
 reset (``None`` or all zero) before the pass accumulated into it, the parameter's version counter, and
