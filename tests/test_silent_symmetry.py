@@ -142,3 +142,29 @@ def test_healthy_inits_are_silent(tmp_path, digits, name: str) -> None:
     checks = [r.scalars["diag/model/symmetry_checks"] for r in read_records(tmp_path)
               if "diag/model/symmetry_checks" in r.scalars]
     assert checks and max(checks) == 4  # measured, and found nothing
+
+
+def test_spread_and_scale_are_the_weights_own() -> None:
+    """What the probe hands over for each weight equals, bitwise, the spread across the units computed another way
+    (``aminmax`` over the units) and the largest magnitude (``abs().amax()``): a Linear, a Conv2d, a weight with one
+    unit constant and one that is symmetric."""
+    from trackdiag.capture.components import build_components
+    from trackdiag.capture.context import ProbeContext
+    from trackdiag.probes.symmetry import SymmetryProbe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 40), nn.ReLU(), nn.Linear(40, 5))
+    ctx = ProbeContext(build_components(model, torch.optim.SGD(model.parameters(), lr=0.1), 64), 10, 64, None)
+    probe = SymmetryProbe()
+    assert probe.collect(ctx) == {}  # no weight has moved yet: nothing measured
+    with torch.no_grad():  # every weight moves (its version counter): measured from now on
+        model[0].weight.mul_(1.5)
+        model[2].weight[3] = 0.25  # one unit constant
+        model[4].weight.copy_(model[4].weight[0].expand(5, 40))  # every unit the same
+    got = probe.collect(ctx)["spread"]
+    want = []
+    for w in (model[0].weight, model[2].weight, model[4].weight):
+        low, high = torch.aminmax(w.detach().reshape(w.shape[0], -1), dim=0)
+        want.append(torch.stack([(high - low).amax(), w.detach().abs().amax()]))
+    assert torch.equal(got, torch.stack(want)), (got, want)
+    assert got[2, 0] == 0 and got[0, 0] > 0

@@ -12,7 +12,8 @@ version counter moved: a frozen averaging filter is constant by design). Emitted
 and the table ``diag/[<c>/]model/symmetric_units`` (``{layer: output units}``) for layers symmetric at two checks in
 a row with an update between them (a zero-initialised layer behind another one is symmetric for its first step only).
 
-Cost: two reductions per weight (``aminmax`` over the units, then a max), one host copy with the logging step's, at
+Cost: four reductions per weight (``amax`` and ``amin`` over the units, their spread's max, an ``aminmax``; 0.1 ms for a
+1024 x 1024 weight on 2 CPU threads, where ``aminmax(dim=0)`` took 1.4 ms), one host copy with the logging step's, at
 the first ``checks`` (4) due steps after the weights first moved; then nothing. Sharded weights (FSDP2 DTensors) and
 parametrized modules are not read.
 """
@@ -68,9 +69,11 @@ class SymmetryProbe(Probe):
         values = []
         for comp in ctx.components:
             for name, w in self._weights(comp):
-                with torch.no_grad():
-                    low, high = torch.aminmax(w.detach().reshape(w.shape[0], -1), dim=0)
-                    values.append(torch.stack([(high - low).amax(), w.detach().abs().amax()]).float())
+                with torch.no_grad():  # amax and amin over the units: aminmax(dim=0) is ~10x slower on the CPU
+                    flat = w.detach().reshape(w.shape[0], -1)
+                    lo, hi = torch.aminmax(flat)  # the largest magnitude without an abs() copy of the weight
+                    values.append(torch.stack([(flat.amax(dim=0) - flat.amin(dim=0)).amax(),
+                                               torch.maximum(hi.abs(), lo.abs())]).float())
                 self._taken.append((comp, name, int(w.shape[0]), w._version))
         if not values:
             return {}
