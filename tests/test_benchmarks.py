@@ -174,6 +174,8 @@ def test_floor_table_has_the_floor_the_machinery_and_each_preset(tmp_path: Path)
     """benchmarks/floor.py on the small MLP: a row per arm (the bare loop at +0, the hand-written floor, the session's
     machinery, the presets, a preset without a probe), each a finite time; ``advanced``, whose first steps are all
     logging steps, above the bare loop; an unknown probe name is refused with the preset's probes listed."""
+    from trackdiag.core.presets import load_preset
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, str(BENCH / "floor.py"), "--rounds", "2", "--steps", "10", "--warmup", "5"]
     proc = subprocess.run([*cmd, "--drop", "basic:data_finite"], capture_output=True, text=True, timeout=240, env=env,
@@ -187,9 +189,14 @@ def test_floor_table_has_the_floor_the_machinery_and_each_preset(tmp_path: Path)
     assert set(rows) == {"bare", "floor", "machinery", "basic", "advanced", "basic without data_finite"}, proc.stdout
     assert rows["bare"][1:] == (0.0, 1.0) and all(math.isfinite(v) and v > 0 for v, _, _ in rows.values())
     assert rows["advanced"][2] > 1.0, proc.stdout
-    bad = subprocess.run([*cmd, "--drop", "basic:no_such_probe"], capture_output=True, text=True, timeout=240, env=env,
-                         cwd=tmp_path)
-    assert bad.returncode != 0 and "no probe ['no_such_probe'] in 'basic'" in bad.stderr and "data_finite" in bad.stderr
+    sys.path.insert(0, str(BENCH))
+    try:
+        import floor
+    finally:
+        sys.path.remove(str(BENCH))
+    with pytest.raises(SystemExit, match=r"no probe \['no_such_probe'\] in 'basic': .*data_finite"):
+        floor.probes_off("basic", drop={"no_such_probe"})
+    assert floor.probes_off("basic", keep={"loss"}).keys() == set(load_preset("basic")["probes"]) - {"loss"}
 
 
 def test_op_trace_profiles_each_arm_beside_the_bare_loop(tmp_path: Path) -> None:

@@ -84,27 +84,29 @@ def _warnings(diag: Any) -> list[tuple[str, int, str]]:
 
 
 def _fingerprint(params: list[torch.Tensor]) -> torch.Tensor:
-    """The probe's fingerprint computed another way: per tensor, in float64, from a full copy (of a tensor over
-    ``BLOCKS`` x ``BLOCK`` values, of the same evenly spaced runs the probe reads: ``sample_of`` the copy)."""
-    from trackdiag.probes.moved import sample_of
+    """The probe's fingerprint computed another way: per tensor, in float64, from a full copy (of a tensor over its
+    component's ``cap_of`` values, of the same evenly spaced runs the probe reads: ``sample_of`` the copy)."""
+    from trackdiag.probes.moved import cap_of, sample_of
 
-    copies = [sample_of(p.detach().double()) for p in params]
+    copies = [sample_of(p.detach().double(), cap_of(len(params))) for p in params]
     return torch.tensor([[float(torch.linalg.vector_norm(c, 2)) for c in copies], [float(c.abs().sum()) for c in copies],
                          [float(c.sum()) for c in copies]], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("width", [32, 300], ids=["small", "sampled"])
-def test_measured_movement_matches_full_copies(tmp_path: Path, width: int) -> None:
+@pytest.mark.parametrize("width,depth", [(32, 1), (300, 1), (128, 12)], ids=["small", "sampled", "many"])
+def test_measured_movement_matches_full_copies(tmp_path: Path, width: int, depth: int) -> None:
     """A reversed EMA from step 20: at each logging step the recorded ratio equals the one computed from full
     float64 copies taken after step D-1's update, before step D's and after it (the same definition: tensors
     whose move is not a pure shrink, their relative fingerprint changes over the optimizer's). ``sampled``: a
-    300 x 300 hidden layer (90,000 values), fingerprinted on its ``sample_of``; caught at the same step."""
-    from trackdiag.probes.moved import BLOCK, BLOCKS
+    300 x 300 hidden layer (90,000 values) read on its ``sample_of``; ``many``: 30 tensors, each 128 x 128 weight
+    read on 8,704 of its 16,384 values (the component's share of the budget); caught at the same step."""
+    from trackdiag.probes.moved import cap_of
 
     torch.manual_seed(0)
-    model = _mlp() if width == 32 else nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width),
-                                                     nn.Tanh(), nn.Linear(width, 4))
-    assert (max(p.numel() for p in model.parameters()) > BLOCKS * BLOCK) == (width == 300)
+    hidden = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())]
+    model = _mlp() if width == 32 else nn.Sequential(nn.Linear(16, width), nn.Tanh(), *hidden, nn.Linear(width, 4))
+    sizes = [p.numel() for p in model.parameters()]
+    assert (max(sizes) > cap_of(len(sizes))) == (width != 32), (max(sizes), cap_of(len(sizes)))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     params = list(model.parameters())
     anchor: list[torch.Tensor] = []

@@ -25,12 +25,11 @@ Emits per judged component at each due step that had both fingerprints:
       optimizer's step at ``D`` over all judged tensors (0 in a healthy loop; ``nan`` when the step changed nothing);
   ``diag/[<c>/]moved/tensors``: judged tensors whose fingerprint changed at all between the steps;
   table ``[<c>/]moved/layers``: ``{layer: its share of the ratio}`` for the layers counted in ``moved/ratio``.
-A tensor of more than 65,536 values is fingerprinted on 64 evenly spaced runs of 1,024 of its values
-(:func:`sample_of`, a view; every fingerprint of the run the same ones): what moves every weight moves them, and a due
-step reads ~1/16 of a million-value tensor three times instead of all of it (the 784-1024-1024-10 MLP at ``advanced``,
-on the CPU: the probe's hooks ~245 -> ~115 us a step).
-Cost on a due step, per component: three fingerprints (each one ``_foreach_norm`` and, per tensor, an ``abs`` into
-one kept buffer and its ``sum`` (CPU: :class:`~trackdiag.util.norms.AbsSums`; a ``_foreach_norm`` elsewhere) and a
+A fingerprint reads at most ~262,144 values of a component: each tensor at most its share of them (1,024 to 65,536
+values, :func:`cap_of`), as the first values of 64 evenly spaced runs (:func:`sample_of`, a view; every fingerprint of
+the run the same ones): what moves every weight moves them. On the CPU (in the training loop) the probe's hooks on the
+784-1024-1024-10 MLP at ``advanced`` ~245 -> ~85 us a step, on 100 tensors of ~42,000 values ~1,120 -> ~420 us.
+Cost on a due step, per component: three fingerprints (each two ``_foreach_norm`` and, per tensor, a
 ``sum()``; ~0.3 ms for a 400k-parameter MLP on one CPU thread), a
 ``[3, n]`` tensor kept between two hooks, host work at publish; on other steps two schedule look-ups.
 """
@@ -46,7 +45,7 @@ from trackdiag.capture.context import Component, ProbeContext, StepInputs
 from trackdiag.capture.optimizers import chain_of
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe, take_pending
-from trackdiag.util.norms import AbsSums, tensor_norms
+from trackdiag.util.norms import tensor_norms
 from trackdiag.util.ranks import local
 
 #: the relative rounding of a norm or sum taken twice that still counts as shrinking (a fingerprint is one fp32 reduction)
@@ -55,20 +54,25 @@ TOLERANCE = 1e-6
 PASS_THROUGH = ("accelerate", "lightning", "pytorch_lightning")
 
 
-#: a tensor of more than BLOCKS x BLOCK values is fingerprinted on a sample of it: BLOCKS runs of BLOCK values each,
-#: evenly spaced (a view): 1/16 of a million-value tensor's memory traffic, three times per due step
-BLOCKS, BLOCK = 64, 1024
+#: a fingerprint reads at most about BUDGET values of a component: each tensor at most its share (between MIN_CAP and
+#: MAX_CAP values), as the first values of RUNS evenly spaced runs (a view)
+BUDGET, MIN_CAP, MAX_CAP, RUNS = 1 << 18, 1 << 10, 1 << 16, 64
 
 
-def sample_of(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when it has at most ``BLOCKS`` x ``BLOCK`` values (or is not contiguous), else a ``(BLOCKS, BLOCK)``
-    view of it: the first ``BLOCK`` values of each of ``BLOCKS`` equal stretches. What moves every weight (a reversed
-    EMA, a checkpoint reloaded) moves these; a change confined to the values between them goes unseen."""
+def cap_of(tensors: int) -> int:
+    """The values a fingerprint reads of each of a component's ``tensors`` tensors at most."""
+    return max(MIN_CAP, min(MAX_CAP, BUDGET // max(tensors, 1)))
+
+
+def sample_of(t: torch.Tensor, cap: int = MAX_CAP) -> torch.Tensor:
+    """``t`` itself when it has at most ``cap`` values (or is not contiguous), else a ``(RUNS, cap // RUNS)`` view of
+    it: the first values of each of ``RUNS`` equal stretches. What moves every weight (a reversed EMA, a checkpoint
+    reloaded) moves these; a change confined to the values between them goes unseen."""
     n = t.numel()
-    if n <= BLOCKS * BLOCK or not t.is_contiguous() or t.layout is not torch.strided:
+    if n <= cap or not t.is_contiguous() or t.layout is not torch.strided:
         return t
-    per = n // BLOCKS
-    return t.view(-1)[: per * BLOCKS].view(BLOCKS, per)[:, :BLOCK]
+    per = n // RUNS
+    return t.view(-1)[: per * RUNS].view(RUNS, per)[:, : cap // RUNS]
 
 
 class MovedProbe(Probe):
@@ -83,27 +87,24 @@ class MovedProbe(Probe):
         self._between: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # comp -> (generation, pre fingerprint, its change)
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._masks: dict[str, tuple[int, np.ndarray]] = {}  # comp -> (generation, judged tensors)
-        self._abs_sums = AbsSums()  # the CPU's L1 norms through one kept buffer (no fresh pages per fingerprint)
 
     @torch.no_grad()
     def _fingerprint(self, comp: Component) -> torch.Tensor:
-        """``[3, n]`` (fp32): per parameter tensor its L2 norm (the index's cached one), its L1 norm and its sum; of a
-        tensor of more than ``BLOCKS`` x ``BLOCK`` values, of its :func:`sample_of` instead (each fingerprint of the
-        run the same sample)."""
+        """``[3, n]`` (fp32): per parameter tensor its L2 norm, its L1 norm and its sum, of its :func:`sample_of` at
+        the component's :func:`cap_of` (every fingerprint of the run the same values; a component none of whose
+        tensors is sampled takes the index's cached L2 norms)."""
         idx = comp.index
         params = [local(p.detach()) for p in idx.params] if idx.sharded else idx.params
         wide = torch.float32 if idx.low_precision else None
-        sampled = [sample_of(p) for p in params]
+        cap = cap_of(len(params))
+        sampled = [sample_of(p, cap) for p in params]
         if all(s is p for s, p in zip(sampled, params)):
             l2 = idx.param_norms().float()  # shared with the other probes due at this hook
         else:
             params = sampled
             l2 = tensor_norms(params, 2.0, wide).float()
-        try:
-            if l2.device.type == "cpu":  # the CPU's foreach L1 norm is 3x slower than abs().sum() (one tensor at a time)
-                l1 = torch.stack(self._abs_sums(params, wide)).float()
-            else:
-                l1 = tensor_norms(params, 1.0, wide).float().to(l2.device)
+        try:  # the L1 norms by one foreach kernel: on the CPU it loops in C++, a Python abs + sum per tensor cost more
+            l1 = tensor_norms(params, 1.0, wide).float().to(l2.device)
             sums = torch.stack([p.sum(dtype=wide) for p in params]).float()
         except (RuntimeError, TypeError):  # complex or sparse parameters: the L2 norms alone
             l1 = sums = torch.zeros_like(l2)

@@ -61,35 +61,6 @@ def tensor_norms(tensors: list[torch.Tensor], ord: float = 2.0, dtype: torch.dty
     return torch.stack([torch.linalg.vector_norm(t, ord, dtype=dtype).to(dev) for t in tensors])
 
 
-#: tensors of at most this many values take :class:`AbsSums`' scratch buffer (64 MiB of fp32 at most)
-SCRATCH_VALUES = 1 << 24
-
-
-class AbsSums:
-    """Per-tensor sums of absolute values (L1 norms) on the CPU, each ``abs`` written into one kept scratch buffer.
-
-    ``p.abs().sum()`` allocates a fresh tensor of ``p``'s size for every call: on the CPU a large one comes from new
-    pages (one fault per 4 KiB, in parallel regions too), which cost more than the pass itself (1.86 M values of an
-    MLP: 424 us with 2 threads, 147 us into a kept buffer; the foreach and ``linalg`` L1 norms are slower still).
-    The buffer grows to the largest tensor seen (at most :data:`SCRATCH_VALUES` values; larger tensors allocate as
-    before) and is kept per dtype for the owner's lifetime. Same values as ``p.abs().sum(dtype=dtype)``."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
-
-    def __call__(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        return [self.one(t, dtype) for t in tensors]
-
-    def one(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        n = t.numel()
-        if n > SCRATCH_VALUES or t.device.type != "cpu" or t.layout is not torch.strided or t.is_complex():
-            return t.abs().sum(dtype=dtype)
-        buf = self._buffers.get(t.dtype)
-        if buf is None or buf.numel() < n:
-            buf = self._buffers[t.dtype] = torch.empty(n, dtype=t.dtype)
-        return torch.abs(t, out=buf[:n].view(t.shape)).sum(dtype=dtype)
-
-
 def fp32_norm(t: torch.Tensor, ord: float = 2.0) -> torch.Tensor:
     """``t``'s norm as a 0-d fp32 tensor: accumulated in fp32 for fp16/bf16 (their squares overflow above ~256)
     and fp32, in fp64 for fp64 (a ``.double()`` model: torch refuses to narrow it inside the norm)."""
