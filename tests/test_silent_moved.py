@@ -93,20 +93,31 @@ def _fingerprint(params: list[torch.Tensor]) -> torch.Tensor:
                          [float(c.sum()) for c in copies]], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("width,depth", [(32, 1), (300, 1), (128, 12)], ids=["small", "sampled", "many"])
-def test_measured_movement_matches_full_copies(tmp_path: Path, width: int, depth: int) -> None:
+@pytest.mark.parametrize("width,depth", [(32, 1), (300, 1), (128, 12), (32, 22)],
+                         ids=["small", "sampled", "many", "segmented"])
+def test_measured_movement_matches_full_copies(tmp_path: Path, width: int, depth: int, monkeypatch) -> None:
     """A reversed EMA from step 20: at each logging step the recorded ratio equals the one computed from full
     float64 copies taken after step D-1's update, before step D's and after it (the same definition: tensors
     whose move is not a pure shrink, their relative fingerprint changes over the optimizer's). ``sampled``: a
     300 x 300 hidden layer (90,000 values) read on its ``sample_of``; ``many``: 30 tensors, each 128 x 128 weight
-    read on 8,704 of its 16,384 values (the component's share of the budget); caught at the same step."""
-    from trackdiag.probes.moved import cap_of
+    read on 8,704 of its 16,384 values (the component's share of the budget); ``segmented``: 92 tensors (22 blocks of
+    Linear, LayerNorm, Tanh), fingerprinted from one copy of their values (``SEGMENTED``); caught at the same step."""
+    from trackdiag.probes.moved import SEGMENTED, cap_of
 
     torch.manual_seed(0)
-    hidden = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())]
-    model = _mlp() if width == 32 else nn.Sequential(nn.Linear(16, width), nn.Tanh(), *hidden, nn.Linear(width, 4))
+    block = (lambda: (nn.Linear(width, width), nn.LayerNorm(width), nn.Tanh())) if depth > 20 else \
+        (lambda: (nn.Linear(width, width), nn.Tanh()))
+    hidden = [m for _ in range(depth) for m in block()]
+    model = _mlp() if depth == 1 and width == 32 else nn.Sequential(nn.Linear(16, width), nn.Tanh(), *hidden,
+                                                                    nn.Linear(width, 4))
     sizes = [p.numel() for p in model.parameters()]
-    assert (max(sizes) > cap_of(len(sizes))) == (width != 32), (max(sizes), cap_of(len(sizes)))
+    assert (max(sizes) > cap_of(len(sizes))) == (width in (300, 128)), (max(sizes), cap_of(len(sizes)))
+    assert (len(sizes) > SEGMENTED) == (depth == 22), len(sizes)
+    import trackdiag.probes.moved as moved
+
+    segments: list[int] = []  # the fingerprints taken by the segmented path, by their tensor count
+    whole = moved.segmented
+    monkeypatch.setattr(moved, "segmented", lambda ts: segments.append(len(ts)) or whole(ts))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     params = list(model.parameters())
     anchor: list[torch.Tensor] = []
@@ -137,6 +148,7 @@ def test_measured_movement_matches_full_copies(tmp_path: Path, width: int, depth
         else:
             assert expected > 0.05 and value == pytest.approx(expected, rel=2e-3, abs=1e-6), (step, value, expected)
     assert [(k, s) for k, s, _ in _warnings(diag)] == [("weights_moved", 30)], _warnings(diag)
+    assert set(segments) == ({len(sizes)} if depth == 22 else set()), segments
 
 
 def test_weight_clipping_after_the_step_is_silent(tmp_path: Path) -> None:
