@@ -29,9 +29,9 @@ A fingerprint reads at most ~262,144 values of a component: each tensor at most 
 values, :func:`cap_of`), as the first values of 64 evenly spaced runs (:func:`sample_of`, a view; every fingerprint of
 the run the same ones): what moves every weight moves them. On the CPU (in the training loop) the probe's hooks on the
 784-1024-1024-10 MLP at ``advanced`` ~245 -> ~85 us a step, on 100 tensors of ~42,000 values ~1,120 -> ~420 us.
-Cost on a due step, per component: three fingerprints (each a ``sum`` per tensor and two ``_foreach_norm``; past
-``SEGMENTED`` tensors one copy of the sampled values and three segment sums), a ``[3, n]`` tensor kept between two
-hooks, host work at publish; on other steps two schedule look-ups.
+Cost on a due step, per component: three fingerprints (each a ``sum`` per tensor and two ``_foreach_norm``; on the
+CPU past ``SEGMENTED`` tensors one copy of the sampled values and three segment sums), a ``[3, n]`` tensor kept
+between two hooks, host work at publish; on other steps two schedule look-ups.
 """
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ PASS_THROUGH = ("accelerate", "lightning", "pytorch_lightning")
 #: a fingerprint reads at most about BUDGET values of a component: each tensor at most its share (between MIN_CAP and
 #: MAX_CAP values), as the first values of RUNS evenly spaced runs (a view)
 BUDGET, MIN_CAP, MAX_CAP, RUNS = 1 << 18, 1 << 10, 1 << 16, 64
-#: a component of more tensors is fingerprinted from one copy of its sampled values (three segment sums), not by a
-#: kernel per tensor and two foreach kernels: 1,000 tensors on the CPU, the probe's hooks ~4.7 -> ~2.6 ms a step
+#: a component of more tensors on the CPU is fingerprinted from one copy of its sampled values (three segment sums), not
+#: by a kernel per tensor and two foreach kernels: 1,000 tensors, the probe's hooks ~4.7 -> ~2.6 ms a step
 SEGMENTED = 64
 
 
@@ -112,7 +112,7 @@ class MovedProbe(Probe):
         wide = torch.float32 if idx.low_precision else None
         cap = cap_of(len(params))
         sampled = [sample_of(p, cap) for p in params]
-        if len(sampled) > SEGMENTED:
+        if len(sampled) > SEGMENTED and sampled[0].device.type == "cpu":  # elsewhere: a host copy of the lengths a step
             try:
                 return segmented(sampled)
             except (RuntimeError, TypeError):  # complex, sparse, several devices: a kernel or two per tensor
