@@ -18,8 +18,10 @@ cost budget off, so every arm keeps its cadence):
 
 Printed per arm: the median over rounds of the wall time per step and of its excess over the bare loop's in the
 same round (us), and the median ratio. ``--judge`` instead times the Python a logging step runs (a busy loop of
-``--judge-us`` microseconds every 10 steps) inline, on a background thread, and on a thread in 50 us pieces:
-whether judging a record off the training thread would take its cost off a CPU-bound loop (the GIL says no).
+``--judge-us`` microseconds every 10 steps) inline, on a background thread, and on a thread in 50 us pieces, each
+arm in blocks of ``--steps`` steps timed until its thread's queue is empty (interleaved step by step, a thread's work
+would land in the other arms' steps): whether judging a record off the training thread would take its cost off a
+CPU-bound loop (the GIL says no).
 """
 from __future__ import annotations
 
@@ -144,6 +146,7 @@ def judge_experiment(wl: workloads.Workload, judge_us: int, rounds: int, steps: 
             time.sleep(0)  # lets the training thread take the GIL back between pieces
 
     jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+
     def worker() -> None:
         for job in iter(jobs.get, None):
             job()
