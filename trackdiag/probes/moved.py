@@ -81,7 +81,10 @@ def sample_of(t: torch.Tensor, cap: int = MAX_CAP) -> torch.Tensor:
 def segmented(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The ``[3, n]`` fp32 fingerprint of many tensors from one copy of their values: per tensor the square root of its
     sum of squares, its sum of absolute values and its sum (three ``segment_reduce`` sums)."""
-    flat = torch.cat([t.reshape(-1) for t in tensors]).float()
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if flat.is_complex():  # .float() would drop the imaginary parts (with a warning): the caller's way instead
+        raise TypeError("complex parameters")
+    flat = flat.float()
     lengths = torch.tensor([t.numel() for t in tensors], device=flat.device)
     sums = torch.segment_reduce(flat, "sum", lengths=lengths, initial=0.0)
     l1 = torch.segment_reduce(flat.abs(), "sum", lengths=lengths, initial=0.0)
