@@ -27,11 +27,18 @@ def matches(loss: float, value: float, count: float, eps: float) -> bool:
 
 
 class _Once(Rule):
-    """Fires once per run, at the measured step (the scores' form is the model's and the loss's, from the start)."""
+    """Fires once per run, at the measured step (the scores' form is the model's and the loss's, from the start).
+
+    A finding that ``needs_twice`` is raised only when the next measured step finds it too, at the first one's step:
+    the loss matched a value recomputed through an activation (a softmax, a sigmoid in the loss line), which at
+    initialisation is nearly the same for any scores (``log C`` for a near-uniform softmax), so an unrelated loss near
+    it (label smoothing, class weights, the mean of accumulated micro-batches beside the last one's scores) can match
+    it once by chance. The loss of that activation matches it at every step."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self._fired = False
+        self._pending: dict[str, float] | None = None  # a finding that needs_twice, seen once
 
     def found(self, table: dict[str, float]) -> bool:  # noqa: D102 - see subclasses
         raise NotImplementedError
@@ -39,21 +46,32 @@ class _Once(Rule):
     def say(self, table: dict[str, float]) -> str:  # noqa: D102 - see subclasses
         raise NotImplementedError
 
+    def needs_twice(self, table: dict[str, float]) -> bool:
+        """Whether this finding must be seen at two measured steps in a row (see the class docstring)."""
+        return False
+
     table, reference = TABLE, "ce"  # the probe's table this rule reads, and the value its alerts give as threshold
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         table = record.tables.get(self.table)
-        if self._fired or not table or not self.found(table):
+        if self._fired or not table:
             return []
-        self._fired = True
-        return [self.make(int(table["step"]), self.say(table), table["loss"], table[self.reference], "loss",
+        if not self.found(table):
+            self._pending = None  # the loss of that activation would have matched again
+            return []
+        if self.needs_twice(table) and self._pending is None:
+            self._pending = dict(table)
+            return []
+        first, self._pending, self._fired = self._pending or table, None, True
+        return [self.make(int(first["step"]), self.say(first), first["loss"], first[self.reference], "loss",
                           ["unambiguous", "loss"])]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"fired": self._fired}
+        return {"fired": self._fired, "pending": self._pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._fired = bool(state.get("fired", False))
+        self._pending = state.get("pending")
 
 
 class SoftmaxBeforeCE(_Once):
@@ -74,6 +92,9 @@ class SoftmaxBeforeCE(_Once):
             return True
         return (table["min"] >= 0 and table["simplex"] <= 1e-3 and matches(table["loss"], table["ce"], n, eps)
                 and not matches(table["loss"], table["nll"], n, eps))
+
+    def needs_twice(self, table: dict[str, float]) -> bool:
+        return self._in_loss(table)
 
     @staticmethod
     def _in_loss(table: dict[str, float]) -> bool:
@@ -199,6 +220,9 @@ class SigmoidBeforeBCE(_Once):
         n, eps = table["targets"], table["eps"]
         return (table["min"] >= 0 and table["max"] <= 1 and matches(table["loss"], table["with_logits"], n, eps)
                 and not matches(table["loss"], table["plain"], n, eps))
+
+    def needs_twice(self, table: dict[str, float]) -> bool:
+        return bool(table.get("raw"))  # raw scores taken through a sigmoid here: BCE of ~0.5 at initialisation
 
     def say(self, table: dict[str, float]) -> str:
         if table.get("raw"):
