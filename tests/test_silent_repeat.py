@@ -8,6 +8,7 @@ worker, and an unshuffled map-style dataset of two batches cycled epoch after ep
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -160,3 +161,46 @@ def test_one_window_of_a_kept_corpus_every_step_still_repeats(tmp_path) -> None:
             opt.step()
             diag.step(loss, batch=x)
     assert [a.kind for a in _warned(diag)] == ["same_batch"], [(a.kind, a.step) for a in diag.alerts]
+
+
+def _full_batch(tmp_path, make_batch, addresses: list[int] | None = None, **probes: dict) -> trackdiag.Diagnostics:
+    """yunjey/pytorch-tutorial's linear regression: the data in numpy arrays, converted inside the loop each step
+    (each step's tensors dropped before the next are made; ``addresses``: where each step's input lay)."""
+    x_train = np.linspace(1.0, 10.0, 15, dtype=np.float32)[:, None]
+    y_train = (0.3 * x_train + 0.5 + 0.1 * np.sin(7 * x_train)).astype(np.float32)
+    torch.manual_seed(0)
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    with one_thread(), trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                             probes={**OFF, **probes}) as diag:
+        for _ in range(60):
+            inputs, targets = make_batch(x_train), make_batch(y_train)
+            if addresses is not None:
+                addresses.append(inputs.data_ptr())
+            outputs = model(inputs)
+            loss = F.mse_loss(outputs, targets)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, outputs=outputs, batch=(inputs, targets))
+            del inputs, targets, outputs, loss
+    return diag
+
+
+def test_full_batch_numpy_wrapped_anew_each_step_is_held_data(tmp_path) -> None:
+    """``torch.from_numpy(x_train)`` inside the loop is a new tensor each step over the same memory, all of it: held
+    data, as the same tensor object is (it raised a ``same_batch`` warning at step 0 on this healthy tutorial)."""
+    diag = _full_batch(tmp_path, torch.from_numpy)
+    assert not _warned(diag), [(a.kind, a.step) for a in diag.alerts]
+
+
+def test_a_batch_rebuilt_each_step_still_repeats(tmp_path) -> None:
+    """The same contents copied anew each step (a restarted loader's collate), the step before's batch dropped first:
+    still ``same_batch`` at step 0; only a tensor over the very memory of the step before's is held. (The previous
+    step's storage is kept alive until the comparison, so an equal address cannot be freed memory handed back; here
+    the NaN replay is off, whose ring of recent model inputs keeps them alive as well.)"""
+    addresses: list[int] = []
+    diag = _full_batch(tmp_path, lambda array: torch.from_numpy(array).clone(), addresses, nan_replay={"enabled": False})
+    warned = _warned(diag)
+    assert [(a.kind, a.step) for a in warned] == [("same_batch", 0)], [(a.kind, a.step) for a in diag.alerts]
+    assert all(a != b for a, b in zip(addresses, addresses[1:]))  # each step's batch in memory of its own

@@ -11,7 +11,8 @@ Fed by the ``batch=`` passed to ``Diagnostics.step``. Emits at every logging ste
 With ``log_eval(batch=...)``, into the evaluation's record: ``diag/data/eval_train_step`` (:meth:`on_eval_batch`).
 A batch that is the very same tensor object as the step before, unchanged in place, is *held* (full-batch
 training: a graph, an in-memory dataset, an L-BFGS closure's data): it never counts as a repeat; nor does a view of
-all of a tensor the loop keeps, taken anew each step and unchanged (a PPO update's epochs over ``rollout.obs[:n]``).
+all of a tensor the loop keeps, taken anew each step and unchanged (a PPO update's epochs over ``rollout.obs[:n]``),
+nor, on the CPU, a new tensor over all of the step before's memory (``torch.from_numpy(x_train)`` inside the loop).
 What counts is a batch rebuilt every step with identical contents, as a loader restarted each step gives, or a view
 of the same part of a kept tensor every step (a loop that never advances past one window of its corpus).
 
@@ -80,6 +81,9 @@ class DataRepeatProbe(Probe):
         self._prev: Any = None  # weakref to the previous step's tensor
         self._prev_version = -1
         self._region: tuple[int, torch.Size, tuple[int, ...]] | None = None  # a view's place in its base (on_step)
+        self._memory_before: tuple[int, int, tuple[int, ...], tuple[int, ...]] | None = None  # (on_step, _memory)
+        self._pin: Any = None  # the storage _memory just read
+        self._pinned: Any = None  # the storage of the step before, kept alive so that its address stays its own
         self._weights: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self._seen: list[tuple[int, tuple[int, ...], bool, Fingerprint]] = []  # (step, shape, held, fingerprint)
         self._window: list[tuple[int, tuple[int, ...], bool]] = []
@@ -102,6 +106,12 @@ class DataRepeatProbe(Probe):
         held = t._version == self._prev_version and prev is not None and (
             prev is t or base is not None and prev is base and t.numel() == base.numel()
             and (t.storage_offset(), t.shape, t.stride()) == self._region)
+        # a new tensor over the very memory of the step before's, all of it (``torch.from_numpy(x_train)`` inside a
+        # full-batch loop: a new wrapper of the same array each step): held. The previous storage is kept alive until
+        # the next step (CPU only: one batch), so a batch rebuilt into freed memory cannot share its address
+        memory = self._memory(t) if base is None and prev is not t else None
+        held = held or (memory is not None and memory == self._memory_before and t._version == self._prev_version)
+        self._memory_before, self._pinned = (memory, self._pin) if memory is not None else (None, None)
         try:
             self._prev = weakref.ref(t if base is None else base)
         except TypeError:
@@ -110,6 +120,18 @@ class DataRepeatProbe(Probe):
         self._prev_version = t._version
         self._rows = int(t.shape[0]) if t.ndim else 1
         self._seen.append((ctx.step, tuple(t.shape), held, self._fingerprint(t.detach() if t.requires_grad else t)))
+
+    def _memory(self, t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]] | None:
+        """Where a CPU tensor that spans all of its storage lies (address, offset, shape, strides); its storage is
+        kept in ``_pin`` for the next step to compare against. None on other devices (a device batch is not kept
+        alive past its step) or for a tensor over a part of its storage."""
+        if t.device.type != "cpu":
+            return None
+        storage = t.untyped_storage()
+        if t.numel() * t.element_size() != storage.nbytes():
+            return None
+        self._pin = storage
+        return storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()
 
     def _fingerprint(self, t: torch.Tensor) -> Fingerprint:
         """``(sum_i w_i x_i, sum)``: the position-weighted sum of at most ``samples`` evenly spaced elements (a

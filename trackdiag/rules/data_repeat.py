@@ -35,8 +35,9 @@ class SameBatch(Rule):
     hint = ("The model sees one batch over and over. Create the iterator once outside the loop (it = iter(loader); "
             "batch = next(it), or `for batch in loader`), shuffle the training loader, and check that the batch "
             "variable is reassigned each step; a torch.manual_seed / np.random.seed call inside the loop replays the "
-            "same random indices every step (seed once, before it). Full-batch training on purpose: pass the same "
-            "tensor object each step; an RL loop's epochs over one rollout (PPO): objective=\"rl\".")
+            "same random indices every step (seed once, before it). Full-batch training on purpose: convert the data "
+            "once, before the loop (torch.tensor(array), .float(), .to(device) inside it make a new copy each step), "
+            "and pass that tensor each step; an RL loop's epochs over one rollout (PPO): objective=\"rl\".")
 
     def __init__(self, *, patience: int = 8, **kw: Any) -> None:
         super().__init__(**kw)
