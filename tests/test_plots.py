@@ -110,6 +110,48 @@ def test_model_summary_and_environment() -> None:
     assert env["torch"] == torch.__version__ and "numpy" in env["packages"] and env["devices"]
 
 
+def test_package_versions_are_importlib_metadata_s(tmp_path: Path, monkeypatch) -> None:
+    """The versions read from the ``.dist-info`` folder names equal ``importlib.metadata.version``'s, names
+    not installed are left out, and a package known only by an ``.egg-info`` folder is asked of
+    ``importlib.metadata`` (which finds it there)."""
+    from importlib import metadata
+
+    from trackdiag.plots.environment import PACKAGES, package_versions
+
+    expected = {}
+    for name in PACKAGES:
+        try:
+            expected[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    assert package_versions() == expected and {"numpy", "mlflow", "trackdiag"} <= set(expected)
+    egg = tmp_path / "Old_Pkg.egg-info"
+    egg.mkdir()
+    (egg / "PKG-INFO").write_text("Metadata-Version: 1.1\nName: old-pkg\nVersion: 0.3.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert package_versions(("old.pkg", "not-installed-anywhere", "numpy")) == {"old.pkg": "0.3.1",
+                                                                                 "numpy": expected["numpy"]}
+
+
+def test_memory_limit_is_physical_ram_or_the_cgroup_limit() -> None:
+    """``memory_limit_bytes`` (now without importing psutil) against psutil's total and the cgroup's own file."""
+    import psutil
+
+    from trackdiag.probes.memory import memory_limit_bytes
+
+    total = psutil.virtual_memory().total
+    limits = []
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            limits.append(int(text))
+            break
+    assert memory_limit_bytes() == float(limits[0] if limits else total)
+
+
 def test_model_summary_of_a_model_with_a_torchscript_part_leaves_no_hook(tmp_path: Path) -> None:
     """A ScriptModule takes no Python forward hook: the summary skips its shapes (the others are
     there), leaves no hook on any module (one left behind made the user's ``torch.save(model)`` of such a
