@@ -336,3 +336,73 @@ def test_extreme_flags_watch_through_call_slots_and_leave_other_models_on_the_fa
             opt.zero_grad()
             diag.step(loss)
     assert not any(SLOT in m.__dict__ for m in model.modules())
+
+
+def _crash_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: Any, batches: list[tuple[torch.Tensor, torch.Tensor]],
+              loss_of: Any, error: type[BaseException]) -> Any:
+    """Trains ``model`` on ``batches`` at ``advanced`` until it raises ``error``; the session's one alert."""
+    made = _capture(monkeypatch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(error):
+        with trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                   probes={"report": {"enabled": False}}) as diag:
+            for x, y in batches:
+                out = model(x)
+                loss = loss_of(out, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                diag.step(loss, outputs=out, batch=(x, y))
+    (crash,) = made[0].alerts
+    return crash
+
+
+@pytest.mark.parametrize(("shift", "named"), [(1, "a target of 10 where"), (-100, None)])
+def test_labels_outside_the_classes_are_named_as_the_cause(tmp_path, monkeypatch, shift, named) -> None:
+    """Labels 1..10 for 10 outputs (a shift of 1) crash cross_entropy at the step the label 10 comes: the hint says
+    which target and the usual causes, not 'see the traceback'. A padding label of -1 without ignore_index: the
+    hint says to pass it as ignore_index."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+    labels = [torch.randint(0, 9, (16,)) for _ in range(6)]
+    labels[4][3] = 9  # the 10th class first appears in the fifth batch
+    if shift == 1:
+        labels = [y + 1 for y in labels]
+    else:
+        labels[4][5] = -1
+    crash = _crash_of(tmp_path, monkeypatch, model, [(torch.randn(16, 8), y) for y in labels], F.cross_entropy, IndexError)
+    assert (crash.kind, crash.step) == ("crash", 4)
+    assert "Not a non-finite fault" not in crash.hint and "A class target outside [0, C)" in crash.hint, crash.hint
+    if named:
+        assert named in crash.hint and "labels numbered 1..C" in crash.hint
+    else:
+        assert "a target of -1" in crash.hint and "ignore_index=-1" in crash.hint
+    assert "out of bounds.." not in crash.message and "Target" in crash.message
+
+
+def test_an_embedding_index_past_the_vocabulary_is_named_as_the_cause(tmp_path, monkeypatch) -> None:
+    """A token id equal to the vocabulary size (an added token, the model's embedding not resized)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Flatten(), torch.nn.Linear(32, 3))
+    ids = [torch.randint(0, 50, (4, 4)) for _ in range(5)]
+    ids[3][1, 2] = 50
+    batches = [(x, torch.randint(0, 3, (4,))) for x in ids]
+    crash = _crash_of(tmp_path, monkeypatch, model, batches, F.cross_entropy, IndexError)
+    assert (crash.kind, crash.step) == ("crash", 3)
+    assert "nn.Embedding" in crash.hint and "resize_token_embeddings" in crash.hint, crash.hint
+
+
+def test_a_cuda_device_side_assert_is_said_to_be_reported_late() -> None:
+    """CUDA's asynchronous kernel errors (PyTorch's own message text; a CUDA device to raise one is not needed to
+    judge the text): the hint says the traceback's line may be late, how to make it raise where it fails, and the
+    usual causes. Out of memory keeps its own hint."""
+    from trackdiag.forensics.crash import crash_hint
+
+    exc = torch.AcceleratorError("CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously "
+                                 "reported at some other API call, so the stacktrace below might be incorrect.\n"
+                                 "For debugging consider passing CUDA_LAUNCH_BLOCKING=1") \
+        if hasattr(torch, "AcceleratorError") else RuntimeError("CUDA error: device-side assert triggered")
+    hint = crash_hint(exc, signalled=False, watched=True)
+    assert "CUDA_LAUNCH_BLOCKING=1" in hint and "class target outside [0, C)" in hint and "later call" in hint
+    oom = crash_hint(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), signalled=False, watched=True)
+    assert oom.startswith("Out of memory")

@@ -157,6 +157,41 @@ KNOWN_ERRORS = (
 )
 
 
+#: PyTorch's message for a class target outside ``[0, C)`` (``cross_entropy``, ``nll_loss`` on the CPU)
+_TARGET = re.compile(r"Target (-?\d+) is out of bounds")
+
+
+def index_hint(exc: BaseException | None) -> str | None:
+    """Remedies for an index that does not fit what it indexes, from the exception's text: a class target outside
+    ``[0, C)`` (naming the target), an ``nn.Embedding`` index past its rows, a ``one_hot`` class; None otherwise."""
+    text = str(exc) if exc is not None else ""
+    target = _TARGET.search(text)
+    if target is not None:
+        n = int(target.group(1))
+        if n < 0:
+            cause = (f"a target of {n}: a padding or unlabelled marker the loss was not told to skip: pass it as "
+                     f"ignore_index (CrossEntropyLoss(ignore_index={n}); the default skips only -100)")
+        else:
+            cause = (f"a target of {n} where the scores' class dimension is smaller: labels numbered 1..C instead of "
+                     "0..C-1 (subtract 1, or map the label set onto 0..C-1), a last layer with fewer outputs than "
+                     "there are classes (out_features = the number of classes), or a padding value past the classes "
+                     "(use ignore_index)")
+        return (f"A class target outside [0, C): {cause}. For scores of shape (N, T, C) the classes must be dim 1: "
+                "permute to (N, C, T), or flatten both to (N*T, C) and (N*T,). Check once: "
+                "assert 0 <= y.min() and y.max() < logits.shape[1].")
+    if "index out of range in self" in text:
+        return ("An index at or past the rows of an nn.Embedding (or a negative one): a vocabulary larger than the "
+                "embedding (tokens added to the tokenizer without model.resize_token_embeddings(len(tokenizer)), "
+                "vocab_size set from another tokenizer), padding ids of -1 or of the vocabulary size, position ids "
+                "past max_position_embeddings (sequences longer than the model takes: truncate them). Check: "
+                "assert 0 <= ids.min() and ids.max() < emb.num_embeddings.")
+    if "Class values must be smaller than num_classes" in text:
+        return ("one_hot got a class at or past num_classes (or a negative one): labels numbered 1..C (subtract 1), "
+                "num_classes smaller than the label set, or a padding label (-1, -100) one_hot cannot take: mask it "
+                "out first.")
+    return None
+
+
 def crash_hint(exc: BaseException | None, signalled: bool, watched: bool) -> str:
     """Remedies for a crash whose cause is not a located non-finite value (see :mod:`trackdiag.session.flight`)."""
     if signalled:
@@ -167,7 +202,14 @@ def crash_hint(exc: BaseException | None, signalled: bool, watched: bool) -> str
         return ("Out of memory: a smaller batch with gradient accumulation, activation checkpointing, bf16/fp16 "
                 "autocast; if memory grew over the run (diag/mem/*), something keeps tensors alive (a loss kept "
                 "without .item(), a graph retained).")
-    known = next((hint for text, hint in KNOWN_ERRORS if exc is not None and text in str(exc)), None)
+    if reason == "a CUDA error":
+        return ("CUDA reports a kernel's error at a later call: the line in the traceback (and the step named here) may "
+                "come after the operation that failed. Rerun with CUDA_LAUNCH_BLOCKING=1, or run the same loop on the "
+                "CPU, to have the failing line raise with a readable message. A device-side assert is most often a "
+                "class target outside [0, C) in cross_entropy / nll_loss (labels numbered 1..C, a head with fewer "
+                "outputs than classes, a padding label without ignore_index), an index past an nn.Embedding's rows "
+                "(a vocabulary larger than the embedding), or a binary_cross_entropy target outside [0, 1].")
+    known = index_hint(exc) or next((hint for text, hint in KNOWN_ERRORS if exc is not None and text in str(exc)), None)
     if known is not None:
         return known
     if nonfinite_text(exc) and watched:

@@ -116,7 +116,7 @@ class FlightRecorder:
         points = last_points(self._history, probe.last)  # type: ignore[attr-defined]
         evidence = [] if signalled or no_replay(exc) == "out of memory" else self._evidence(step, points, probe.last, multi)
         parts = [crash_evidence.lead(evidence)] if evidence else []
-        parts.append(f"The run stopped at step {step}: {head}.")
+        parts.append(f"The run stopped at step {step}: {head.rstrip('.')}.")
         where = ""
         if found is not None and found.located:
             where = found.where(comp if multi else "", module_type(model, found.module))
