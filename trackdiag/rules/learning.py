@@ -21,11 +21,15 @@ long warm-up schedule is waited for), on the medians of the first ``start_steps`
 - **accuracy at chance** (``corroborated``): the last ``patience`` evaluations' accuracy
   (``log_eval(accuracy=...)``, any key with ``acc``) within 2 points (or 10%) of the majority
   class's share (1/C without it).
-At chance, the message names the likely cause when one shows: a model input of one value everywhere
+At chance, the message names the likely cause when one shows: no gradient at all since the start (the pre-clip
+norm 0 at every step: a forward under ``no_grad`` with a loss made to require grad), a model input of one value everywhere
 (``constant_inputs``), hidden units that all share one set of weights (``symmetric_units``), a weight decay that
 shrinks every weight by ``DECAY_STEP`` (1 %) or more a step (lr x ``weight_decay``, ``diag/opt/weight_decay``),
 weights that barely move (every layer's last update-to-weight ratio under ``STILL_UPDATES``, 1e-5, and not 0: a learning rate far too low; no update at all is other rules' to name), or a
 model input under ``TINY_INPUT`` (0.01) everywhere (images scaled to [0, 1] twice).
+- **exactly 0** (``loss``: a warning): every loss of the first ``start_steps`` and the last ``recent_steps`` is
+  exactly 0 while the task is shown with a chance level above 0 (or the output pairs with C >= 2 classes: ln C): the loss does not measure the predictions (a loss
+  weight of 0, a mask that keeps nothing; in RL, advantages all 0 before the first reward), and nothing trains.
 A flat loss of a task that is not shown is an ``info`` finding (a resumed, converged run is flat
 too). Held at ``patience`` (2) consecutive logging steps; ``step`` is the first of them.
 """
@@ -40,7 +44,8 @@ from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._streak import Streaks
-from trackdiag.rules.base import TINY_INPUT, Rule, layer_values, loss_series, loss_where, phase_start, where_of
+from trackdiag.rules.base import (TINY_INPUT, Rule, layer_values, loss_series, loss_where, phase_start, points_of,
+                                  where_of)
 from trackdiag.util.modnames import layer_label
 
 #: lr x weight_decay from which the decay is named in the at-chance message: SGD's and AdamW's decay shrinks every weight
@@ -82,6 +87,7 @@ class NotLearning(Rule):
         self._moved: dict[str, float] = {}  # per component: its largest layer update-to-weight ratio, last measured
         self._moves = math.inf
         self._symmetric = ""  # a layer whose units all share one set of weights (symmetric_units), labelled
+        self._grads = (False, False)  # (a pre-clip gradient norm was recorded, one of them was not 0) since the start
 
     def check_eval(self, record: Record, history: Sequence[Record]) -> list[Alert]:
         for k, v in record.scalars.items():
@@ -122,6 +128,9 @@ class NotLearning(Rule):
             if ratios:  # measured at this logging step (due steps of the updates probe): the latest reading
                 self._moved[comp.name] = max(ratios)
         self._moves = max(self._moved.values(), default=math.inf)
+        norms = [v for comp in self._components for _, v in points_of(record, comp.key("grad/global_norm"))]
+        if norms:
+            self._grads = (True, self._grads[1] or any(v != 0.0 for v in norms))
         for comp in self._components:
             sym = record.tables.get(comp.key("model/symmetric_units"))
             if sym:  # found by the symmetry probe (symmetric_units): kept for the rest of the run
@@ -153,6 +162,23 @@ class NotLearning(Rule):
         start, now = statistics.median(first), statistics.median(recent)
         flat = start - now < self.min_drop * max(abs(start), 1e-12)
         chance, what = self._chance(first)
+        if due and not any(first) and not any(recent):  # exactly 0 from the first step
+            classes = self._task.get("classes", 0.0)
+            ref, named = (chance, what) if chance > 0 else (
+                (math.log(classes), f"the chance level ln C of the output's {int(classes)} classes") if classes >= 2
+                else (math.nan, ""))
+            if not ref > 0:  # no task shown: a loss of 0 may be what it measures
+                self._streaks.bump(key, False, step)
+                return None
+            if not self._streaks.bump(key, True, step):
+                return None
+            return self.make(self._streaks.start(key), (
+                f"the loss is exactly 0 at every step from the first, where {named} is {ref:.4g}: it does not measure "
+                f"the predictions, so its gradient is 0 and nothing trains (a loss weight of 0, a mask or selection "
+                f"that keeps nothing, the loss taken of the wrong tensors; a policy-gradient loss whose advantages are "
+                f"all 0: no reward seen yet, or returns normalised over a constant; objective=\"rl\" leaves RL losses to "
+                f"other rules)."), now, ref, loss_where(key),
+                ["loss"])
         # at chance and stalled there: a slow learner on its way down is left alone. The loss must have fallen
         # less than ``min_fall`` over the last 100 steps, or 200 when it did fall from its start (a language
         # model learns the token frequencies first and may rest at their entropy for a hundred steps)
@@ -182,7 +208,12 @@ class NotLearning(Rule):
             parts.append(f"less than {self.min_drop:.0%} lower")
         if acc:
             parts.append(f"validation accuracy {self._acc[-1][1]:.1%} is at chance")
-        if self._constant and at_chance:
+        if at_chance and self._grads == (True, False):
+            parts.append("and no parameter has had a gradient since the start (the pre-clip gradient norm is 0 at every "
+                         "step): the forward ran under torch.no_grad() or inference_mode (a loss given "
+                         ".requires_grad_(True) to silence autograd's error trains nothing), or the loss is cut off "
+                         "from the model (.detach(), a tensor rebuilt from .item())")
+        elif self._constant and at_chance:
             parts.append("and it does ignore it: the input is one value everywhere (constant_inputs)")
         elif at_chance and self._symmetric:
             parts.append(f"and its layers cannot tell inputs apart: every unit of {self._symmetric} has the same weights "
