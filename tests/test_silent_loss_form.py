@@ -244,6 +244,34 @@ def test_a_sigmoid_in_the_loss_line_is_found(tmp_path) -> None:
     assert table["with_logits"] == pytest.approx(float(F.binary_cross_entropy_with_logits(probs, y.double())))
 
 
+@pytest.mark.parametrize("shape", ["flat", "seq"])
+def test_a_softmax_before_nll_loss_in_the_loss_line_is_found(tmp_path, shape: str) -> None:
+    """Logits handed to ``step()``, ``F.nll_loss(F.softmax(logits, 1), y)`` in the loss line (log_softmax meant): the
+    loss is minus the target's probability. Found at the first step; ``nll_softmax`` equals ``torch.nn.functional``'s.
+    (It was silent: the probe compared the loss with the NLL of the scores as handed over only.)"""
+    diag, (out, y, loss) = _classify(tmp_path, lambda o, t: F.nll_loss(F.softmax(o, dim=1), t), shape=shape)
+    got = [a for a in diag.alerts if a.kind == "nll_without_log_softmax"]
+    assert [(a.step, a.severity) for a in got] == [(0, "critical")], _loud(diag)
+    assert "softmax of the outputs handed to step()" in got[0].message and len(_loud(diag)) == 1, _loud(diag)
+    kept = _kept(tmp_path)
+    flat_out, flat_y = (out.reshape(-1, 10), y.reshape(-1)) if shape == "seq" else (out, y)
+    assert kept["nll_softmax"] == pytest.approx(F.nll_loss(F.softmax(flat_out.double(), dim=1), flat_y).item(), rel=1e-9)
+
+
+def test_a_sigmoid_before_cross_entropy_in_the_loss_line_is_found(tmp_path) -> None:
+    """Logits handed to ``step()``, ``F.cross_entropy(torch.sigmoid(logits), y)`` in the loss line: found at the first
+    step as ``activation_before_ce`` (near initialisation the sigmoid's and the softmax's cross-entropies lie within the
+    loss's rounding of each other at some steps: the nearer one names the activation); ``ce_sigmoid`` equals
+    ``torch.nn.functional``'s."""
+    diag, (out, y, loss) = _classify(tmp_path, lambda o, t: F.cross_entropy(torch.sigmoid(o), t))
+    got = [a for a in diag.alerts if a.kind == "activation_before_ce"]
+    assert [(a.step, a.severity) for a in got] == [(0, "critical")], _loud(diag)
+    assert "the sigmoid of the outputs handed to step()" in got[0].message and len(_loud(diag)) == 1, _loud(diag)
+    kept = _kept(tmp_path)
+    assert kept["ce_sigmoid"] == pytest.approx(F.cross_entropy(torch.sigmoid(out.double()), y).item(), rel=1e-9)
+    assert kept["classes"] == 10.0
+
+
 def test_a_regression_onto_targets_outside_0_1_is_measured_without_failing(tmp_path) -> None:
     """Targets of the output's shape that are no probabilities (a regression's): the binary measurement must not
     raise (``binary_cross_entropy`` refuses such targets, and asserts on a CUDA device), the probe stays on, silent."""

@@ -18,7 +18,9 @@ label smoothing, matches neither and is never judged.
 
 Emits ``diag/data/loss_form_checks`` at every logging step and, after a measured step, the table
 ``diag/data/loss_form``: ``step``, ``loss``, ``ce`` and ``nll`` (means over the counted targets), ``ce_softmax`` (the
-cross-entropy of the scores' softmax: the loss of a softmax applied in the loss line), ``targets`` (their number), ``simplex`` (the largest distance of a row's sum from 1; negative scores make it large: ``min`` is kept
+cross-entropy of the scores' softmax: the loss of a softmax applied in the loss line), ``nll_softmax`` (their NLL: a
+softmax, not a log-softmax, in the loss line before ``nll_loss``), ``ce_sigmoid`` (the cross-entropy of the scores'
+sigmoid: a sigmoid in the loss line), ``classes`` (C), ``targets`` (their number), ``simplex`` (the largest distance of a row's sum from 1; negative scores make it large: ``min`` is kept
 too), ``min`` (the smallest score), ``logsumexp`` (the mean absolute log-sum-exp of the rows: 0 for
 log-probabilities), ``eps`` (the loss dtype's machine epsilon).
 
@@ -105,7 +107,12 @@ class LossFormProbe(Probe):
                 extras["along"] = along(z, t, dim, wrong[0])
             # the cross-entropy of the scores' softmax: the loss's when a softmax sits between the outputs handed over
             # and the cross-entropy (``F.cross_entropy(F.softmax(logits, 1), y)`` in the loss line)
-            extras["ce_softmax"] = measure(z.detach().to(_wide(z)).softmax(dim), t, dim, loss)[1]
+            # and its NLL (``F.nll_loss(F.softmax(logits, 1), y)``: log_softmax meant), and the cross-entropy of the
+            # scores' sigmoid (``F.cross_entropy(torch.sigmoid(logits), y)``)
+            wide = z.detach().to(_wide(z))
+            soft = measure(wide.softmax(dim), t, dim, loss)
+            extras["ce_softmax"], extras["nll_softmax"] = soft[1], soft[2]
+            extras["ce_sigmoid"] = measure(wide.sigmoid(), t, dim, loss)[1]
             pad = padding(z, t, dim, inputs.batch)
             if pad is not None:  # trailing padding in the targets: the cross-entropy without it, and its evidence
                 extras.update(zip(("pad_share", "pad_suffix", "pad_inputs", "pad_value", "ce_unpadded"), pad))
@@ -166,13 +173,13 @@ class LossFormProbe(Probe):
                                                             "logsumexp": lse, "eps": eps}
             names, act, classes = self._extras
             extra = dict(zip(names, rest))
+            table["classes"] = float(classes)
             if act:
                 table.update(activation=act, at_zero=extra.get("at_zero", math.nan), max=extra.get("max", math.nan),
                              classes=float(classes))
             if "ce_unpadded" in extra:
                 table.update({k: extra[k] for k in ("pad_share", "pad_suffix", "pad_inputs", "pad_value", "ce_unpadded")})
-            if "ce_softmax" in extra:
-                table["ce_softmax"] = extra["ce_softmax"]
+            table.update({k: extra[k] for k in ("ce_softmax", "nll_softmax", "ce_sigmoid") if k in extra})
             if "along" in extra and self._wrong is not None:
                 d, made, cdim, size, classes = self._wrong
                 table.update(softmax_dim=float(d), along=extra["along"], softmax_output=float(made),

@@ -26,6 +26,14 @@ def matches(loss: float, value: float, count: float, eps: float) -> bool:
     return False
 
 
+def nearer(loss: float, key: str, other: str, table: dict[str, float]) -> bool:
+    """Whether ``loss`` is nearer ``table[key]`` than ``table[other]`` (True without the other): near initialisation
+    the cross-entropies of a softmax and of a sigmoid of the same scores are both ~log C, within the loss's rounding of
+    each other at some steps, and the one the loss line computed is the nearer."""
+    theirs = table.get(other, math.nan)
+    return not math.isfinite(theirs) or abs(loss - table[key]) < abs(loss - theirs)
+
+
 class _Once(Rule):
     """Fires once per run, at the measured step (the scores' form is the model's and the loss's, from the start).
 
@@ -102,7 +110,8 @@ class SoftmaxBeforeCE(_Once):
         sits between them and the cross-entropy, in the loss line."""
         n, eps, loss = table["targets"], table["eps"], table["loss"]
         return (not (table["min"] >= 0 and table["simplex"] <= 1e-3) and matches(loss, table.get("ce_softmax", math.nan), n, eps)
-                and not matches(loss, table["ce"], n, eps) and not matches(loss, table["nll"], n, eps))
+                and not matches(loss, table["ce"], n, eps) and not matches(loss, table["nll"], n, eps)
+                and nearer(loss, "ce_softmax", "ce_sigmoid", table))
 
     def say(self, table: dict[str, float]) -> str:
         if self._in_loss(table):
@@ -126,10 +135,27 @@ class NllWithoutLogSoftmax(_Once):
 
     def found(self, table: dict[str, float]) -> bool:
         n, eps = table["targets"], table["eps"]
-        return (table["logsumexp"] > 1e-2 and matches(table["loss"], table["nll"], n, eps)
-                and not matches(table["loss"], table["ce"], n, eps) and "softmax_dim" not in table)
+        return ((table["logsumexp"] > 1e-2 and matches(table["loss"], table["nll"], n, eps)
+                 and not matches(table["loss"], table["ce"], n, eps) and "softmax_dim" not in table) or self._in_loss(table))
+
+    def needs_twice(self, table: dict[str, float]) -> bool:
+        return self._in_loss(table)
+
+    @staticmethod
+    def _in_loss(table: dict[str, float]) -> bool:
+        """The loss is the NLL of the softmax of the raw scores handed over: a softmax, not a log-softmax, between
+        them and ``nll_loss``, in the loss line."""
+        n, eps, loss = table["targets"], table["eps"], table["loss"]
+        return ("softmax_dim" not in table and not (table["min"] >= 0 and table["simplex"] <= 1e-3)
+                and matches(loss, table.get("nll_softmax", math.nan), n, eps)
+                and not matches(loss, table["ce"], n, eps) and not matches(loss, table["nll"], n, eps))
 
     def say(self, table: dict[str, float]) -> str:
+        if self._in_loss(table):
+            return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is the negative log-likelihood of the "
+                    f"softmax of the outputs handed to step(): a softmax, not a log-softmax, sits between the model and "
+                    f"NLLLoss, which expects log-probabilities. The loss is minus the target's probability: it saturates "
+                    f"at -1 and gives a wrong prediction almost no gradient.")
         what = "probabilities" if table["min"] >= 0 and table["simplex"] <= 1e-3 else "raw scores"
         return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is the negative log-likelihood of "
                 f"outputs that are {what}, not log-probabilities (their rows' log-sum-exp averages "
@@ -153,9 +179,28 @@ class ActivationBeforeCE(_Once):
     def found(self, table: dict[str, float]) -> bool:
         n, eps = table["targets"], table["eps"]
         return (table.get("activation", 0.0) > 0 and matches(table["loss"], table["ce"], n, eps)
-                and not matches(table["loss"], table["nll"], n, eps))
+                and not matches(table["loss"], table["nll"], n, eps)) or self._in_loss(table)
+
+    def needs_twice(self, table: dict[str, float]) -> bool:
+        return self._in_loss(table)
+
+    @staticmethod
+    def _in_loss(table: dict[str, float]) -> bool:
+        """The loss is the cross-entropy of the sigmoid of the scores handed over (``F.cross_entropy(torch.sigmoid(
+        logits), y)``): the sigmoid sits in the loss line."""
+        n, eps, loss = table["targets"], table["eps"], table["loss"]
+        return ("softmax_dim" not in table and table.get("activation", 0.0) == 0
+                and matches(loss, table.get("ce_sigmoid", math.nan), n, eps) and not matches(loss, table["ce"], n, eps)
+                and not matches(loss, table["nll"], n, eps) and nearer(loss, "ce_sigmoid", "ce_softmax", table))
 
     def say(self, table: dict[str, float]) -> str:
+        if self._in_loss(table):
+            c = int(table.get("classes", 0) or 0)
+            floor = f" (log(1 + (C - 1) e^-1) = {math.log(1 + (c - 1) * math.exp(-1)):.3g} for {c} classes)" if c >= 2 else ""
+            return (f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is the cross-entropy of the sigmoid of "
+                    f"the outputs handed to step(): a sigmoid sits between the model and the cross-entropy, so every "
+                    f"score is squeezed into (0, 1), the softmax inside the cross-entropy can never be confident and the "
+                    f"loss cannot fall far{floor}.")
         act, c = table["activation"], int(table["classes"])
         head = f"the loss at step {int(table['step'])} ({table['loss']:.4g}) is the cross-entropy of class scores that "
         if act == 2.0:
