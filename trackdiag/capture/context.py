@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from trackdiag.capture.layers import LayerIndex
+from trackdiag.capture.resteps import Resteps
 
 
 @dataclass
@@ -64,6 +65,8 @@ class Component:
     refreshed: int = -1
     #: optimizers that took the place of one of the same class over the same parameters (the loop creates it anew)
     recreations: Recreations = field(default_factory=Recreations)
+    #: optimizer steps that found the gradients of the same optimizer's step before (``optimizer.step()`` twice)
+    resteps: Resteps = field(default_factory=Resteps)
 
     def key(self, suffix: str) -> str:
         """The metric key of ``suffix`` for this component: ``diag/[<name>/]<suffix>``."""

@@ -3,8 +3,10 @@
 ``diag/[<c>/]opt/weight_decay[/<group>]``. Once the loop has replaced an optimizer by a new one of its class over the
 same parameters, the table ``diag/[<c>/]opt/recreated``: ``steps`` (optimizer steps in a row, up to the latest, each by
 a new optimizer; 0 once one was kept), ``since`` (the step that streak began), ``total`` and ``stateful`` (1: a replaced
-optimizer held state, moments or momentum, that its successor started without). Cost: reads ``param_groups``; a
-tensor LR is copied with the other diagnostics."""
+optimizer held state, moments or momentum, that its successor started without). Once an optimizer stepped again on
+the gradients of its last step (:mod:`trackdiag.capture.resteps`), the table ``diag/[<c>/]opt/restepped``: ``steps``
+(such repeats among the last 10 optimizer steps), ``since`` (the first of them), ``total``. Cost: reads
+``param_groups``; a tensor LR is copied with the other diagnostics."""
 from __future__ import annotations
 
 from typing import Any
@@ -42,3 +44,8 @@ class LrProbe(Probe):
             if rec.total:
                 record.tables[comp.key("opt/recreated")] = {"steps": float(rec.current()), "since": float(rec.since),
                                                             "total": float(rec.total), "stateful": float(rec.stateful)}
+            again = comp.resteps
+            if again.total:
+                repeats, since = again.repeats()
+                record.tables[comp.key("opt/restepped")] = {"steps": float(repeats), "since": float(since),
+                                                            "total": float(again.total)}

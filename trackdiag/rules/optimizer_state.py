@@ -1,5 +1,6 @@
 """``optimizer_recreated``: the loop builds a new optimizer at every step, so its state never builds up (the ``lr``
-probe's table ``diag/[<c>/]opt/recreated``)."""
+probe's table ``diag/[<c>/]opt/recreated``); ``optimizer_restepped``: the loop steps an optimizer twice on the same
+gradients (its table ``diag/[<c>/]opt/restepped``)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -52,5 +53,40 @@ class OptimizerRecreated(OncePer):
                    f"optimizer steps in a row, from step {since}: the optimizer is built inside the training loop. "
                    f"Training goes on, but {lost}; a learning-rate scheduler built on the first one no longer acts.")
             out.append(self.make(since, msg, float(steps), float(self.patience), comp.key("opt/recreated"),
+                                 ["persistent"]))
+        return out
+
+
+class OptimizerRestepped(OncePer):
+    """Fires when, of a component's last 10 optimizer steps, at least ``patience`` (3) found the gradients of the same
+    optimizer's step before: no backward pass since, the gradient tensors unchanged (``optimizer.step()`` called twice
+    per iteration: in a helper and in the loop, ``scaler.step(opt)`` followed by ``opt.step()``). Each gradient is
+    applied twice: the learning rate is doubled in effect, momentum and Adam's moments count it twice, and a schedule
+    tuned for one step per batch runs at twice its pace. A closure step (L-BFGS) refreshes its gradients inside and is
+    not counted; gradients assigned by hand each step (DP-SGD) are new tensors. ``step``: the first repeat of the span;
+    ``persistent`` (a warning). Once per component."""
+
+    kind = "optimizer_restepped"
+    hint = ("Call optimizer.step() once per backward pass: look for a second call (a train_step helper that steps and a "
+            "loop that steps again, scaler.step(optimizer) followed by optimizer.step(), a callback or a framework that "
+            "already steps for you).")
+
+    def __init__(self, *, patience: int = 3, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.patience = patience
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        for comp in components:
+            table = record.tables.get(comp.key("opt/restepped"))
+            if not table or table["steps"] < self.patience or not self.first(comp.name):
+                continue
+            kind = comp.resteps.kind or "optimizer"
+            whose = f" of component {comp.name!r}" if comp.name else ""
+            msg = (f"{kind}.step(){whose} ran again on the gradients of its previous step, with no backward pass between, "
+                   f"at {int(table['steps'])} of the last 10 optimizer steps (first at step {int(table['since'])}): each "
+                   f"gradient is applied twice, so the learning rate is doubled in effect and the optimizer's moments "
+                   f"count each gradient twice.")
+            out.append(self.make(int(table["since"]), msg, table["steps"], float(self.patience), comp.key("opt/restepped"),
                                  ["persistent"]))
         return out

@@ -223,6 +223,14 @@ class OptimizerEvents:
         if comp.refreshed != self._ctx.step:  # add_param_group: follow the new parameters from this step on
             self._refresh_groups(comp)
         comp.recreations.steps += 1
+        if closure is None and not comp.resteps.failed:  # a closure's own backward passes refresh the gradients inside
+            tapped = self._tap.states.get(comp.name)
+            try:
+                comp.resteps.observe(opt, self._ctx.step, tapped.count if tapped is not None and self._tap.hooked(comp.name)
+                                     else -1)
+            except Exception as exc:  # noqa: BLE001 - never raise into the user's optimizer step
+                comp.resteps.failed = f"{type(exc).__name__}: {exc}"
+                self._notes["resteps"] = f"the check for optimizer steps on the same gradients is off: {comp.resteps.failed}"
         if id(opt) not in self._ever_stepped:  # an optimizer's first step after step 0: a new phase begins
             self._ever_stepped.add(id(opt))
             self._first_lr[id(opt)] = top_lr(opt)  # the pre-flight tells a warm-up start from a constant LR by it
