@@ -118,3 +118,22 @@ def test_healthy_schedules_raise_no_lr_vanished(tmp_path, digits, name) -> None:
     if name in ("cosine_to_zero", "one_cycle", "linear_warmup_decay_to_zero"):
         peak = max(rates.values())
         assert min(r for r in rates.values() if r > 0) < 1e-2 * peak  # the schedule did come down to ~0 by the end
+
+
+@pytest.mark.parametrize("level", ["basic", "advanced"])
+def test_a_linear_decay_run_past_its_end_is_a_negative_rate(tmp_path, digits, level) -> None:
+    """``LambdaLR(opt, lambda s: 1 - s / 150)`` in a 400-step run: from step 150 the rate is below 0 and SGD climbs the
+    loss. ``lr_negative`` (critical) at the first logging step whose rate is negative, worked out here from the rates
+    the steps ran with; the HF-style clamped decay run past its end (``linear_warmup_decay_to_zero`` above, and the same
+    lambda clamped at 0 here) has none."""
+    diag, rates = _run(tmp_path, digits, lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 - s / 150),
+                       per_batch=True, level=level)
+    found = [a for a in diag.alerts if a.kind == "lr_negative"]
+    assert [a.severity for a in found] == ["critical"], [(a.kind, a.step) for a in diag.alerts]
+    below = min(s for s, r in rates.items() if r < 0)  # the rate a step ran with; the record reads it after the step
+    every = 50 if level == "basic" else 10
+    assert below - 1 <= found[0].step < below - 1 + every, (found[0].step, below)
+    assert "below 0" in found[0].message and "climbs the loss" in found[0].message
+    clamped, _ = _run(tmp_path / "clamped", digits, lambda o: torch.optim.lr_scheduler.LambdaLR(
+        o, lambda s: max(0.0, 1 - s / 150)), per_batch=True, level=level)
+    assert "lr_negative" not in {a.kind for a in clamped.alerts}

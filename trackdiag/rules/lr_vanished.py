@@ -1,4 +1,5 @@
-"""``lr_vanished``: a learning rate that fell to almost nothing early and stayed there (keys of the ``lr`` probe)."""
+"""``lr_vanished``: a learning rate that fell to almost nothing early and stayed there; ``lr_negative``: a learning rate
+below 0, a schedule run past its end (keys of the ``lr`` probe)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -98,3 +99,53 @@ class LrVanished(Rule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._tracks = {k: _Track(int(a), float(b), int(c), int(d), bool(e)) for k, (a, b, c, d, e) in state.items()}
+
+
+class LrNegative(Rule):
+    """Fires at the first logging step where a learning rate (an optimizer's, a param group's) is below 0: the optimizer
+    then climbs the loss. PyTorch's optimizers refuse a negative rate when built, so one that turns up during training
+    comes from a schedule run past its end: a hand-written linear decay (``LambdaLR(opt, lambda s: 1 - s / total)``)
+    stepped more than ``total`` times (more epochs than planned, ``total`` counted in epochs but stepped per batch,
+    gradient accumulation miscounted). ``step``: that logging step (the last one with the rate at or above 0 is named);
+    ``unambiguous`` (critical). Once per series."""
+
+    kind = "lr_negative"
+    hint = ("Clamp the schedule's factor at 0 (LambdaLR(opt, lambda s: max(0.0, 1 - s / total))), give the scheduler "
+            "the real number of optimizer steps (epochs x len(loader) / accumulation steps), or stop stepping it when "
+            "training runs past the planned length. Hugging Face's get_linear_schedule_with_warmup clamps at 0.")
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._last: dict[str, tuple[int, float]] = {}  # per series: the last logging step with a rate >= 0, and that rate
+        self._fired: set[str] = set()
+
+    def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
+        out = []
+        for comp in components:
+            base = comp.key("opt/lr")
+            for key, lr in learning_rates(record, comp).items():
+                lr = float(lr)
+                if not lr < 0.0:  # NaN is another rule's business
+                    if lr == lr:
+                        self._last[key] = (record.step, lr)
+                    continue
+                if key in self._fired:
+                    continue
+                self._fired.add(key)
+                group = key[len(base) + 1:]
+                where = " ".join(filter(None, [f"component {comp.name!r}" if comp.name else "",
+                                               f"param group {group!r}" if group else ""])) or "the optimizer"
+                before = self._last.get(key)
+                was = f" (it was {before[1]:.3g} at step {before[0]})" if before is not None else ""
+                msg = (f"the learning rate of {where} is {lr:.3g} at step {record.step}, below 0{was}: the optimizer "
+                       f"climbs the loss instead of descending it. A schedule run past its end does this (a linear decay "
+                       f"1 - step / total stepped more than total times).")
+                out.append(self.make(record.step, msg, lr, 0.0, key, ["unambiguous"]))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last": {k: list(v) for k, v in self._last.items()}, "fired": sorted(self._fired)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._last = {k: (int(a), float(b)) for k, (a, b) in state.get("last", {}).items()}
+        self._fired = set(state.get("fired", []))
