@@ -11,6 +11,13 @@ from trackdiag.core.record import Record
 from trackdiag.rules.base import VANISHED_LR, Rule, learning_rates, phase_start
 
 
+def series_name(comp: Component, key: str, base: str) -> str:
+    """A learning-rate series in words: its component and param group (``key`` under ``base``), or "the optimizer"."""
+    group = key[len(base) + 1:]
+    return " ".join(filter(None, [f"component {comp.name!r}" if comp.name else "",
+                                  f"param group {group!r}" if group else ""])) or "the optimizer"
+
+
 @dataclass
 class _Track:
     """One learning-rate series (an optimizer's, or one param group's) within the current phase."""
@@ -85,9 +92,7 @@ class LrVanished(Rule):
         if t.low - t.tenth > self.fall_steps or stayed < self.min_steps or stayed < self.share * (step - t.first):
             return None
         t.fired = True
-        group = key[len(base) + 1:]
-        where = " ".join(filter(None, [f"component {comp.name!r}" if comp.name else "", f"param group {group!r}" if group else ""])) \
-            or "the optimizer"
+        where = series_name(comp, key, base)
         msg = (f"the learning rate of {where} went from its peak {t.peak:.3g} to under {self.ratio:g} of it at step "
                f"{t.low}, {t.low - t.tenth} steps after dropping under a tenth of it, and has stayed there ({stayed} steps, "
                f"{100 * stayed / max(step - t.first, 1):.0f} % of the run; now {lr:.2g}): the weights barely move. A "
@@ -132,9 +137,7 @@ class LrNegative(Rule):
                 if key in self._fired:
                     continue
                 self._fired.add(key)
-                group = key[len(base) + 1:]
-                where = " ".join(filter(None, [f"component {comp.name!r}" if comp.name else "",
-                                               f"param group {group!r}" if group else ""])) or "the optimizer"
+                where = series_name(comp, key, base)
                 before = self._last.get(key)
                 was = f" (it was {before[1]:.3g} at step {before[0]})" if before is not None else ""
                 msg = (f"the learning rate of {where} is {lr:.3g} at step {record.step}, below 0{was}: the optimizer "

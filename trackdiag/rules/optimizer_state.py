@@ -21,7 +21,29 @@ LOST = {
 LOST["AdamW"] = LOST["NAdam"] = LOST["RAdam"] = LOST["Adamax"] = LOST["Adam"]
 
 
-class OptimizerRecreated(OncePer):
+class _Streak(OncePer):
+    """Reads the ``lr`` probe's table ``diag/[<c>/]<suffix>`` per component and hands on, once per component, each
+    table whose ``steps`` reached ``patience`` (and that :meth:`counts`)."""
+
+    suffix = ""
+
+    def __init__(self, *, patience: int = 3, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.patience = patience
+
+    def counts(self, table: dict[str, float]) -> bool:
+        return True
+
+    def due(self, record: Record, components: Sequence[Component]) -> list[tuple[Component, dict[str, float]]]:
+        out = []
+        for comp in components:
+            table = record.tables.get(comp.key(self.suffix))
+            if table and table["steps"] >= self.patience and self.counts(table) and self.first(comp.name):
+                out.append((comp, table))
+        return out
+
+
+class OptimizerRecreated(_Streak):
     """Fires when a new optimizer of the same class over the same parameters took the previous one's place at
     ``patience`` (3) optimizer steps in a row, and a replaced one held state a fresh one starts without (Adam's
     moment estimates, SGD's momentum buffer): the optimizer is constructed inside the training loop. Training goes on
@@ -35,16 +57,14 @@ class OptimizerRecreated(OncePer):
             "through a scheduler or param_group['lr'] instead of building a new one. A new optimizer per stage "
             "(fine-tuning, unfreezing) is fine: build it when the stage begins, not inside the batch loop.")
 
-    def __init__(self, *, patience: int = 3, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.patience = patience
+    suffix = "opt/recreated"
+
+    def counts(self, table: dict[str, float]) -> bool:
+        return bool(table["stateful"])
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
-        for comp in components:
-            table = record.tables.get(comp.key("opt/recreated"))
-            if not table or table["steps"] < self.patience or not table["stateful"] or not self.first(comp.name):
-                continue
+        for comp, table in self.due(record, components):
             kind = comp.recreations.kind or "optimizer"
             since, steps = int(table["since"]), int(table["steps"])
             whose = f"of component {comp.name!r} " if comp.name else ""
@@ -57,7 +77,7 @@ class OptimizerRecreated(OncePer):
         return out
 
 
-class OptimizerRestepped(OncePer):
+class OptimizerRestepped(_Streak):
     """Fires when, of a component's last 10 optimizer steps, at least ``patience`` (3) found the gradients of the same
     optimizer's step before: no backward pass since, the gradient tensors unchanged (``optimizer.step()`` called twice
     per iteration: in a helper and in the loop, ``scaler.step(opt)`` followed by ``opt.step()``). Each gradient is
@@ -71,16 +91,11 @@ class OptimizerRestepped(OncePer):
             "loop that steps again, scaler.step(optimizer) followed by optimizer.step(), a callback or a framework that "
             "already steps for you).")
 
-    def __init__(self, *, patience: int = 3, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.patience = patience
+    suffix = "opt/restepped"
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
-        for comp in components:
-            table = record.tables.get(comp.key("opt/restepped"))
-            if not table or table["steps"] < self.patience or not self.first(comp.name):
-                continue
+        for comp, table in self.due(record, components):
             kind = comp.resteps.kind or "optimizer"
             whose = f" of component {comp.name!r}" if comp.name else ""
             msg = (f"{kind}.step(){whose} ran again on the gradients of its previous step, with no backward pass between, "
