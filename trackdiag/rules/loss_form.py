@@ -26,6 +26,14 @@ def matches(loss: float, value: float, count: float, eps: float) -> bool:
     return False
 
 
+def in_loss_line(table: dict[str, float], key: str) -> bool:
+    """The step's loss is ``table[key]`` (a value recomputed through an activation in the loss line) and neither the
+    cross-entropy nor the NLL of the scores as handed over."""
+    n, eps, loss = table["targets"], table["eps"], table["loss"]
+    return (matches(loss, table.get(key, math.nan), n, eps) and not matches(loss, table["ce"], n, eps)
+            and not matches(loss, table["nll"], n, eps))
+
+
 def nearer(loss: float, key: str, other: str, table: dict[str, float]) -> bool:
     """Whether ``loss`` is nearer ``table[key]`` than ``table[other]`` (True without the other): near initialisation
     the cross-entropies of a softmax and of a sigmoid of the same scores are both ~log C, within the loss's rounding of
@@ -108,10 +116,8 @@ class SoftmaxBeforeCE(_Once):
     def _in_loss(table: dict[str, float]) -> bool:
         """The loss is the cross-entropy of the softmax of the (raw) scores handed over, not of the scores: the softmax
         sits between them and the cross-entropy, in the loss line."""
-        n, eps, loss = table["targets"], table["eps"], table["loss"]
-        return (not (table["min"] >= 0 and table["simplex"] <= 1e-3) and matches(loss, table.get("ce_softmax", math.nan), n, eps)
-                and not matches(loss, table["ce"], n, eps) and not matches(loss, table["nll"], n, eps)
-                and nearer(loss, "ce_softmax", "ce_sigmoid", table))
+        return (not (table["min"] >= 0 and table["simplex"] <= 1e-3) and in_loss_line(table, "ce_softmax")
+                and nearer(table["loss"], "ce_softmax", "ce_sigmoid", table))
 
     def say(self, table: dict[str, float]) -> str:
         if self._in_loss(table):
@@ -145,10 +151,8 @@ class NllWithoutLogSoftmax(_Once):
     def _in_loss(table: dict[str, float]) -> bool:
         """The loss is the NLL of the softmax of the raw scores handed over: a softmax, not a log-softmax, between
         them and ``nll_loss``, in the loss line."""
-        n, eps, loss = table["targets"], table["eps"], table["loss"]
         return ("softmax_dim" not in table and not (table["min"] >= 0 and table["simplex"] <= 1e-3)
-                and matches(loss, table.get("nll_softmax", math.nan), n, eps)
-                and not matches(loss, table["ce"], n, eps) and not matches(loss, table["nll"], n, eps))
+                and in_loss_line(table, "nll_softmax"))
 
     def say(self, table: dict[str, float]) -> str:
         if self._in_loss(table):
@@ -188,10 +192,8 @@ class ActivationBeforeCE(_Once):
     def _in_loss(table: dict[str, float]) -> bool:
         """The loss is the cross-entropy of the sigmoid of the scores handed over (``F.cross_entropy(torch.sigmoid(
         logits), y)``): the sigmoid sits in the loss line."""
-        n, eps, loss = table["targets"], table["eps"], table["loss"]
-        return ("softmax_dim" not in table and table.get("activation", 0.0) == 0
-                and matches(loss, table.get("ce_sigmoid", math.nan), n, eps) and not matches(loss, table["ce"], n, eps)
-                and not matches(loss, table["nll"], n, eps) and nearer(loss, "ce_sigmoid", "ce_softmax", table))
+        return ("softmax_dim" not in table and table.get("activation", 0.0) == 0 and in_loss_line(table, "ce_sigmoid")
+                and nearer(table["loss"], "ce_sigmoid", "ce_softmax", table))
 
     def say(self, table: dict[str, float]) -> str:
         if self._in_loss(table):
