@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import _warm as warm
 from _procs import kill_group
 
 FORK = Path(__file__).with_name("_fork_ranks.py")
@@ -26,7 +27,7 @@ def launch_ranks(worker: Path, scenario: str, out: Path, world: int, timeout: fl
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), **env}
-    proc = subprocess.Popen([sys.executable, str(FORK), str(worker), str(world), scenario, str(out)], env=env,
+    proc = warm.popen([sys.executable, str(FORK), str(worker), str(world), scenario, str(out)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         log = proc.communicate(timeout=timeout)[0]

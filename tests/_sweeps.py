@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import _warm as warm
 from _postgres import PgMlflowServer, Postgres
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +87,7 @@ def sweep_cmd(sweep: Path, uri: str, experiment: str, *overrides: str) -> tuple[
 
 def run_sweep(app: Path, sweep: Path, uri: str, experiment: str, *overrides: str) -> subprocess.CompletedProcess:
     cmd, env = sweep_cmd(sweep, uri, experiment, *overrides)
-    return subprocess.run(cmd, cwd=app, env=env, capture_output=True, text=True, timeout=1200)
+    return warm.run(cmd, cwd=app, env=env, capture_output=True, text=True, timeout=1200)
 
 
 def sweep_runs(client: Any, experiment: str, sweep: Path) -> tuple[Any, list[Any]]:

@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import _warm as warm
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 HAS_COCKPIT = all(importlib.util.find_spec(m) is not None for m in ("cockpit", "backpack"))
@@ -32,7 +34,7 @@ def _overhead(tmp_path: Path, *args: str, timeout: int = 240) -> tuple[dict, str
     """Run benchmarks/overhead.py in a fresh process (Dynamo state and sys.path stay out of this one)."""
     out = tmp_path / "rows.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(BENCH / "overhead.py"), *args, "--json", str(out)], capture_output=True, text=True,
+    proc = warm.run([sys.executable, str(BENCH / "overhead.py"), *args, "--json", str(out)], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -103,7 +105,7 @@ def test_cockpit_support_check_names_backpacks_gaps(bench_modules) -> None:
 def test_device_cuda_without_a_gpu_fails_loudly(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only machine's refusal")
-    proc = subprocess.run([sys.executable, str(BENCH / "overhead.py"), "--device", "cuda", "--workloads", "gpt_tiny"],
+    proc = warm.run([sys.executable, str(BENCH / "overhead.py"), "--device", "cuda", "--workloads", "gpt_tiny"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "cuda" in proc.stderr.lower() and "ms/step" not in proc.stdout
 
@@ -137,7 +139,7 @@ def test_flight_recorder_arms_and_benchmark(tmp_path: Path) -> None:
     rows = {r["arm"]: r for r in res["rows"]}
     assert _finite(rows["advanced+modules"]) and _finite(rows["extreme+nomodules"]), rows
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(BENCH / "flight.py"), "--workloads", "small", "--rounds", "2", "--steps", "3"],
+    proc = warm.run([sys.executable, str(BENCH / "flight.py"), "--workloads", "small", "--rounds", "2", "--steps", "3"],
                           capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| small |"))
@@ -151,7 +153,7 @@ def test_probe_costs_times_each_part_as_often_as_the_loop_calls_it(tmp_path: Pat
     one ``Diagnostics.step`` and one end-of-backward tap, a pre- and a post-step dispatch, a logging step every
     10th, the grads probe's ``on_grads`` once; the parts inside a whole cost less than it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(BENCH / "probe_costs.py"), "--workload", "small", "--arm", "advanced",
+    proc = warm.run([sys.executable, str(BENCH / "probe_costs.py"), "--workload", "small", "--arm", "advanced",
                            "--steps", "100", "--top", "60"], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {}
@@ -178,7 +180,7 @@ def test_floor_table_has_the_floor_the_machinery_and_each_preset(tmp_path: Path)
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, str(BENCH / "floor.py"), "--rounds", "2", "--steps", "10", "--warmup", "5"]
-    proc = subprocess.run([*cmd, "--drop", "basic:data_finite"], capture_output=True, text=True, timeout=240, env=env,
+    proc = warm.run([*cmd, "--drop", "basic:data_finite"], capture_output=True, text=True, timeout=240, env=env,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {}
@@ -203,7 +205,7 @@ def test_op_trace_profiles_each_arm_beside_the_bare_loop(tmp_path: Path) -> None
     """benchmarks/op_trace.py on the small MLP: one profiled section per arm with finite timings, and the
     operations trackdiag adds show in its arm only (the gradient tap's one multi-tensor norm per backward)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(BENCH / "op_trace.py"), "--workload", "small", "--arms", "advanced",
+    proc = warm.run([sys.executable, str(BENCH / "op_trace.py"), "--workload", "small", "--arms", "advanced",
                            "--steps", "5", "--warmup", "3", "--top", "60"], capture_output=True, text=True, timeout=240,
                           env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -20,6 +20,8 @@ from trackdiag.core.record import Record
 from trackdiag.core.runinfo import RunInfo
 from trackdiag.sinks.local import LocalSink
 
+import _warm as warm
+
 REPO = Path(__file__).resolve().parents[1]
 KINDS = {"loss_divergence": "critical", "grad_explosion": "warning", "nonfinite_loss": "critical"}
 
@@ -217,7 +219,7 @@ def _hydra_sweep(base: Path, *extra: str) -> tuple[Path, subprocess.CompletedPro
            "steps=120", "eval_every=40", "fault=none,nan_input,lr_explode,crash", "fault_step=60",
            f"hydra.sweep.dir={sweep}", *(extra or ["diag.sinks=[local]"])]
     env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_TRACKING_URI": ""}
-    proc = subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=300)
+    proc = warm.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=300)
     return sweep, proc
 
 
@@ -266,7 +268,7 @@ def test_hydra_multirun_compare_api_cli_and_callback(hydra_sweep: tuple[Path, su
     assert (sweep / "comparison.html").read_text().count("data:image/png;base64,") == 3
     # the CLI, as a user runs it
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cli = subprocess.run([sys.executable, "-m", "trackdiag", "compare", str(sweep), "--format", "json",
+    cli = warm.run([sys.executable, "-m", "trackdiag", "compare", str(sweep), "--format", "json",
                           "--out", str(tmp_path / "out"), "--no-plots"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert cli.returncode == 0, cli.stderr

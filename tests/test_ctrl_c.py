@@ -30,6 +30,7 @@ pytest.importorskip("mlflow")
 
 from mlflow import MlflowClient  # noqa: E402
 
+import _warm as warm
 from _mlflow_util import history, local_points, ready_store, same_points  # noqa: E402
 from trackdiag.sinks.mlflow.ops import sanitize_key  # noqa: E402
 
@@ -178,7 +179,7 @@ def test_a_second_ctrl_c_skips_the_report_and_keeps_the_rest(tmp_path: Path) -> 
     assert not (run_dir / "report.html").exists()  # skipped, as the line said
     if (run_dir / "mlflow_spool").exists():  # the usual case: what MLflow has not received is kept ...
         assert "trackdiag sync" in after and "not delivered" in after, after[-3000:]
-        sync = subprocess.run([sys.executable, "-m", "trackdiag", "sync", str(run_dir)], cwd=tmp_path,
+        sync = warm.run([sys.executable, "-m", "trackdiag", "sync", str(run_dir)], cwd=tmp_path,
                               capture_output=True, text=True, timeout=180)
         assert sync.returncode == 0, sync.stdout + sync.stderr
     _every_point_delivered(tmp_path, run_dir)  # ... and sync delivers it: nothing is lost

@@ -20,6 +20,7 @@ from mlflow import MlflowClient  # noqa: E402
 
 from trackdiag.sinks.mlflow.ops import sanitize_key  # noqa: E402
 
+import _warm as warm
 from _mlflow_util import history, local_points  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ def test_busy_machine_fresh_default_store(tmp_path: Path) -> None:
                              "while True: pass" % (spin - 1)], start_new_session=True) if spin else None
     try:
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "train.py", "+diag=advanced", "steps=100",
+        proc = warm.run([sys.executable, "train.py", "+diag=advanced", "steps=100",
                                f"hydra.run.dir={tmp_path / 'out'}"], cwd=app, env=env, capture_output=True, text=True,
                               timeout=900)
         wall = time.monotonic() - t0

@@ -26,6 +26,7 @@ from trackdiag.cli import main as cli_main  # noqa: E402
 from trackdiag.sinks.mlflow.ops import sanitize_key  # noqa: E402
 from trackdiag.sinks.mlflow.sink import MlflowSink  # noqa: E402
 
+import _warm as warm  # noqa: E402
 from _delay_proxy import DelayProxy  # noqa: E402
 from _mlflow_util import MlflowServer, free_port, history, local_points, tiny_model, train  # noqa: E402
 
@@ -76,7 +77,7 @@ def test_example_app_against_a_server_150ms_away(server: MlflowServer, tmp_path:
     env.update(MLFLOW_TRACKING_URI=proxy.uri)
     try:
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "train.py", "+diag=advanced", f"hydra.run.dir={tmp_path / 'out'}"],
+        proc = warm.run([sys.executable, "train.py", "+diag=advanced", f"hydra.run.dir={tmp_path / 'out'}"],
                               cwd=app, env=env, capture_output=True, text=True, timeout=400)
         wall = time.monotonic() - t0
         timed = proxy.timed_requests()

@@ -20,6 +20,7 @@ pytest.importorskip("mlflow")
 
 from mlflow import MlflowClient  # noqa: E402
 
+import _warm as warm  # noqa: E402
 from _mlflow_util import ready_store  # noqa: E402
 from wandb_reader import read_run, settled_runs  # noqa: E402
 
@@ -62,7 +63,7 @@ def _start(tmp_path: Path, end: str, sinks: list[str]) -> tuple[subprocess.Popen
     (tmp_path / "script.py").write_text(textwrap.dedent(code))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")
-    proc = subprocess.Popen([sys.executable, "script.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+    proc = warm.popen([sys.executable, "script.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     return proc, out, store
 
@@ -188,7 +189,7 @@ def test_crashed_hydra_jobs_are_failed_not_healthy(tmp_path: Path) -> None:
         (tmp_path / name).mkdir()
         (tmp_path / name / "user_app.py").write_text(USER_APP)
         ready_store(tmp_path / name)  # mlflow.db in the launch dir: the default store, tables made already
-        procs[name] = subprocess.Popen([sys.executable, *cmd, f"hydra.run.dir={tmp_path / name / 'out'}",
+        procs[name] = warm.popen([sys.executable, *cmd, f"hydra.run.dir={tmp_path / name / 'out'}",
                                         "hydra.job.name=crash"], cwd=tmp_path / name, env=env, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     for name, proc in procs.items():
@@ -225,7 +226,7 @@ def test_sigterm_after_the_last_session_closed_is_the_default(tmp_path: Path) ->
         print("survived")
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = warm.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr[-2000:])
     assert "SystemExit" not in proc.stderr and "survived" not in proc.stdout

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+import _warm as warm
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 
 
@@ -27,5 +29,5 @@ def test_the_example_app_imports_no_sklearn():
 
     code = (f"import runpy, sys; sys.argv = ['x']; m = runpy.run_path({str(EXAMPLE)!r}, run_name='not_main'); "
             "m['load_data'](0); print('sklearn' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = warm.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr

@@ -23,6 +23,7 @@ import trackdiag
 from trackdiag.util import exit_status
 from trackdiag.core.record import read_records
 
+import _warm as warm
 import _zoo_crash as zoo
 
 REPO = Path(__file__).resolve().parents[1]
@@ -258,7 +259,7 @@ def test_sigterm_mid_step_is_recorded_everywhere(tmp_path, level, use_with):
     body = body.replace("RUN", "with diag:\n    train()" if use_with else "train()  # no with: closed at exit")
     (tmp_path / "script.py").write_text(textwrap.dedent(body))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "script.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+    proc = warm.popen([sys.executable, "script.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         t0 = time.monotonic()

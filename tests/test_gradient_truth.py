@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import trackdiag
+import _warm as warm
 from _loops import (CharGPT, WordLM, batchify, char_batches, char_data, gpt_optimizer, lm_batches, ref_norm, repackage,
                     warmup_cosine, word_data)
 from _zoo_a import one_thread, quiet_probes
@@ -346,7 +347,7 @@ def test_torch_save_during_a_session_carries_nothing_of_trackdiag(tmp_path) -> N
                 path = tmp_path / f"step{step}.pt"
                 torch.save(model, path)
                 saved.append(path)
-    proc = subprocess.run([sys.executable, "-c", _LOAD, *map(str, saved)], capture_output=True, text=True, timeout=120)
+    proc = warm.run([sys.executable, "-c", _LOAD, *map(str, saved)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == f"ok {len(saved)}", proc.stderr[-2000:]
 
 
@@ -401,7 +402,7 @@ def test_rnn_modules_saved_and_copied_mid_session_carry_nothing_and_run_their_ow
                     assert twin_lstm(x)[0].abs().max() == 0 and twin_gru(x)[0].abs().max() == 0  # its own (zero) weights
                     assert lstm(x)[0].abs().max() > 0
     assert not any("__getstate__" in m.__dict__ for m in (lstm, *head.modules()))  # given back at close
-    proc = subprocess.run([sys.executable, "-c", _LOAD_RNN, *map(str, saved)], capture_output=True, text=True, timeout=120)
+    proc = warm.run([sys.executable, "-c", _LOAD_RNN, *map(str, saved)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == f"ok {len(saved)}", proc.stderr[-2000:]
 
 

@@ -29,6 +29,7 @@ from trackdiag.core.runinfo import RunInfo, redact_override  # noqa: E402
 from trackdiag.sinks.mlflow.sink import MlflowSink  # noqa: E402
 from trackdiag.sinks.wandb_util import redact as wandb_redact  # noqa: E402
 
+import _warm as warm
 from _mlflow_util import MlflowServer, tiny_model, train  # noqa: E402
 from wandb_reader import read_run, settled_runs  # noqa: E402
 
@@ -194,7 +195,7 @@ def test_hydra_app_secrets_in_config_and_overrides(tmp_path: Path) -> None:
     app = tmp_path / "app"
     shutil.copytree(repo / "examples", app)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "train.py", "+diag=basic", "steps=30", "+db.password=S3cr3t-hydra1",
          "+api_key=S3cr3t-hydra2", "+data.url=s3://bob:S3cr3t-hydra3@bucket/x", f"hydra.run.dir={tmp_path / 'out'}"],
         cwd=app, env=env, capture_output=True, text=True, timeout=300)

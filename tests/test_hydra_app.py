@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import _warm as warm
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -25,12 +27,12 @@ def app(tmp_path_factory) -> Path:
 
 def run_app(app: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    return subprocess.run([sys.executable, "train.py", *overrides], cwd=app, env=env, capture_output=True,
+    return warm.run([sys.executable, "train.py", *overrides], cwd=app, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
 def test_installed_package_is_used(app: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", "import trackdiag, hydra_plugins.trackdiag_searchpath as p; print(trackdiag.__file__)"],
+    out = warm.run([sys.executable, "-c", "import trackdiag, hydra_plugins.trackdiag_searchpath as p; print(trackdiag.__file__)"],
                          cwd=app, capture_output=True, text=True, check=True)
     assert "site-packages" in out.stdout, out.stdout
     installed = Path(out.stdout.strip()).parent

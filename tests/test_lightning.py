@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import _warm as warm
 from _framework_util import fluent_mlflow_state_reset  # noqa: F401 (autouse fixture)
 from _zoo_a import digits, one_thread, quiet_probes
 from trackdiag.core.errors import ConfigError
@@ -256,7 +257,7 @@ def test_ddp_two_processes_one_run_and_a_collective_stop(tmp_path: Path) -> None
     path = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path])  # this checkout first
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "MLFLOW_TRACKING_URI": uri}
     worker = Path(__file__).with_name("_lightning_ddp_worker.py")
-    proc = subprocess.Popen([sys.executable, str(worker), str(tmp_path), uri], env=env, stdout=subprocess.PIPE,
+    proc = warm.popen([sys.executable, str(worker), str(tmp_path), uri], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
                             start_new_session=True)  # Lightning forks rank 1
     try:

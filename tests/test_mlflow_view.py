@@ -22,6 +22,7 @@ from mlflow import MlflowClient  # noqa: E402
 import trackdiag  # noqa: E402
 from trackdiag.sinks.mlflow.sink import MlflowSink  # noqa: E402
 
+import _warm as warm
 from _mlflow_util import free_port, ready_store, tiny_model, train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +76,7 @@ def test_source_is_the_users_script_and_its_commit(tmp_path: Path) -> None:
         subprocess.run(git + cmd, cwd=repo, check=True, capture_output=True)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "project/train_gan.py"], cwd=tmp_path, env=env, capture_output=True,
+    proc = warm.run([sys.executable, "project/train_gan.py"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     client = MlflowClient(store)
@@ -114,7 +115,7 @@ def test_sweep_with_default_store_and_commands_that_work_when_pasted(tmp_path: P
     sweep's parent run; the commands each job prints run in a shell whose PATH has no venv."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
     ready_store(tmp_path)  # the default store's file, in the launch dir (its tables made already)
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / "train.py"), "-m", "+diag=basic", "steps=20",
+    proc = warm.run([sys.executable, str(REPO / "examples" / "train.py"), "-m", "+diag=basic", "steps=20",
                            "eval_every=10", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

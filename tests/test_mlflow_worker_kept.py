@@ -28,6 +28,7 @@ import trackdiag  # noqa: E402
 from trackdiag.sinks.mlflow import pipe  # noqa: E402
 from trackdiag.sinks.mlflow.sink import MlflowSink  # noqa: E402
 
+import _warm as warm
 from _mlflow_util import history, local_points, same_points, tiny_model, train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,7 +139,7 @@ def _script(tmp_path: Path, body: str, mark: str) -> subprocess.Popen[str]:
         ''') + textwrap.dedent(body))
     env = {**os.environ, "TD_KEPT_MARK": mark, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.Popen([sys.executable, "job.py", f"sqlite:///{tmp_path / 'mlflow.db'}"], cwd=tmp_path, env=env,
+    return warm.popen([sys.executable, "job.py", f"sqlite:///{tmp_path / 'mlflow.db'}"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 

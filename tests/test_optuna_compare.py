@@ -25,6 +25,8 @@ from trackdiag.compare.comparison import compare
 from trackdiag.compare.outputs import write_outputs
 from trackdiag.core.errors import ConfigError
 
+import _warm as warm
+
 optuna = pytest.importorskip("optuna")
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 30
@@ -107,7 +109,7 @@ def test_optuna_source_joins_trials_to_runs(study: tuple[Path, str]) -> None:
 def test_cli_compare_optuna_source(study: tuple[Path, str]) -> None:
     _, source = study
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "COLUMNS": "250"}
-    out = subprocess.run([sys.executable, "-m", "trackdiag", "compare", source, "--format", "csv"],
+    out = warm.run([sys.executable, "-m", "trackdiag", "compare", source, "--format", "csv"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
@@ -116,10 +118,10 @@ def test_cli_compare_optuna_source(study: tuple[Path, str]) -> None:
     assert sorted(r["state"] for r in rows) == ["COMPLETE", "COMPLETE", "PRUNED"]
     pruned = next(r for r in rows if r["state"] == "PRUNED")
     assert pruned["health"] == "critical" and pruned["stopped"] and int(pruned["steps_saved"]) > 0
-    text = subprocess.run([sys.executable, "-m", "trackdiag", "compare", source], capture_output=True, text=True,
+    text = warm.run([sys.executable, "-m", "trackdiag", "compare", source], capture_output=True, text=True,
                           env=env, timeout=300)
     assert text.returncode == 0 and "3 trials: 1 stopped by trackdiag" in text.stdout, text.stdout[-2000:]
-    bad = subprocess.run([sys.executable, "-m", "trackdiag", "compare", source + "x"], capture_output=True, text=True,
+    bad = warm.run([sys.executable, "-m", "trackdiag", "compare", source + "x"], capture_output=True, text=True,
                          env=env, timeout=300)
     assert bad.returncode == 2 and "no study 'lrsx'" in bad.stderr + bad.stdout
 

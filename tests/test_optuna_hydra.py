@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import _warm as warm
+
 optuna = pytest.importorskip("optuna")
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +40,7 @@ def test_optuna_sweeper_prunes_exploding_trials(tmp_path: Path) -> None:
            f"hydra.sweeper.n_trials={len(LRS)}", "hydra.sweeper.n_jobs=2", f"optimizer.lr=choice({','.join(map(str, LRS))})",
            "optimizer.name=sgd", f"steps={STEPS}", "eval_every=10", "+diag=basic", "diag.sinks=[local]", "diag.every=5",
            "diag.budget=null", "diag.sweep.stop_on=[critical]", f"diag.sweep.planned_steps={STEPS}", f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.run(cmd, cwd=app, env=env, capture_output=True, text=True, timeout=900)
+    proc = warm.run(cmd, cwd=app, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     doc = json.loads((sweep / "optuna_study.json").read_text())

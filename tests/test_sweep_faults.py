@@ -16,6 +16,7 @@ from typing import Iterator
 
 import pytest
 
+import _warm as warm
 from _postgres import PgMlflowServer, skip_reason
 from _sweeps import (copy_app, finalized, missing_points, record_lines, server_fixture, sweep_cmd, sweep_runs,
                      wait_for)
@@ -41,7 +42,7 @@ def test_server_restarted_mid_sweep_loses_nothing(server: PgMlflowServer, app: P
     sweep = tmp_path / "multirun" / "restart"
     cmd, env = sweep_cmd(sweep, server.uri, "restart", "+diag=basic", "hydra/launcher=joblib",
                          "hydra.launcher.n_jobs=2", "steps=1500", "eval_every=100", "seed=0,1,2,3")
-    proc = subprocess.Popen(cmd, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = warm.popen(cmd, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out: dict[str, str] = {}
     reader = threading.Thread(target=lambda: out.update(zip(("stdout", "stderr"), proc.communicate(timeout=1200))))
     reader.start()
@@ -77,7 +78,7 @@ def test_killed_job_is_killed_others_unaffected(server: PgMlflowServer, app: Pat
     sweep = tmp_path / "multirun" / "killed"
     cmd, env = sweep_cmd(sweep, server.uri, "killed", "+diag=basic", "hydra/launcher=submitit_local",
                          "hydra.launcher.timeout_min=20", "steps=2500", "eval_every=200", "seed=0,1,2")
-    proc = subprocess.Popen(cmd, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = warm.popen(cmd, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: record_lines(sweep, 1) >= 10, 400, "job 1 training")
         pid = json.loads((sweep / ".trackdiag" / "jobs" / "1.start.json").read_text())["pid"]

@@ -18,6 +18,8 @@ from trackdiag.hydra import sweep_ledger as ledger
 from trackdiag.compare.mlflow_source import _summary
 from trackdiag.sinks.mlflow.sweep import find_parents, merge_parents, summary_tag, sweep_status
 
+import _warm as warm
+
 
 def _config(*task: str, sweeper: str = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
             params: dict[str, str] | None = None) -> object:
@@ -139,7 +141,7 @@ def test_a_killed_process_run_is_ended_killed_by_its_worker(tmp_path: Path) -> N
 
     uri = ready_store(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    proc = subprocess.run([sys.executable, "-c", KILLED_PROCESS, uri, str(tmp_path / "run")], capture_output=True,
+    proc = warm.run([sys.executable, "-c", KILLED_PROCESS, uri, str(tmp_path / "run")], capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     run_id = proc.stdout.split()[0]

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+import _warm as warm
 from _postgres import free_port, skip_reason
 from _procs import kill_group
 from _sweeps import (copy_app, finalized, missing_points, record_lines, start_server, stop_server, sweep_cmd,
@@ -131,7 +132,7 @@ def test_ray_sweep_jobs_one_parent_true_statuses_killed_job_killed(tmp_path: Pat
         sweep = tmp_path / "multirun" / "ray9"
         cmd, env = sweep_cmd(sweep, srv.uri, "ray", *ray_overrides(head, srv.uri), "+diag=basic", f"steps={STEPS}",
                              "eval_every=100", f"seed={','.join(map(str, range(JOBS)))}")
-        proc = subprocess.Popen(cmd, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = warm.popen(cmd, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             wait_for(lambda: record_lines(sweep, KILLED) >= 2, 900, f"job {KILLED} training", poll=0.05)
             pid = json.loads((sweep / ".trackdiag" / "jobs" / f"{KILLED}.start.json").read_text())["pid"]

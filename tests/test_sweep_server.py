@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import pytest
 
+import _warm as warm
 from _postgres import PgMlflowServer, skip_reason
 from _sweeps import copy_app, missing_points, run_sweep, server_fixture, sweep_runs
 
@@ -83,7 +84,7 @@ def check_sweep(server: PgMlflowServer, experiment: str, sweep: Path, proc: Any,
     rows = lambda c: [{f: json.dumps(r.to_dict()[f]) for f in fields} for r in c.runs]  # noqa: E731
     assert rows(by_parent) == rows(local) == rows(by_sweep)
     assert by_parent.swept == local.swept and by_parent.risk_lines == local.risk_lines
-    cli = subprocess.run([sys.executable, "-m", "trackdiag", "compare", "mlflow:", "--parent", parent.info.run_id,
+    cli = warm.run([sys.executable, "-m", "trackdiag", "compare", "mlflow:", "--parent", parent.info.run_id,
                           "--tracking-uri", server.uri, "--format", "json"], capture_output=True, text=True, timeout=300,
                          cwd="/")
     assert cli.returncode == 0, cli.stderr[-2000:]

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from conftest import batches, make_mlp
 
+import _warm as warm
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 from browser import Browser, unavailable  # noqa: E402
@@ -165,7 +167,7 @@ def served_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
         server.wait(120)
         (root / "train_view.py").write_text(SCRIPT.replace("URI", repr(server.uri)))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
-        proc = subprocess.run([sys.executable, "train_view.py"], cwd=root, env=env, capture_output=True, text=True,
+        proc = warm.run([sys.executable, "train_view.py"], cwd=root, env=env, capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         with urllib.request.urlopen(f"{server.uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name=view",

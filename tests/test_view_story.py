@@ -22,6 +22,8 @@ from typing import Iterator
 
 import pytest
 
+import _warm as warm
+
 pytest.importorskip("mlflow")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +49,7 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         server.wait(120)
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env["MLFLOW_TRACKING_URI"] = server.uri
-        proc = subprocess.run([sys.executable, str(REPO / "examples" / "train.py"), "+diag=advanced", "fault=lr_explode",
+        proc = warm.run([sys.executable, str(REPO / "examples" / "train.py"), "+diag=advanced", "fault=lr_explode",
                                "fault_step=100", "steps=200", f"hydra.run.dir={root / 'job'}"], cwd=root, env=env,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -30,6 +30,8 @@ from trackdiag.sinks.wandb_util import REDACTED, fit_histogram, redact, summary_
 sys.path.insert(0, str(Path(__file__).parent))
 from wandb_reader import LEAN, find_runs, read_run, settled_runs, offline, tiny_model as _model  # noqa: E402,F401 (offline: an autouse fixture)
 
+import _warm as warm
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -209,7 +211,7 @@ def test_hydra_multirun_gives_two_runs_in_one_group(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # the checkout's trackdiag, not a stale install
     cmd = [sys.executable, "app.py", "-m", "+diag=basic", "diag/sink=wandb", "diag.sink.wandb.mode=offline",
            f"diag.sink.wandb.dir={wb}", "diag.sink.wandb.settings={x_disable_stats:true,console:off}", "seed=0,1"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = warm.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [read_run(f) for f in find_runs(wb)]
     assert len(runs) == 2, proc.stderr[-3000:]
