@@ -43,6 +43,17 @@ def test_every_write_a_ctrl_c_lets_through_is_handled_and_drain_returns(tmp_path
     # Python's own Ctrl-C handler, as in a user's script (an xdist worker may hold SIGINT otherwise, and then
     # ``interrupt_main`` does nothing: the conftest fixture puts the worker's handler back afterwards)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # no collection during the trials: a KeyboardInterrupt that lands in a finalizer the collector runs (an
+    # earlier test's socket or Popen) is printed as "Exception ignored" and lost, and the loop never hears of it
+    gc.collect()
+    gc.disable()
+    try:
+        _interrupted_writes(tmp_path)
+    finally:
+        gc.enable()
+
+
+def _interrupted_writes(tmp_path) -> None:
     rng = random.Random(0)
     for trial in range(40):
         sink = _Count()
@@ -51,10 +62,6 @@ def test_every_write_a_ctrl_c_lets_through_is_handled_and_drain_returns(tmp_path
         sent: list[int] = []
         timer = threading.Timer(rng.uniform(0.0, 0.004), _thread.interrupt_main)  # a Ctrl-C, mid-loop
         interrupted = False
-        # no collection mid-loop: a KeyboardInterrupt that lands in a finalizer the collector runs (an earlier
-        # test's socket or Popen) is printed as "Exception ignored" and lost, and the loop never hears of it
-        gc.collect()
-        gc.disable()
         try:
             timer.start()
             for step in range(20_000):  # ~0.1 s of writes: the interrupt comes within the first ~12,000 when idle
@@ -67,7 +74,6 @@ def test_every_write_a_ctrl_c_lets_through_is_handled_and_drain_returns(tmp_path
         except KeyboardInterrupt:
             interrupted = True
         finally:
-            gc.enable()
             timer.cancel()
         assert interrupted, f"trial {trial}: the Ctrl-C never came"
         drained = threading.Thread(target=hub.drain, daemon=True)
