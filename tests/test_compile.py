@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import trackdiag
+import _warm as warm
 from _loops import CharGPT, char_batches, char_data
 from _zoo_a import one_thread
 from trackdiag.core.record import read_records
@@ -132,8 +133,7 @@ def test_pause_counters_live_in_the_instances_from_the_start() -> None:
     earlier test has paused anything."""
     code = ("from trackdiag.capture.forward_watch import FORWARD; from trackdiag.capture.optimizers import DISPATCH; "
             "print('_paused' in vars(FORWARD), '_paused' in vars(DISPATCH))")
-    import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = warm.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
