@@ -28,7 +28,7 @@ import trackdiag  # noqa: E402
 from trackdiag.sinks.mlflow import pipe  # noqa: E402
 from trackdiag.sinks.mlflow.sink import MlflowSink  # noqa: E402
 
-import _warm as warm
+import _warm as warm  # noqa: E402
 from _mlflow_util import history, local_points, same_points, tiny_model, train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +116,18 @@ def test_another_directory_or_environment_gets_its_own_worker(tmp_path: Path,
     client = MlflowClient(store)
     runs = client.search_runs([client.get_experiment_by_name("kept").experiment_id])
     assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3
+
+
+def test_sessions_of_different_pytest_tests_share_the_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest sets ``PYTEST_CURRENT_TEST`` for each phase of each test: a user's test suite that runs their loop
+    with the MLflow sink in several tests shares one worker, as a notebook does (MLflow never reads it)."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_a.py::test_one (call)")
+    _run(tmp_path, store, "a")
+    kept = _kept_pid()
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_a.py::test_two (call)")
+    _run(tmp_path, store, "b")
+    assert kept is not None and _kept_pid() == kept
 
 
 def _script(tmp_path: Path, body: str, mark: str) -> subprocess.Popen[str]:

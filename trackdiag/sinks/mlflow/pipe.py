@@ -38,11 +38,17 @@ _parked: dict[tuple[Any, ...], "subprocess.Popen[bytes]"] = {}  # at most one
 _registered: list[Any] = []
 
 
+#: variables that change between the sessions of one process and that MLflow never reads: pytest names the test
+#: running in ``PYTEST_CURRENT_TEST`` (setup, call, teardown of each), so a user's tests of their training loop got
+#: a worker each (~2 s of CPU importing MLflow) instead of sharing one
+_NOT_READ_BY_MLFLOW = frozenset({"PYTEST_CURRENT_TEST"})
+
+
 def pool_key(env: dict[str, str]) -> tuple[Any, ...]:
     """Which sessions may share a worker: the same process (a forked child never takes its parent's),
     the same directory (a relative SQLite URI) and the same environment (MLflow's credentials and
-    settings are read from it)."""
-    return os.getpid(), os.getcwd(), tuple(sorted(env.items()))
+    settings are read from it), but for the variables in ``_NOT_READ_BY_MLFLOW``."""
+    return os.getpid(), os.getcwd(), tuple(sorted(kv for kv in env.items() if kv[0] not in _NOT_READ_BY_MLFLOW))
 
 
 def take(key: tuple[Any, ...]) -> "subprocess.Popen[bytes] | None":
