@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +50,13 @@ def _import_time_env(env: dict[str, str]) -> tuple:
     return tuple(sorted((k, v) for k, v in env.items() if not k.startswith(PER_CHILD)))
 
 
-def _zygote(env: dict[str, str]) -> str:
-    """The socket of a zygote started with ``env``'s import-time variables (started on first use)."""
+def _zygote(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """The zygote started with ``env``'s import-time variables (started on first use) and its socket."""
     key = _import_time_env(env)
     with _lock:
         known = _zygotes.get(key)
         if known is not None and known[0].poll() is None:
-            return known[1]
+            return known
         home = tempfile.mkdtemp(prefix="warm-")
         path = os.path.join(home, "sock")
         zenv = dict(key)
@@ -64,10 +65,7 @@ def _zygote(env: dict[str, str]) -> str:
         proc = subprocess.Popen([sys.executable, "-c", BOOT, ZYGOTE, path], env=zenv, cwd=home,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         _zygotes[key] = (proc, path)
-        if os.environ.get("TRACKDIAG_WARM_LOG"):
-            with open(os.environ["TRACKDIAG_WARM_LOG"], "a") as f:
-                f.write(json.dumps({"pid": os.getpid(), "test": os.environ.get("PYTEST_CURRENT_TEST"), "key": dict(key)}) + "\n")
-        return path
+        return proc, path
 
 
 def _stop_all() -> None:
@@ -103,15 +101,17 @@ class Popen:
         text = bool(text or universal_newlines or encoding)
         env = dict(os.environ if env is None else env)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        path = _zygote(env)
-        for _ in range(600):  # a zygote just started takes ~3 s to import and listen
+        zygote, path = _zygote(env)
+        deadline = time.monotonic() + 300  # a zygote just started imports for ~3 CPU-s: longer on a busy machine
+        while True:
             try:
                 self._sock.connect(path)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
-                threading.Event().wait(0.01)
-        else:
-            raise RuntimeError(f"the warm-start zygote at {path} never listened")
+                if zygote.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the warm-start zygote at {path} never listened (exit code {zygote.poll()}; "
+                                       "its stderr is the test worker's)") from None
+                time.sleep(0.01)
         ours, theirs = [], []
 
         def end(spec: Any, fd: int, reading: bool) -> int:
