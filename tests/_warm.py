@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -57,7 +58,8 @@ def _zygote(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
         known = _zygotes.get(key)
         if known is not None and known[0].poll() is None:
             return known
-        home = tempfile.mkdtemp(prefix="warm-")
+        # a short directory: a Unix socket's path holds at most ~107 bytes (a long TMPDIR would not fit)
+        home = tempfile.mkdtemp(prefix="warm-", dir="/tmp" if os.path.isdir("/tmp") else None)
         path = os.path.join(home, "sock")
         zenv = dict(key)
         if "TRACKDIAG_CENSUS" in env:  # the census line (scripts/suite_cpu.sh) of each child
@@ -69,26 +71,27 @@ def _zygote(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
 
 
 def _stop_all() -> None:
-    for proc, _ in _zygotes.values():
+    for proc, path in _zygotes.values():
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 atexit.register(_stop_all)
 
 
 def warmable(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``subprocess.run(args, **kwargs)`` (or ``Popen``) can be forked warm: ``sys.executable`` running a
+    script, ``-m`` or ``-c``, with no argument the fork cannot honour (``preexec_fn``, ``shell``, ...)."""
     if COLD or isinstance(args, (str, bytes)) or not args or str(args[0]) != sys.executable or len(args) < 2:
-        return False
-    first = str(args[1])
-    if first in ("-c", "-m"):
-        return len(args) >= 3
-    if first.startswith("-"):
         return False
     unsupported = set(kwargs) - {"cwd", "env", "stdin", "stdout", "stderr", "text", "start_new_session",
                                  "capture_output", "timeout", "check", "input", "universal_newlines", "encoding"}
-    return not unsupported and kwargs.get("encoding") in (None, "utf-8")
+    if unsupported or kwargs.get("encoding") not in (None, "utf-8"):
+        return False
+    first = str(args[1])
+    return len(args) >= 3 if first in ("-c", "-m") else not first.startswith("-")
 
 
 class Popen:

@@ -86,5 +86,6 @@ def test_what_is_not_python_running_a_file_starts_cold() -> None:
     assert not warm.warmable(["bash", "-c", "true"], {})
     assert not warm.warmable([sys.executable, "-X", "importtime", "-c", "pass"], {})
     assert not warm.warmable([sys.executable, "x.py"], {"preexec_fn": print})
+    assert not warm.warmable([sys.executable, "-c", "pass"], {"preexec_fn": print})
     plain = warm.popen(["true"])
     assert isinstance(plain, subprocess.Popen) and plain.wait(30) == 0
