@@ -71,8 +71,12 @@ def _child(req: dict, fds: list[int], base: list[str]) -> None:
     else:
         path = os.path.abspath(argv[0])
         first, sys.argv = os.path.dirname(os.path.realpath(path)), list(argv)
-        with open(path, "rb") as f:
-            code = compile(f.read(), path, "exec")  # __main__.__file__ is absolute (Python >= 3.9)
+        try:
+            with open(path, "rb") as f:
+                code = compile(f.read(), path, "exec")  # __main__.__file__ is absolute (Python >= 3.9)
+        except OSError as exc:  # as ``python missing.py`` says it
+            sys.stderr.write(f"{sys.executable}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}\n")
+            sys.exit(2)
     sys.path[:] = [first, *[os.path.abspath(p) for p in pythonpath], *base]
     import __main__
     import builtins

@@ -64,6 +64,8 @@ def test_dash_c_dash_m_stdin_and_a_new_session(tmp_path: Path) -> None:
     assert json.loads(hot.stdout)["stdin"] == "hello\n" and json.loads(hot.stdout)["argv"] == ["-c", "stdin"]
     cold, hot = both(tmp_path, ["-m", "probe_mod", "5"], cwd=tmp_path)
     assert hot.returncode == cold.returncode == 5 and json.loads(hot.stdout) == json.loads(cold.stdout)
+    cold, hot = both(tmp_path, ["missing.py"], cwd=tmp_path)
+    assert hot.returncode == cold.returncode == 2 and hot.stderr == cold.stderr and "can't open file" in hot.stderr
     cold, hot = both(tmp_path, ["-c", PROBE], cwd=tmp_path, start_new_session=True)
     assert json.loads(hot.stdout) == json.loads(cold.stdout) and json.loads(hot.stdout)["session_leader"]
 
