@@ -28,7 +28,7 @@ def launch_ranks(worker: Path, scenario: str, out: Path, world: int, timeout: fl
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), **env}
     proc = warm.popen([sys.executable, str(FORK), str(worker), str(world), scenario, str(out)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         log = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:

@@ -35,7 +35,7 @@ def _overhead(tmp_path: Path, *args: str, timeout: int = 240) -> tuple[dict, str
     out = tmp_path / "rows.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = warm.run([sys.executable, str(BENCH / "overhead.py"), *args, "--json", str(out)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=tmp_path)
+                    timeout=timeout, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
@@ -106,7 +106,7 @@ def test_device_cuda_without_a_gpu_fails_loudly(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only machine's refusal")
     proc = warm.run([sys.executable, str(BENCH / "overhead.py"), "--device", "cuda", "--workloads", "gpt_tiny"],
-                          capture_output=True, text=True, timeout=120)
+                    capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "cuda" in proc.stderr.lower() and "ms/step" not in proc.stdout
 
 
@@ -140,7 +140,7 @@ def test_flight_recorder_arms_and_benchmark(tmp_path: Path) -> None:
     assert _finite(rows["advanced+modules"]) and _finite(rows["extreme+nomodules"]), rows
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = warm.run([sys.executable, str(BENCH / "flight.py"), "--workloads", "small", "--rounds", "2", "--steps", "3"],
-                          capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+                    capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| small |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -181,7 +181,7 @@ def test_floor_table_has_the_floor_the_machinery_and_each_preset(tmp_path: Path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, str(BENCH / "floor.py"), "--rounds", "2", "--steps", "10", "--warmup", "5"]
     proc = warm.run([*cmd, "--drop", "basic:data_finite"], capture_output=True, text=True, timeout=240, env=env,
-                          cwd=tmp_path)
+                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {}
     for line in proc.stdout.splitlines():
@@ -207,7 +207,7 @@ def test_op_trace_profiles_each_arm_beside_the_bare_loop(tmp_path: Path) -> None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = warm.run([sys.executable, str(BENCH / "op_trace.py"), "--workload", "small", "--arms", "advanced",
                            "--steps", "5", "--warmup", "3", "--top", "60"], capture_output=True, text=True, timeout=240,
-                          env=env, cwd=tmp_path)
+                    env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sections = {}
     for line in proc.stdout.splitlines():

@@ -270,7 +270,7 @@ def test_hydra_multirun_compare_api_cli_and_callback(hydra_sweep: tuple[Path, su
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cli = warm.run([sys.executable, "-m", "trackdiag", "compare", str(sweep), "--format", "json",
                           "--out", str(tmp_path / "out"), "--no-plots"], env=env, capture_output=True, text=True,
-                         timeout=120)
+                   timeout=120)
     assert cli.returncode == 0, cli.stderr
     data = json.loads(cli.stdout)
     _check_faulty_runs({r["job_num"]: r for r in data["runs"]})

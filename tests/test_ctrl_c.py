@@ -180,6 +180,6 @@ def test_a_second_ctrl_c_skips_the_report_and_keeps_the_rest(tmp_path: Path) -> 
     if (run_dir / "mlflow_spool").exists():  # the usual case: what MLflow has not received is kept ...
         assert "trackdiag sync" in after and "not delivered" in after, after[-3000:]
         sync = warm.run([sys.executable, "-m", "trackdiag", "sync", str(run_dir)], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=180)
+                        capture_output=True, text=True, timeout=180)
         assert sync.returncode == 0, sync.stdout + sync.stderr
     _every_point_delivered(tmp_path, run_dir)  # ... and sync delivers it: nothing is lost

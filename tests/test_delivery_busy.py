@@ -44,7 +44,7 @@ def test_busy_machine_fresh_default_store(tmp_path: Path) -> None:
         t0 = time.monotonic()
         proc = warm.run([sys.executable, "train.py", "+diag=advanced", "steps=100",
                                f"hydra.run.dir={tmp_path / 'out'}"], cwd=app, env=env, capture_output=True, text=True,
-                              timeout=900)
+                        timeout=900)
         wall = time.monotonic() - t0
     finally:
         if busy is not None:

@@ -78,7 +78,7 @@ def test_example_app_against_a_server_150ms_away(server: MlflowServer, tmp_path:
     try:
         t0 = time.monotonic()
         proc = warm.run([sys.executable, "train.py", "+diag=advanced", f"hydra.run.dir={tmp_path / 'out'}"],
-                              cwd=app, env=env, capture_output=True, text=True, timeout=400)
+                        cwd=app, env=env, capture_output=True, text=True, timeout=400)
         wall = time.monotonic() - t0
         timed = proxy.timed_requests()
     finally:

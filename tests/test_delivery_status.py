@@ -64,7 +64,7 @@ def _start(tmp_path: Path, end: str, sinks: list[str]) -> tuple[subprocess.Popen
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")
     proc = warm.popen([sys.executable, "script.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                      stderr=subprocess.PIPE, text=True, start_new_session=True)
     return proc, out, store
 
 
@@ -191,7 +191,7 @@ def test_crashed_hydra_jobs_are_failed_not_healthy(tmp_path: Path) -> None:
         ready_store(tmp_path / name)  # mlflow.db in the launch dir: the default store, tables made already
         procs[name] = warm.popen([sys.executable, *cmd, f"hydra.run.dir={tmp_path / name / 'out'}",
                                         "hydra.job.name=crash"], cwd=tmp_path / name, env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     for name, proc in procs.items():
         try:
             _, stderr = proc.communicate(timeout=300)
@@ -227,6 +227,6 @@ def test_sigterm_after_the_last_session_closed_is_the_default(tmp_path: Path) ->
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = warm.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+                    timeout=120)
     assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr[-2000:])
     assert "SystemExit" not in proc.stderr and "survived" not in proc.stdout

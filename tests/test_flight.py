@@ -260,7 +260,7 @@ def test_sigterm_mid_step_is_recorded_everywhere(tmp_path, level, use_with):
     (tmp_path / "script.py").write_text(textwrap.dedent(body))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = warm.popen([sys.executable, "script.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                      stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         t0 = time.monotonic()
         while not Path(str(out) + ".ready").exists() and time.monotonic() - t0 < 120 and proc.poll() is None:

@@ -28,12 +28,12 @@ def app(tmp_path_factory) -> Path:
 def run_app(app: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     return warm.run([sys.executable, "train.py", *overrides], cwd=app, env=env, capture_output=True,
-                          text=True, timeout=300)
+                    text=True, timeout=300)
 
 
 def test_installed_package_is_used(app: Path) -> None:
     out = warm.run([sys.executable, "-c", "import trackdiag, hydra_plugins.trackdiag_searchpath as p; print(trackdiag.__file__)"],
-                         cwd=app, capture_output=True, text=True, check=True)
+                   cwd=app, capture_output=True, text=True, check=True)
     assert "site-packages" in out.stdout, out.stdout
     installed = Path(out.stdout.strip()).parent
     stale = [str(f.relative_to(REPO / "trackdiag")) for f in (REPO / "trackdiag").rglob("*")

@@ -258,8 +258,8 @@ def test_ddp_two_processes_one_run_and_a_collective_stop(tmp_path: Path) -> None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "MLFLOW_TRACKING_URI": uri}
     worker = Path(__file__).with_name("_lightning_ddp_worker.py")
     proc = warm.popen([sys.executable, str(worker), str(tmp_path), uri], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                            start_new_session=True)  # Lightning forks rank 1
+                      stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                      start_new_session=True)  # Lightning forks rank 1
     try:
         out = proc.communicate(timeout=150)[0]
     finally:

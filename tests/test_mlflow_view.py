@@ -77,7 +77,7 @@ def test_source_is_the_users_script_and_its_commit(tmp_path: Path) -> None:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = warm.run([sys.executable, "project/train_gan.py"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+                    text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     client = MlflowClient(store)
     [run] = client.search_runs([client.get_experiment_by_name("source").experiment_id])
@@ -117,7 +117,7 @@ def test_sweep_with_default_store_and_commands_that_work_when_pasted(tmp_path: P
     ready_store(tmp_path)  # the default store's file, in the launch dir (its tables made already)
     proc = warm.run([sys.executable, str(REPO / "examples" / "train.py"), "-m", "+diag=basic", "steps=20",
                            "eval_every=10", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
+                    env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.get_experiment_by_name("train")

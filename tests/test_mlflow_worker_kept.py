@@ -152,7 +152,7 @@ def _script(tmp_path: Path, body: str, mark: str) -> subprocess.Popen[str]:
     env = {**os.environ, "TD_KEPT_MARK": mark, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     return warm.popen([sys.executable, "job.py", f"sqlite:///{tmp_path / 'mlflow.db'}"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")

@@ -110,7 +110,7 @@ def test_cli_compare_optuna_source(study: tuple[Path, str]) -> None:
     _, source = study
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "COLUMNS": "250"}
     out = warm.run([sys.executable, "-m", "trackdiag", "compare", source, "--format", "csv"],
-                         capture_output=True, text=True, env=env, timeout=300)
+                   capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     head = lines[0].split(",")
@@ -119,10 +119,10 @@ def test_cli_compare_optuna_source(study: tuple[Path, str]) -> None:
     pruned = next(r for r in rows if r["state"] == "PRUNED")
     assert pruned["health"] == "critical" and pruned["stopped"] and int(pruned["steps_saved"]) > 0
     text = warm.run([sys.executable, "-m", "trackdiag", "compare", source], capture_output=True, text=True,
-                          env=env, timeout=300)
+                    env=env, timeout=300)
     assert text.returncode == 0 and "3 trials: 1 stopped by trackdiag" in text.stdout, text.stdout[-2000:]
     bad = warm.run([sys.executable, "-m", "trackdiag", "compare", source + "x"], capture_output=True, text=True,
-                         env=env, timeout=300)
+                   env=env, timeout=300)
     assert bad.returncode == 2 and "no study 'lrsx'" in bad.stderr + bad.stdout
 
 

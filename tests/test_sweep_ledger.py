@@ -142,7 +142,7 @@ def test_a_killed_process_run_is_ended_killed_by_its_worker(tmp_path: Path) -> N
     uri = ready_store(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     proc = warm.run([sys.executable, "-c", KILLED_PROCESS, uri, str(tmp_path / "run")], capture_output=True,
-                          text=True, timeout=300, env=env)
+                    text=True, timeout=300, env=env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     run_id = proc.stdout.split()[0]
     client = MlflowClient(uri)

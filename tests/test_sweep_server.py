@@ -86,7 +86,7 @@ def check_sweep(server: PgMlflowServer, experiment: str, sweep: Path, proc: Any,
     assert by_parent.swept == local.swept and by_parent.risk_lines == local.risk_lines
     cli = warm.run([sys.executable, "-m", "trackdiag", "compare", "mlflow:", "--parent", parent.info.run_id,
                           "--tracking-uri", server.uri, "--format", "json"], capture_output=True, text=True, timeout=300,
-                         cwd="/")
+                   cwd="/")
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert {r["job_num"] for r in json.loads(cli.stdout)["runs"] if r["display_health"] != "ok"} == flagged
     finalized = json.loads((sweep / ".trackdiag" / "finalized.json").read_text())

@@ -168,7 +168,7 @@ def served_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
         (root / "train_view.py").write_text(SCRIPT.replace("URI", repr(server.uri)))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
         proc = warm.run([sys.executable, "train_view.py"], cwd=root, env=env, capture_output=True, text=True,
-                              timeout=300)
+                        timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         with urllib.request.urlopen(f"{server.uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name=view",
                                     timeout=10) as r:

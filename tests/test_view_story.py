@@ -51,7 +51,7 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         env["MLFLOW_TRACKING_URI"] = server.uri
         proc = warm.run([sys.executable, str(REPO / "examples" / "train.py"), "+diag=advanced", "fault=lr_explode",
                                "fault_step=100", "steps=200", f"hydra.run.dir={root / 'job'}"], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=600)
+                        capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         links = re.findall(r"^trackdiag: MLflow run FINISHED, health critical: (\S+)$", proc.stderr, re.M)
         assert len(links) == 1, proc.stderr[-3000:]
