@@ -1,6 +1,6 @@
 """The warm interpreter behind ``tests/_warm.py``: imports what every training script imports (torch, Dynamo,
 Hydra, matplotlib; ~3 CPU-s), then forks one child per request and runs the requested script, ``-m`` module or
-``-c`` code in it as ``python`` would have. Not imported by the tests: ``_warm.py`` runs this file's text with
+``-c`` code in it as ``python`` would have. Not imported by the tests: ``_warm.py`` runs this file with
 ``python -c`` in a namespace of its own, so that a child can give ``__main__`` to the script it runs.
 
 Protocol, one Unix-socket connection per child: the client sends a 4-byte length and a JSON request
