@@ -88,6 +88,9 @@ class MlflowServer:
     def start(self) -> None:
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         env.pop("MLFLOW_TRACKING_URI", None)
+        from trackdiag.sinks.mlflow.new_store import seed
+
+        seed(self.store_uri)  # a new SQLite store as the sink makes one (a restart finds it: untouched)
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.store_uri,
@@ -127,22 +130,12 @@ class MlflowServer:
             self.log = None
 
 
-_TEMPLATE: list[Path] = []
-
-
 def ready_store(dest_dir: Path, name: str = "mlflow.db") -> str:
-    """A real, empty SQLite MLflow store at ``dest_dir/name`` (its URI), copied from one made once
-    per test process: MLflow's table creation costs ~6 s per new store on this disk, and only the
-    tests about a store created by the run need to pay it."""
-    import shutil
-    import tempfile
+    """A real, empty SQLite MLflow store at ``dest_dir/name`` (its URI), made as the MLflow sink makes a new one:
+    a copy of the template MLflow migrated once (:mod:`trackdiag.sinks.mlflow.new_store`)."""
+    from trackdiag.sinks.mlflow.new_store import seed
 
-    if not _TEMPLATE:
-        from mlflow import MlflowClient
-
-        path = Path(tempfile.mkdtemp(prefix="trackdiag-store-template-")) / "mlflow.db"
-        MlflowClient(f"sqlite:///{path}").search_experiments()  # creates every table
-        _TEMPLATE.append(path)
     dest_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(_TEMPLATE[0], dest_dir / name)
-    return f"sqlite:///{dest_dir / name}"
+    uri = f"sqlite:///{dest_dir / name}"
+    assert seed(uri), f"could not make {uri}"
+    return uri

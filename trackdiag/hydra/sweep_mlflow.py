@@ -41,6 +41,9 @@ def target(config: DictConfig) -> tuple[str, str] | None:
 def _client(uri: str) -> Any:
     from mlflow.tracking import MlflowClient
 
+    from trackdiag.sinks.mlflow.new_store import seed
+
+    seed(uri)  # the sweep's parent run may be the first thing in a new SQLite store
     return MlflowClient(tracking_uri=uri)
 
 

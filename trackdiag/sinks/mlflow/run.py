@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trackdiag.sinks.mlflow.new_store import seed
 from trackdiag.sinks.mlflow.note import fill_note
 from trackdiag.sinks.mlflow.ops import KeyMap
 from trackdiag.sinks.mlflow.store import default_artifact_location, is_remote
@@ -45,6 +46,7 @@ class Runner:
     def __init__(self, state: dict[str, Any], *, resumed: bool = False) -> None:
         from mlflow import MlflowClient  # lazy: importing mlflow costs ~2 s
 
+        seed(state["tracking_uri"])  # a new SQLite store: a copy of an empty one, not ~60 migrations
         self.state = state
         self.resumed = resumed  # delivering a spool another process left: it may have made the run already
         self.client = MlflowClient(tracking_uri=state["tracking_uri"])

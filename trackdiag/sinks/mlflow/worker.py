@@ -20,8 +20,8 @@ once the run exists: a worker niced from its start got ~10 % of a core on a busy
 not made its first call when training ended.
 
 A worker whose session closed cleanly is kept for the next session of the same process, directory and
-environment (:mod:`trackdiag.sinks.mlflow.pipe`): importing MLflow (~2 s of CPU, ~4 s with a new SQLite
-store's tables) is paid once per process instead of once per run.
+environment (:mod:`trackdiag.sinks.mlflow.pipe`): importing MLflow (~2 s of CPU) is paid once per process
+instead of once per run. A new SQLite store is a copy of an empty one (:mod:`trackdiag.sinks.mlflow.new_store`).
 """
 from __future__ import annotations
 
