@@ -3,7 +3,8 @@
 Real SQLite stores and real worker processes. The sessions of a joblib or Optuna sweep, or a notebook, run one
 after another in one Python: each used to start its own worker (~2 s of CPU importing MLflow, ~4 s with a new
 store's tables). Checked here: the second session's run is delivered by the first's worker, point for point;
-a change of directory or environment gets a worker of its own (one is kept per process, the other sent away);
+a change of environment gets a worker of its own (one is kept per process, the other sent away), a change of
+directory keeps it (it moves there);
 a worker kept while its parent is killed ends no run; a parent that exits leaves no worker behind.
 """
 from __future__ import annotations
@@ -98,8 +99,11 @@ def test_second_session_reuses_the_first_ones_worker_and_delivers_every_point(tm
     assert first != second
 
 
-def test_another_directory_or_environment_gets_its_own_worker(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_another_environment_gets_its_own_worker_another_directory_keeps_it(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A setting MLflow reads from the environment: a worker of its own (the other sent away). Another working
+    directory (a notebook's ``%cd``, Hydra's ``hydra.job.chdir=True`` jobs in one joblib process): the same
+    worker, which serves the session from there: a run directory given relative to it gets its files uploaded."""
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     _run(tmp_path, store, "a")
     first = _kept_pid()
@@ -108,14 +112,19 @@ def test_another_directory_or_environment_gets_its_own_worker(tmp_path: Path,
     second = _kept_pid()
     assert second is not None and second != first
     assert len(pipe._parked) == 1, "one worker kept per process; the other was sent away"
-    (tmp_path / "elsewhere").mkdir()
-    monkeypatch.chdir(tmp_path / "elsewhere")
-    _run(tmp_path, store, "c")
-    assert _kept_pid() not in (None, first, second)
-    assert len(pipe._parked) == 1
+    for where in ("elsewhere", "further"):
+        (tmp_path / where).mkdir()
+        monkeypatch.chdir(tmp_path / where)
+        run_id = _run(Path("."), store, "c")  # the run's directory relative to the new working directory
+        assert _kept_pid() == second and len(pipe._parked) == 1
+        client = MlflowClient(store)
+        assert client.get_run(run_id).info.status == "FINISHED"
+        (local,) = (tmp_path / where / "c").rglob("diag_config.yaml")  # the sink's copy, under the relative run dir
+        got = Path(client.download_artifacts(run_id, "trackdiag/diag_config.yaml", str(tmp_path / f"dl-{where}")))
+        assert got.read_text() == local.read_text()
     client = MlflowClient(store)
     runs = client.search_runs([client.get_experiment_by_name("kept").experiment_id])
-    assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3
+    assert sorted(r.info.status for r in runs) == ["FINISHED"] * 4
 
 
 def test_sessions_of_different_pytest_tests_share_the_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

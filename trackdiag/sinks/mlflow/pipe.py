@@ -1,7 +1,8 @@
 """The MLflow worker's pipe: length-prefixed pickles both ways, and the workers kept between sessions.
 
-A worker whose session closed cleanly is kept for the next session of the same process, directory and
-environment (:func:`park`, :func:`take`): the jobs of a joblib or Optuna sweep, several runs in a notebook.
+A worker whose session closed cleanly is kept for the next session of the same process and environment
+(:func:`park`, :func:`take`): the jobs of a joblib or Optuna sweep (each in its own directory under Hydra's
+``hydra.job.chdir=True``), several runs in a notebook; each session tells the worker its working directory.
 Its run is released first (the worker holds none while kept), so a parent that dies then leaves
 nothing to end KILLED; at exit the kept workers get a goodbye (:func:`close_parked`).
 """
@@ -45,10 +46,12 @@ _NOT_READ_BY_MLFLOW = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 def pool_key(env: dict[str, str]) -> tuple[Any, ...]:
-    """Which sessions may share a worker: the same process (a forked child never takes its parent's),
-    the same directory (a relative SQLite URI) and the same environment (MLflow's credentials and
-    settings are read from it), but for the variables in ``_NOT_READ_BY_MLFLOW``."""
-    return os.getpid(), os.getcwd(), tuple(sorted(kv for kv in env.items() if kv[0] not in _NOT_READ_BY_MLFLOW))
+    """Which sessions may share a worker: the same process (a forked child never takes its parent's) and
+    the same environment (MLflow's credentials and settings are read from it), but for the variables in
+    ``_NOT_READ_BY_MLFLOW``. Not the directory: every path the sink sends is absolute, and the worker moves to
+    each session's working directory (``ProcessRunner``), so whatever MLflow resolves against it resolves as in
+    a worker started there."""
+    return os.getpid(), tuple(sorted(kv for kv in env.items() if kv[0] not in _NOT_READ_BY_MLFLOW))
 
 
 def take(key: tuple[Any, ...]) -> "subprocess.Popen[bytes] | None":

@@ -19,8 +19,8 @@ switched off (trackdiag prints the run's link in the model-training view). It im
 once the run exists: a worker niced from its start got ~10 % of a core on a busy machine and had
 not made its first call when training ended.
 
-A worker whose session closed cleanly is kept for the next session of the same process, directory and
-environment (:mod:`trackdiag.sinks.mlflow.pipe`): importing MLflow (~2 s of CPU) is paid once per process
+A worker whose session closed cleanly is kept for the next session of the same process and environment
+(:mod:`trackdiag.sinks.mlflow.pipe`), which it serves from that session's working directory: importing MLflow (~2 s of CPU) is paid once per process
 instead of once per run. A new SQLite store is a copy of an empty one (:mod:`trackdiag.sinks.mlflow.new_store`).
 """
 from __future__ import annotations
@@ -71,14 +71,14 @@ class ProcessRunner:
         if parked is not None:
             self._proc = parked
             try:
-                self._call({"init": state})
+                self._call({"init": state, "cwd": os.getcwd()})  # where the session's relative paths start
                 return
             except ConnectionError:  # it died while parked: start a fresh one
                 pass
         # its own session: a terminal's Ctrl-C reaches the training process only (see the module doc)
         self._proc = subprocess.Popen(child_command("trackdiag.sinks.mlflow.worker"), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env=env, start_new_session=True)
-        self._call({"init": state})
+        self._call({"init": state, "cwd": os.getcwd()})
 
     @property
     def dead(self) -> bool:
@@ -224,6 +224,8 @@ def _serve() -> None:
             return
         try:
             if "init" in msg:
+                if msg.get("cwd"):  # a kept worker serves the next session from its directory, as a new one would
+                    os.chdir(msg["cwd"])
                 runner = Runner(msg["init"])
                 holder[:] = [runner]
             elif runner is None:
