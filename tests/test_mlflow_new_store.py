@@ -102,16 +102,16 @@ def test_what_it_leaves_to_mlflow(uri: str) -> None:
 
 
 def test_racing_processes_make_one_intact_store(tmp_path: Path) -> None:
-    """Three processes seed the same new store at once (the template made by the first of them to finish): one
+    """Two processes seed the same new store at once (the template made by the first of them to finish): one
     store, MLflow opens it, and exactly one process made it."""
     db = tmp_path / "race" / "mlflow.db"
     db.parent.mkdir()
     code = ("import sys; from trackdiag.sinks.mlflow.new_store import seed; "
             f"print(seed({_uri(db)!r}))")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    assert sorted(outs) == ["False"] * 2 + ["True"], outs
+    assert sorted(outs) == ["False", "True"], outs
     assert sorted(p.name for p in db.parent.iterdir()) == ["mlflow.db"]  # no temporary file left
     assert [e.name for e in MlflowClient(_uri(db)).search_experiments()] == ["Default"]
 
