@@ -20,16 +20,20 @@ import shutil
 import sqlite3
 import threading
 from pathlib import Path
+from urllib.request import pathname2url
 
 log = logging.getLogger("trackdiag")
 
 
 def sqlite_file(tracking_uri: str) -> Path | None:
-    """The database file of an absolute ``sqlite:////path`` URI with no query, else None."""
-    if not tracking_uri.startswith("sqlite:///") or "?" in tracking_uri:
+    """The database file of an absolute ``sqlite:////path`` URI as SQLAlchemy (so MLflow) reads it (``%20`` is a
+    space, a ``?query`` is not part of it), else None."""
+    if not tracking_uri.startswith("sqlite:///"):
         return None
-    path = tracking_uri[len("sqlite:///"):]
-    return Path(path) if path.startswith("/") else None
+    from sqlalchemy.engine import make_url
+
+    path = make_url(tracking_uri).database
+    return Path(path) if path and Path(path).is_absolute() else None
 
 
 def seed(tracking_uri: str) -> bool:
@@ -59,7 +63,7 @@ def seed(tracking_uri: str) -> bool:
 
 def _revision(db: Path) -> str | None:
     """The Alembic revision of an intact SQLite database, else None."""
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    con = sqlite3.connect(f"file:{pathname2url(str(db))}?mode=ro", uri=True)  # '#', '?', '%' in a path kept
     try:
         if con.execute("PRAGMA quick_check").fetchone() != ("ok",):
             return None
