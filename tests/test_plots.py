@@ -17,7 +17,7 @@ from trackdiag.plots.environment import environment_report
 from trackdiag.plots.gradflow import classify, plot_grad_flow
 from trackdiag.plots.memory import MemorySnapshot
 from trackdiag.plots.summary import model_summary
-from trackdiag.core.record import Record
+from trackdiag.core.record import Histogram, Record
 from trackdiag.core.record import read_records
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -226,3 +226,54 @@ def test_report_opens_without_console_errors_and_renders(run_dir: Path, tmp_path
         shot = b.screenshot(tmp_path / "report.png")
     assert shot.exists()
     _check_png(shot)
+
+
+def _histogram_records(groups: int, scale: float, symlog: bool) -> list[Record]:
+    """Histogram records of ``groups`` layer groups at six steps, values spread over ~``scale`` (symmetric
+    log-spaced edges when ``symlog``), one group with values clamped into its end bin from step 50."""
+    rng = np.random.default_rng(0)
+    if symlog:
+        mags = scale * np.logspace(-8, 0, 17)
+        edges = np.concatenate([-mags[::-1], [0.0], mags]).tolist()
+    else:
+        edges = np.linspace(-scale, scale, 33).tolist()
+    records = []
+    for step in (0, 10, 20, 50, 100, 200):
+        hists, table = {}, {}
+        for g in range(groups):
+            counts = rng.integers(0, 500, len(edges) - 1).astype(float)
+            hists[f"diag/grad/hist/blocks.{g}.attention.q_proj"] = Histogram(edges=edges, counts=counts.tolist())
+            if g == 0 and step >= 50:
+                table[f"blocks.{g}.attention.q_proj"] = 0.2 * counts.sum()
+        records.append(Record(step=step, histograms=hists, tables={"diag/grad/hist_clipped": table}))
+    return records
+
+
+@pytest.mark.parametrize("groups,scale,symlog", [(1, 1e-3, False), (3, 0.02, False), (5, 7.5e-4, False),
+                                                 (12, 3e-3, True), (3, 150.0, True)])
+def test_histogram_picture_keeps_every_label_inside_and_apart(groups: int, scale: float, symlog: bool) -> None:
+    """The histogram picture places its panels with fixed margins (not constrained layout, which cost as much as
+    the drawing): every text of it is inside the picture, no panel's tick labels, title or axis label overlaps
+    another panel or the colour bar, and the panels keep the picture's width."""
+    from trackdiag.plots.histograms import histogram_figure
+
+    fig = histogram_figure(_histogram_records(groups, scale, symlog), "grad")
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    whole = fig.bbox
+    panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_label() != "<colorbar>"][:groups]
+    bar = next(ax for ax in fig.axes if ax not in panels and ax.get_visible())
+    texts = [t for t in fig.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_window_extent"))
+             if t.get_visible() and t.get_text()]
+    for t in texts:
+        box = t.get_window_extent(renderer)
+        assert whole.x0 - 1 <= box.x0 and box.x1 <= whole.x1 + 1 and whole.y0 - 1 <= box.y0 and box.y1 <= whole.y1 + 1, \
+            (t.get_text(), box, whole)
+    title = fig._suptitle.get_window_extent(renderer)
+    for ax in panels:
+        own = ax.get_tightbbox(renderer)
+        assert not own.overlaps(title), ax.get_title()
+        for other in [*panels, bar]:
+            if other is not ax:
+                assert not own.overlaps(other.get_window_extent(renderer)), (ax.get_title(), other.get_title())
+    assert sum(ax.get_window_extent(renderer).width for ax in panels[:3]) > 0.6 * whole.width

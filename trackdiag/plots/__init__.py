@@ -21,14 +21,16 @@ DPI = 90
 _KEY = re.compile(r"^diag/(?:(?P<comp>[^/]+)/)?(?P<family>grad|param)/(?P<what>norm|hist)/(?P<rest>.+)$")
 
 
-def figure(width: float = 8.0, height: float = 4.0) -> "Figure":
-    """A new Agg-backed figure (raises :class:`TrackdiagError` naming the extra when matplotlib is missing)."""
+def figure(width: float = 8.0, height: float = 4.0, layout: str | None = "constrained") -> "Figure":
+    """A new Agg-backed figure (raises :class:`TrackdiagError` naming the extra when matplotlib is missing);
+    ``layout=None`` for a picture that places its axes itself (constrained layout measures every tick label of
+    every axes, twice: most of a many-panel picture's cost)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise TrackdiagError("trackdiag plots need matplotlib: pip install 'trackdiag[plots]'") from exc
-    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    fig = Figure(figsize=(width, height), dpi=DPI, layout=layout)
     FigureCanvasAgg(fig)
     return fig
 
