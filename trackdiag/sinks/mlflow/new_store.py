@@ -4,8 +4,8 @@ MLflow makes the tables of every new SQLite store by creating its first schema a
 of its ~60 Alembic migrations (~0.85 s of CPU here, 2-3 s on a busy machine); the default store is a
 new ``mlflow.db`` in each new working directory, and every test of a training loop has one of its own.
 The first time, :func:`seed` has MLflow do exactly that into an empty template under the user's cache
-(``$XDG_CACHE_HOME/trackdiag`` or ``~/.cache/trackdiag``, one per MLflow and SQLAlchemy version); after
-that, a store that does not exist yet starts as a copy of it (~0.06 s: MLflow then only adds its
+(``$XDG_CACHE_HOME/trackdiag`` or ``~/.cache/trackdiag``, one per MLflow and SQLAlchemy version and schema revision); after
+that, a store that does not exist yet starts as a copy of it (~0.04 s: MLflow then only adds its
 ``Default`` experiment, as it does to a store it has just migrated). The copy is checked before it
 takes the store's name (SQLite's ``quick_check`` and the schema revision MLflow expects), and it takes
 it with a hard link, which fails if the store appeared meanwhile: a store that exists, or that
