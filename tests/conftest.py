@@ -10,6 +10,11 @@ import tempfile
 # OpenMP thread per core only makes threads spin against each other and the other worker's test (the
 # example app's 2 ms step took 50-150 ms on the 2-core VM while another test ran). Set before torch loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Bytecode written as modules are first imported, here and in every process the suite starts: scripts/bootstrap.sh
+# compiles only what trackdiag[all] brings (scripts/byte_compile.py), so where PYTHONDONTWRITEBYTECODE is set (this
+# sandbox, CI) each process would compile the test-only packages (transformers, Ray, Lightning, ...) in memory again.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
