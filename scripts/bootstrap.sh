@@ -15,15 +15,19 @@ if ! command -v chromium >/dev/null; then
   (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 &
   APT_PID=$!
 fi
-# Nothing changed since the last install (this script, pyproject.toml, the package's files and folders): pip is
-# skipped (~25 s of building and resolving; the bytecode the tests write is not a change); the stamp is written only once every install below succeeded.
+# Nothing changed since the last install (this script, pyproject.toml, the package's files): pip is skipped (~25 s of
+# building and resolving). The stamp holds the list of those files, so a module deleted or renamed is a change; a
+# file newer than the stamp is one too. Directories' times are not: the tests' bytecode (__pycache__) changes them.
+# The stamp is written only once every install below succeeded.
 STAMP=.venv/.trackdiag-installed
 COMPILE_PID=
-if [ -f "$STAMP" ] && [ -z "$(find scripts/bootstrap.sh pyproject.toml trackdiag -name __pycache__ -prune -o -newer "$STAMP" -print -quit)" ] \
+sources() { find scripts/bootstrap.sh pyproject.toml trackdiag -name __pycache__ -prune -o -type f "$@" -print; }
+FILES=$(sources | sort)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$FILES" ] && [ -z "$(sources -newer "$STAMP" | head -1)" ] \
    && $VPY -c "import trackdiag" 2>/dev/null; then
   echo "bootstrap: .venv already holds this tree's trackdiag and extras (rm $STAMP to reinstall)" >&2
 else
-  touch "$STAMP.new"   # before: a file edited while pip runs is newer than the stamp, so the next run reinstalls
+  echo "$FILES" > "$STAMP.new"   # before: a file edited while pip runs is newer, so the next run reinstalls
   $VPY -m pip install -q --upgrade pip >/dev/null
   # --no-compile: pip would byte-compile all ~24,000 files one after another (33 s of the fresh install's 78 here);
   # scripts/byte_compile.py compiles the ~15,000 of trackdiag[all] and its dependencies instead, on every core,

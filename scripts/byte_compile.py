@@ -1,10 +1,10 @@
 """Byte-compile the Python files of what ``pip install 'trackdiag[all]'`` brings (trackdiag's requirements in
-pyproject.toml and theirs, read from the installed packages' metadata: ~15,000 files), not of the whole environment (~24,000: the
-test-only transformers, Ray, Lightning, Optuna, Playwright, pip itself). Where ``PYTHONDONTWRITEBYTECODE`` is set
-(this sandbox, CI) Python never writes a ``.pyc``, so without this every process would compile torch, MLflow and
-Hydra in memory again (~5 CPU-s a process); the test suite compiles what else it imports the first time it does
-(tests/conftest.py lets it write bytecode). Run by scripts/bootstrap.sh, beside the old-versions venv:
-``.venv/bin/python scripts/byte_compile.py``."""
+pyproject.toml and theirs, read from the installed packages' metadata: ~15,000 files), not of the whole environment
+(~24,000: the test-only transformers, Ray, Lightning, Optuna, Playwright, pip itself). Where
+``PYTHONDONTWRITEBYTECODE`` is set (this sandbox, CI) Python never writes a ``.pyc``, so without this every process
+would compile torch, MLflow and Hydra in memory again (~5 CPU-s a process); the test suite compiles what else it
+imports the first time it does (tests/conftest.py lets it write bytecode). Run by scripts/bootstrap.sh, beside the
+old-versions venv: ``.venv/bin/python scripts/byte_compile.py``."""
 from __future__ import annotations
 
 import compileall
