@@ -128,6 +128,11 @@ class Arm:
                 out = self.net(x)
                 loss = self.loss_fn(out, y)
         self.backward(loss, out, y)
+        if self.wl.clip is not None:  # nanoGPT: unscale, then clip every parameter's gradient
+            for opt in self.opts.values():
+                if self.scaler is not None:
+                    self.scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.wl.clip)
         for opt in self.opts.values():
             if self.scaler is not None:
                 self.scaler.step(opt)

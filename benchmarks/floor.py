@@ -71,6 +71,8 @@ class Arm:
         loss = self.wl.loss(out, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.wl.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.wl.clip)
         self.opt.step()
         if self.diag is not None:
             self.diag.step(loss, outputs=out, batch=(x, y))

@@ -12,6 +12,7 @@ alone. No LayerNorm, so BackPACK (and the Cockpit arm) supports them. The GPT wo
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,6 +37,9 @@ class Workload:
     run: Callable[[nn.Module, Any], tuple[torch.Tensor, Any]] | None = None
     #: ``diag.step(loss, outputs=..., batch=...)`` (True) or ``diag.step(loss)`` alone (False)
     step_batch: bool = True
+    #: ``clip_grad_norm_(model.parameters(), clip)`` between the backward pass and the step, as nanoGPT's loop does
+    #: (after ``scaler.unscale_``); None: no clipping. ``<name>+clip`` is a workload with ``clip=1.0``
+    clip: float | None = None
 
 
 def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -149,7 +153,10 @@ SHORT = ["seq2seq", "small"]
 
 
 def get(name: str) -> Workload:
-    """A workload by name: the table above, ``scale<T>`` for any even T >= 6, or gpt.py's."""
+    """A workload by name: the table above, ``scale<T>`` for any even T >= 6, or gpt.py's; ``<name>+clip``: that
+    workload, clipping its gradients to norm 1.0 every step."""
+    if name.endswith("+clip"):
+        return dataclasses.replace(get(name[:-5]), name=name, clip=1.0)
     if name in WORKLOADS:
         return WORKLOADS[name]
     if name.startswith("scale") and name[5:].isdigit():

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import trackdiag
+from _clip import clip_checked
 
 GLOBAL_BATCH, STEPS = 32, 10
 BASE = {"level": "basic", "every": 1, "probes": {"grads": {"per_layer": True}, "params": {"per_layer": True}}}
@@ -92,7 +93,7 @@ def fsdp(out: Path, rank: int, world: int) -> dict:
     with diag:
         for x, y in data:
             F.cross_entropy(model(shard(x, rank, world)), shard(y, rank, world)).backward()
-            total = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
+            total = clip_checked(model.parameters(), math.inf)
             norms.append(float(total.full_tensor() if hasattr(total, "full_tensor") else total))
             full = [p.grad.full_tensor() for p in model[0].parameters()]
             layer0.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in full])).item())

@@ -9,6 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
+from _clip import clip_checked
 
 
 class Poison(nn.Module):
@@ -67,4 +68,4 @@ class Reference(pl.Callback):
             pl_module.body[4].armed.fill_(1.0)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        self.norms[trainer.global_step] = torch.nn.utils.clip_grad_norm_(pl_module.parameters(), math.inf).item()
+        self.norms[trainer.global_step] = clip_checked(pl_module.parameters(), math.inf).item()

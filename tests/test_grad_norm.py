@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import trackdiag
 from trackdiag.core.record import read_records
 from conftest import LEAN_PROBES, batches, make_mlp
+from _clip import clip_checked
 
 
 def _series(out_dir, key: str) -> dict[int, float]:
@@ -48,9 +49,9 @@ def test_global_grad_norm_matches_clip_grad_norm(digits, tmp_path, mode: str, ev
                 grads = [p.grad.detach().clone() / scaler.get_scale() for p in model.parameters()]
                 expected[step] = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
             elif mode == "clipped":  # the pre-clip norm: what clip_grad_norm_ returns
-                expected[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item()
+                expected[step] = clip_checked(model.parameters(), 0.1).item()
             else:
-                expected[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf).item()
+                expected[step] = clip_checked(model.parameters(), math.inf).item()
             if scaler:
                 scaler.step(opt)
                 scaler.update()
@@ -113,12 +114,12 @@ def test_named_components_gan_style(tmp_path) -> None:
             z, real = torch.randn(16, 4), torch.randn(16, 8)
             ld = F.softplus(-d(real)).mean() + F.softplus(d(g(z).detach())).mean()
             ld.backward()
-            refs["D"].append(torch.nn.utils.clip_grad_norm_(d.parameters(), math.inf).item())
+            refs["D"].append(clip_checked(d.parameters(), math.inf).item())
             od.step()
             od.zero_grad()
             lg = F.softplus(-d(g(z))).mean()
             lg.backward()
-            refs["G"].append(torch.nn.utils.clip_grad_norm_(g.parameters(), math.inf).item())
+            refs["G"].append(clip_checked(g.parameters(), math.inf).item())
             og.step()
             og.zero_grad()
             d.zero_grad()
@@ -152,13 +153,13 @@ def test_one_model_two_optimizers_each_after_its_own_backward(tmp_path, level: s
             critic_loss = F.mse_loss(agent["critic"](s), s.sum(1, keepdim=True))
             oc.zero_grad()
             critic_loss.backward()
-            nc = torch.nn.utils.clip_grad_norm_(agent["critic"].parameters(), math.inf).item()
+            nc = clip_checked(agent["critic"].parameters(), math.inf).item()
             at = {f"critic.{i}": layer_norm(agent["critic"][i]) for i in (0, 2)}
             oc.step()
             actor_loss = -(agent["actor"](s) * s[:, :2]).mean()
             oa.zero_grad()
             actor_loss.backward()
-            na = torch.nn.utils.clip_grad_norm_(agent["actor"].parameters(), math.inf).item()
+            na = clip_checked(agent["actor"].parameters(), math.inf).item()
             at.update({f"actor.{i}": layer_norm(agent["actor"][i]) for i in (0, 2)})
             oa.step()
             ref.append(math.hypot(nc, na))
@@ -188,7 +189,7 @@ def test_many_tensors_take_the_chunked_paths_and_still_match(tmp_path) -> None:
         with trackdiag.Diagnostics(model, opt, level="basic", every=1, sinks=["local"], output_dir=str(tmp_path)) as diag:
             for step in range(3):
                 model(torch.randn(8, 16)).square().mean().backward()
-                total = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf).item()
+                total = clip_checked(model.parameters(), math.inf).item()
                 refs.append((total, max(p.grad.abs().max().item() for p in model.parameters())))
                 if step == 2:  # after clip_grad_norm_, which would spread the NaN to every tensor
                     model[30].weight.grad[0, 0] = float("nan")
@@ -345,7 +346,7 @@ def test_one_hook_per_builtin_layer_still_sees_every_pass_that_reaches_the_compo
         for step in range(3):
             (model["two"].b * torch.arange(1.0, 4.0)).sum().backward()  # reaches only two.b (hooked: not a built-in)
             # the pre-clip norm is the tap's (a pass it missed would be read at the step: the clipped 1e-3)
-            expected[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).item()
+            expected[step] = clip_checked(model.parameters(), 1e-3).item()
             opt.step()
             opt.zero_grad(set_to_none=True)
             diag.step()

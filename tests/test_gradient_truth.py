@@ -21,6 +21,7 @@ from _loops import (CharGPT, WordLM, batchify, char_batches, char_data, gpt_opti
                     warmup_cosine, word_data)
 from _zoo_a import one_thread, quiet_probes
 from trackdiag.core.record import read_records
+from _clip import clip_checked
 
 
 def points(out, key: str) -> dict[int, float]:
@@ -51,7 +52,7 @@ def test_hand_written_sgd_lstm_lm_with_clipping(tmp_path) -> None:
                 out, hidden = model(x, hidden)
                 loss = F.cross_entropy(out.view(-1, ntok), y.reshape(-1))
                 loss.backward()
-                refs[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25).item()
+                refs[step] = clip_checked(model.parameters(), 0.25).item()
                 for p in model.parameters():
                     p.data.add_(p.grad, alpha=-lr)
                 diag.step(loss)
@@ -89,7 +90,7 @@ def test_nanogpt_style_clipped_accumulating_adamw_with_warmup(tmp_path) -> None:
                     _, loss = model(x, y)
                     (loss / 4).backward()
                     total += loss.item() / 4
-                refs[it] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+                refs[it] = clip_checked(model.parameters(), 1.0).item()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 diag.step(torch.tensor(total))
@@ -160,7 +161,7 @@ def test_progressive_unfreezing_follows_new_param_groups(tmp_path) -> None:
                 loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
                 loss.backward()
                 params = [p for g in opt.param_groups for p in g["params"]]
-                refs[step] = torch.nn.utils.clip_grad_norm_(params, math.inf).item()
+                refs[step] = clip_checked(params, math.inf).item()
                 opt.step()
                 opt.zero_grad()
                 diag.step(loss)
@@ -539,7 +540,7 @@ def test_a_float64_model_with_clipping_and_with_lbfgs(tmp_path, level: str) -> N
                 loss = ((out - x.sum(1, keepdim=True)) ** 2).mean()
                 opt.zero_grad()
                 loss.backward()
-                refs[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
+                refs[step] = clip_checked(model.parameters(), 0.5).item()
                 opt.step()
                 diag.step(loss, outputs=out, batch=(x, None))
     assert diag.summary()["disabled_probes"] == {}

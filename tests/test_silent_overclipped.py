@@ -12,6 +12,7 @@ from torch import nn
 
 import trackdiag
 from trackdiag.core.record import read_records
+from _clip import clip_checked
 
 OFF = {"report": {"enabled": False}, "histograms": {"enabled": False}, "landscape": {"enabled": False}}
 
@@ -33,7 +34,7 @@ def _train(tmp_path, level: str, max_norm: float | None, adam: bool = False, ste
             opt.zero_grad()
             loss.backward()
             if max_norm is not None:
-                returned[step] = float(nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+                returned[step] = float(clip_checked(model.parameters(), max_norm))
             opt.step()
             diag.step(loss, outputs=out, batch=(x, y))
     return diag, returned

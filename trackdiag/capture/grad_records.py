@@ -5,6 +5,7 @@ the sentinel's record of each pass (:class:`Pass`), and the view a step's gradie
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,8 @@ import torch
 
 from trackdiag.capture.context import Component
 from trackdiag.util.norms import fp32_norm, grad_norms, plain
+
+_VERSION = operator.attrgetter("_version")
 
 
 @dataclass(slots=True)
@@ -45,6 +48,10 @@ class Tap:
     #: the per-tensor norms (``_foreach_norm``'s list, scaled) when ``total`` is not worked out yet
     parts: list[torch.Tensor] | None = None
     scale: torch.Tensor | None = None
+    #: the gradients measured and their version counters, kept on a plain pass of a component whose parameters the
+    #: loop clips: what :mod:`~trackdiag.capture.clip_serve` checks before it answers ``clip_grad_norm_`` from ``parts``
+    grads: list[torch.Tensor] | None = None
+    grad_versions: list[int] | None = None
 
     @property
     def total(self) -> torch.Tensor:
@@ -153,11 +160,12 @@ def sentinel_raw(comp: Component, grads: list[torch.Tensor], parts: Any, sentine
 
 
 def plain_tap(comp: Component, grads: list[torch.Tensor], step: int, number: int,
-              sentinel: torch.Tensor | None) -> Tap | None:
+              sentinel: torch.Tensor | None, keep: bool = False) -> Tap | None:
     """The measurement of a plain pass (no detail due, one optimizer, no scaler, a few tensors on one device; see
     :meth:`~trackdiag.capture.gradtap.GradTap.measure`): the per-tensor norms (one ``_foreach_norm``) kept for
     :func:`totals`, the sentinel's norm one of them. One kernel, no host read; None when the kernel refuses these
-    gradients (sparse, mixed): the caller takes the general way."""
+    gradients (sparse, mixed): the caller takes the general way. ``keep``: the loop clips this component's
+    gradients, so the pass also keeps them and their version counters (``Tap.grads``, a C-level pass)."""
     grad_mode = torch.is_grad_enabled()  # a create_graph backward: no graph for these norms
     try:
         torch._C._set_grad_enabled(False)
@@ -168,6 +176,8 @@ def plain_tap(comp: Component, grads: list[torch.Tensor], step: int, number: int
     finally:
         torch._C._set_grad_enabled(grad_mode)
     tap = Tap(None, None, step, number, comp.generation, parts=parts)
+    if keep:
+        tap.grads, tap.grad_versions = grads, list(map(_VERSION, grads))
     g = sentinel.grad if sentinel is not None else None
     if g is not None:
         tap.sentinel = sentinel_raw(comp, grads, parts, sentinel)

@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from trackdiag.capture import clip_serve
 from trackdiag.capture.context import Component, ProbeContext
 from trackdiag.capture.grad_records import (GradView, Pass, Tap, foreach_norms, plain_tap, sentinel_norm, sentinel_raw,
                                             totals)
@@ -69,6 +70,7 @@ class GradTap:
         self.states: dict[str, CompTap] = {}
         self.failed: str | None = None
         TAP_QUEUE.taps.append(self)
+        clip_serve.install()
 
     # ------------------------------------------------------------------ hooks
     def attach(self, comp: Component, sentinel: torch.Tensor | None = None) -> None:
@@ -116,6 +118,9 @@ class GradTap:
             self._unhook(st)
         if self in TAP_QUEUE.taps:
             TAP_QUEUE.taps.remove(self)
+        clip_serve.forget(self.states.values())
+        if not TAP_QUEUE.taps:
+            clip_serve.uninstall()
 
     # ------------------------------------------------------------------ measuring
     def end_of_backward(self) -> None:
@@ -132,7 +137,7 @@ class GradTap:
                     self.refresh(st.comp)
                 if scale is False:
                     scale = self.scale()
-                tap = self.measure(st.comp, st.count, scale=scale, sentinel=st.sentinel)
+                tap = self.measure(st.comp, st.count, scale=scale, sentinel=st.sentinel, keep=st.clip_armed)
                 raw = tap.sentinel
                 if raw is not None:
                     tap.sentinel = raw / scale if scale is not None else raw
@@ -169,13 +174,14 @@ class GradTap:
         st.misses = 0
 
     def measure(self, comp: Component, number: int = 0, unscale: bool = True, *,
-                scale: torch.Tensor | None | bool = False, sentinel: torch.Tensor | None = None) -> Tap:
+                scale: torch.Tensor | None | bool = False, sentinel: torch.Tensor | None = None, keep: bool = False) -> Tap:
         """The gradients of ``comp`` now (device tensors; no host read); divided by the scaler's
         scale when ``unscale`` (the backward pass left them scaled), or by ``scale`` when given (None:
         not at all). With ``sentinel``, ``Tap.sentinel`` is the raw (scaled) L2 norm of its gradient:
         taken from the per-tensor norms when the component's norm is their norm (no extra kernel).
         The common case (:attr:`LayerIndex.foreach`) is one kernel (the per-tensor norms; their norm waits
-        for :attr:`Tap.total`)."""
+        for :attr:`Tap.total`). ``keep``: the loop clips these gradients, so a plain pass keeps them for
+        :mod:`~trackdiag.capture.clip_serve`."""
         idx = comp.index
         grads = idx.grads()
         idx.clear_cache()
@@ -184,7 +190,7 @@ class GradTap:
         if scale is False:
             scale = self.scale() if unscale else None
         if scale is None and not detail and not several and idx.foreach and len(grads) <= LAZY_TENSORS:
-            tap = plain_tap(comp, grads, self.ctx.step, number, sentinel)  # the usual pass: one kernel, few calls
+            tap = plain_tap(comp, grads, self.ctx.step, number, sentinel, keep)  # the usual pass: one kernel, few calls
             if tap is not None:
                 return tap
         grad_mode = torch.is_grad_enabled()  # a create_graph backward: no graph for these norms
@@ -251,6 +257,7 @@ class GradTap:
         if st is None or st.latest is None or st.latest.generation != st.comp.generation:
             return None
         tap, st.latest = st.latest, None
+        tap.grads = tap.grad_versions = None
         return tap
 
     def take(self, name: str) -> tuple[Tap | None, list[Pass]]:
@@ -269,6 +276,8 @@ class GradTap:
                 pass
         st.latest = st.first_in_step = None
         st.in_closure = False
+        if tap is not None:  # the clip is behind: the step's gradients are not held past it
+            tap.grads = tap.grad_versions = None
         # no backward pass runs while the loop records its step: a pass still marked as started, or a
         # callback still marked queued, was cut short (a KeyboardInterrupt in it); left so, no later
         # pass would be measured

@@ -45,6 +45,7 @@ class CompTap:
     fires: int = 0  # hooks run in the backward pass in progress
     whole: int = 0  # backward passes in a row in which every hook ran, the sentinel's too
     thin: bool = False  # only the sentinel's hooks are on
+    clip_armed: bool = False  # the loop clips these gradients with clip_grad_norm_ (capture.clip_serve)
 
     def fire(self, _grad: torch.Tensor) -> None:
         """Tensor hook on every parameter: note that this backward reaches the component."""
