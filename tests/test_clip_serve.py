@@ -160,7 +160,7 @@ def _sanitise(model: nn.Module, step: int) -> None:
 
 
 @pytest.mark.parametrize("change", ["nan_to_num", "clip_value", "subset", "norm_inf", "error_if_nonfinite", "foreach_false",
-                                    "other_model"])
+                                    "foreach_true", "other_model"])
 def test_anything_else_goes_to_torch(tmp_path, change: str) -> None:
     """Gradients written to between the pass and the clip, another norm, torch's own options, parameters the
     session does not hold: torch's function, the same training; a subset of one component's parameters is served
@@ -179,6 +179,7 @@ def test_anything_else_goes_to_torch(tmp_path, change: str) -> None:
         "norm_inf": {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5, norm_type=math.inf)},
         "error_if_nonfinite": {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5, error_if_nonfinite=True)},
         "foreach_false": {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5, foreach=False)},
+        "foreach_true": {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5, foreach=True)},
         "other_model": {"clip": with_other},
     }
     with one_thread():

@@ -10,7 +10,8 @@ norm, the very ops and order of torch's own ``_get_total_norm`` (per-tensor ``_f
 ``vector_norm``), then clips with torch's ``clip_grads_with_norm_``: the clipped gradients and the returned norm are
 bitwise those of torch's function (``tests/test_clip_serve.py`` trains with and without a session and compares
 every weight). Anything else goes to torch's function unchanged: another norm type, ``error_if_nonfinite``,
-``foreach=False``, half-precision or sharded gradients, a ``GradScaler`` (the tap's norms are unscaled), gradients
+``foreach`` given (torch decides by it; the tap's kernel is the one ``foreach=None`` picks), half-precision or sharded
+gradients, a component with half-precision parameters, a ``GradScaler`` (the tap's norms are unscaled), gradients
 changed since the pass (``scaler.unscale_``, ``nan_to_num_``, ``clip_grad_value_``), parameters of two components or
 of none, a detail step, ``torch.compile`` tracing, a caller that bound torch's function before the session opened.
 
@@ -67,6 +68,8 @@ def _find(params: list[torch.Tensor], key: tuple[int, ...]) -> Entry | None:
     for tap in list(TAP_QUEUE.taps):
         for st in tap.states.values():
             idx = st.comp.index
+            if idx.low_precision:  # its norms are taken in fp32 (torch's clip: in the gradients' dtype)
+                continue
             pos = [idx.position(p) for p in params]
             if pos and None not in pos and len(set(pos)) == len(pos):
                 st.clip_armed = True
@@ -112,7 +115,7 @@ def clip_grad_norm_(parameters: Any, max_norm: Any, norm_type: float = 2.0, erro
     would compute (see the module docstring); otherwise torch's own."""
     if torch.compiler.is_compiling():  # traced: torch's own (nothing here is looked at, so no guard on it)
         return TORCH_CLIP(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
-    if not TAP_QUEUE.taps or TAP_QUEUE.paused or error_if_nonfinite or foreach is False or norm_type != 2.0 \
+    if not TAP_QUEUE.taps or TAP_QUEUE.paused or error_if_nonfinite or foreach is not None or norm_type != 2.0 \
             or isinstance(norm_type, bool):
         counts["torch"] += 1
         return TORCH_CLIP(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
