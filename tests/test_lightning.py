@@ -278,3 +278,27 @@ def test_ddp_two_processes_one_run_and_a_collective_stop(tmp_path: Path) -> None
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])  # the only run
     assert {"train_loss", "diag/loss", "diag/alerts/nonfinite_loss"} <= set(run.data.metrics)
     assert run.data.metrics["diag/dist/world_size"] == 2
+
+
+def test_gradient_clip_val_is_answered_from_the_tap_and_trains_the_same(tmp_path: Path) -> None:
+    """Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (a generator): under
+    the callback the call is answered from the gradient tap's norms (``trackdiag.capture.clip_serve``) and the
+    weights after 16 clipped steps are the bare Trainer's, bit for bit."""
+    from trackdiag.capture import clip_serve
+
+    def run(watched: bool) -> Any:
+        torch.manual_seed(0)
+        model = DigitsNet()
+        cbs = [DiagnosticsCallback("basic", every=4, output_dir=str(tmp_path / "run"), sinks=["local"],
+                                   probes=quiet_probes())] if watched else []
+        tr = pl.Trainer(**{**TRAINER, "max_steps": 16, "logger": False, "val_check_interval": 8,
+                           "gradient_clip_val": 0.15}, callbacks=cbs)
+        with one_thread():
+            tr.fit(model, *loaders())
+        return model
+
+    bare = run(False)
+    before = clip_serve.counts["served"]
+    watched = run(True)
+    assert clip_serve.counts["served"] - before >= 12
+    assert all(torch.equal(p, q) for p, q in zip(bare.parameters(), watched.parameters()))
