@@ -13,11 +13,13 @@ every weight). Anything else goes to torch's function unchanged: another norm ty
 ``foreach`` given (torch decides by it; the tap's kernel is the one ``foreach=None`` picks), half-precision or sharded
 gradients, a component with half-precision parameters, a ``GradScaler`` (the tap's norms are unscaled), gradients
 changed since the pass (``scaler.unscale_``, ``nan_to_num_``, ``clip_grad_value_``), parameters of two components or
-of none, a detail step, ``torch.compile`` tracing, a caller that bound torch's function before the session opened.
+of none, a pass measured another way (more than 64 tensors on the CPU off detail steps, several optimizers),
+``torch.compile`` tracing, a caller that bound torch's function before the session opened.
 
-A component is *armed* the first time a call covers some of its parameters; from the next backward pass on its plain
-measurement keeps the gradients' list and version counters (a C-level pass, ~0.1 us a tensor). When the call's
-parameters are all of the component's measured gradients, its norm is the step's every-step norm too.
+A component is *armed* the first time a call covers some of its parameters; from the next backward pass on its
+measurement keeps the per-tensor norms, the gradients' list and their version counters (a C-level pass, ~0.1 us a
+tensor), on plain and detail steps alike (off the CPU, a model of any number of tensors). When the call's parameters
+are all of the component's measured gradients, its norm is the step's every-step norm too.
 
 Cost per served call: a few C-level passes over the parameters and 2 ops (``stack``, ``vector_norm``) instead of
 the per-tensor norms of every gradient.

@@ -180,7 +180,8 @@ class GradTap:
         not at all). With ``sentinel``, ``Tap.sentinel`` is the raw (scaled) L2 norm of its gradient:
         taken from the per-tensor norms when the component's norm is their norm (no extra kernel).
         The common case (:attr:`LayerIndex.foreach`) is one kernel (the per-tensor norms; their norm waits
-        for :attr:`Tap.total`). ``keep``: the loop clips these gradients, so a plain pass keeps them for
+        for :attr:`Tap.total`). ``keep``: the loop clips these gradients, so a pass whose per-tensor norms are
+        ``_foreach_norm``'s (unscaled, one optimizer) keeps them, and the gradients, for
         :mod:`~trackdiag.capture.clip_serve`."""
         idx = comp.index
         grads = idx.grads()
@@ -225,6 +226,9 @@ class GradTap:
         if detail:
             tap.versions = [g._version for g in grads]
             tap.ids = [id(g) for g in grads]
+        if keep and parts is not None and scale is None and not several:  # the loop's clip may read these norms
+            tap.parts = list(parts)
+            tap.grads, tap.grad_versions = grads, (tap.versions if detail else [g._version for g in grads])
         g = sentinel.grad if sentinel is not None else None
         if g is not None:  # what the step's optimizer must find unchanged (else it looks at the values)
             tap.sentinel_grad, tap.sentinel_version = g, g._version
