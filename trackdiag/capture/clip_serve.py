@@ -66,7 +66,7 @@ counts = {"served": 0, "torch": 0}
 
 def _find(params: list[torch.Tensor], key: tuple[int, ...]) -> Entry | None:
     """The component whose index holds every one of ``params`` (host work, once per parameter list and generation);
-    arms it (its plain measurements keep the gradients' list and versions from now on)."""
+    arms it (its measurements keep their per-tensor norms, the gradients and their versions from now on)."""
     for tap in list(TAP_QUEUE.taps):
         for st in tap.states.values():
             idx = st.comp.index
@@ -79,8 +79,9 @@ def _find(params: list[torch.Tensor], key: tuple[int, ...]) -> Entry | None:
     return None
 
 
-def _served(params: list[torch.Tensor], grads: list[torch.Tensor], max_norm: Any, foreach: Any) -> torch.Tensor | None:
-    """The clip done from the tap's norms, or None when these gradients are not exactly the measured ones."""
+def _total(params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The norm torch's clip would compute, from the tap's per-tensor norms; None when ``grads`` are not exactly the
+    gradients the pass measured. No side effect on the gradients (the clip is the caller's, after this returns)."""
     key = tuple(map(id, params))
     entry = _entries.get(key, False)
     if entry is False:
@@ -92,19 +93,17 @@ def _served(params: list[torch.Tensor], grads: list[torch.Tensor], max_norm: Any
         return None
     st = entry.st
     tap = st.latest
-    if (tap is None or tap.grads is None or tap.scale is not None or entry.generation != st.comp.generation
-            or tap.generation != entry.generation):
-        if entry.generation != st.comp.generation:
-            _entries.pop(key, None)  # re-indexed: found again at the next call
+    if entry.generation != st.comp.generation:
+        _entries.pop(key, None)  # re-indexed: found again at the next call
         return None
-    if tap.parts is None or len(tap.grads) <= max(entry.positions):
+    if (tap is None or tap.grads is None or tap.parts is None or tap.scale is not None
+            or tap.generation != entry.generation or len(tap.grads) <= max(entry.positions)):
         return None
     pick = entry.pick
     if not all(map(operator.is_, grads, pick(tap.grads))) or list(map(VERSION, grads)) != list(pick(tap.grad_versions)):
         return None  # not the gradients the pass left, or written to since
     first = grads[0].device
     total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in pick(tap.parts)]), 2.0)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
     if len(entry.positions) == len(tap.grads):  # every gradient the pass measured: the step's norm is this one
         tap.total_, tap.parts = total, None
     return total
@@ -133,7 +132,7 @@ def clip_grad_norm_(parameters: Any, max_norm: Any, norm_type: float = 2.0, erro
         with torch.no_grad():
             grads = [p.grad for p in params if p.grad is not None]
             with_grads = params if len(grads) == len(params) else [p for p in params if p.grad is not None]
-            total = _served(with_grads, grads, max_norm, foreach) if grads and all(
+            total = _total(with_grads, grads) if grads and all(
                 type(g) is torch.Tensor and g.dtype is torch.float32 and g.layout is torch.strided for g in grads) else None
     except Exception:  # noqa: BLE001 - never fail the user's clip: torch's function decides
         total = None
@@ -141,6 +140,7 @@ def clip_grad_norm_(parameters: Any, max_norm: Any, norm_type: float = 2.0, erro
         counts["torch"] += 1
         return TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
     counts["served"] += 1
+    torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total, foreach)  # torch's second half, as torch's own
     return total
 
 
