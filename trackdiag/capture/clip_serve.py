@@ -41,6 +41,8 @@ from trackdiag.capture.tap_hooks import TAP_QUEUE
 #: torch's own function, as it was when trackdiag was imported (the one every unserved call goes to)
 TORCH_CLIP = _clip_mod.clip_grad_norm_
 VERSION = operator.attrgetter("_version")
+DTYPE, LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("layout")
+_TENSOR, _FP32, _STRIDED = {torch.Tensor}, {torch.float32}, {torch.strided}
 _lock = threading.Lock()
 _installed = False
 
@@ -77,6 +79,12 @@ def _find(params: list[torch.Tensor], key: tuple[int, ...]) -> Entry | None:
                 st.clip_armed = True
                 return Entry(st, tuple(pos), st.comp.generation)
     return None
+
+
+def _plain_fp32(grads: list[torch.Tensor]) -> bool:
+    """Every gradient a plain strided fp32 tensor (no subclass: DTensor, no sparse): C-level passes, no frame per tensor."""
+    return (set(map(type, grads)) == _TENSOR and set(map(DTYPE, grads)) == _FP32
+            and set(map(LAYOUT, grads)) == _STRIDED)
 
 
 def _total(params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor | None:
@@ -132,8 +140,7 @@ def clip_grad_norm_(parameters: Any, max_norm: Any, norm_type: float = 2.0, erro
         with torch.no_grad():
             grads = [p.grad for p in params if p.grad is not None]
             with_grads = params if len(grads) == len(params) else [p for p in params if p.grad is not None]
-            total = _total(with_grads, grads) if grads and all(
-                type(g) is torch.Tensor and g.dtype is torch.float32 and g.layout is torch.strided for g in grads) else None
+            total = _total(with_grads, grads) if grads and _plain_fp32(grads) else None
     except Exception:  # noqa: BLE001 - never fail the user's clip: torch's function decides
         total = None
     if total is None:
