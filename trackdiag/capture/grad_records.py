@@ -48,8 +48,9 @@ class Tap:
     #: the per-tensor norms (``_foreach_norm``'s list, scaled) when ``total`` is not worked out yet
     parts: list[torch.Tensor] | None = None
     scale: torch.Tensor | None = None
-    #: the gradients measured and their version counters, kept on a plain pass of a component whose parameters the
-    #: loop clips: what :mod:`~trackdiag.capture.clip_serve` checks before it answers ``clip_grad_norm_`` from ``parts``
+    #: the gradients measured and their version counters, kept (with ``parts``) on a pass that took ``_foreach_norm``
+    #: for a component whose parameters the loop clips: what :mod:`~trackdiag.capture.clip_serve` checks before it
+    #: answers ``clip_grad_norm_`` from ``parts``
     grads: list[torch.Tensor] | None = None
     grad_versions: list[int] | None = None
 
