@@ -36,11 +36,11 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as _clip_mod
 
+from trackdiag.capture.grad_records import VERSION
 from trackdiag.capture.tap_hooks import TAP_QUEUE
 
 #: torch's own function, as it was when trackdiag was imported (the one every unserved call goes to)
 TORCH_CLIP = _clip_mod.clip_grad_norm_
-VERSION = operator.attrgetter("_version")
 DTYPE, LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("layout")
 _TENSOR, _FP32, _STRIDED = {torch.Tensor}, {torch.float32}, {torch.strided}
 _lock = threading.Lock()
@@ -51,10 +51,11 @@ class Entry:
     """Where a parameter list's gradients sit in one component's tap: the component's tap state, the parameters'
     positions in its index (and a C-level getter of them), the generation they were found in."""
 
-    __slots__ = ("st", "positions", "generation", "pick")
+    __slots__ = ("st", "positions", "top", "generation", "pick")
 
     def __init__(self, st: Any, positions: tuple[int, ...], generation: int) -> None:
         self.st, self.positions, self.generation = st, positions, generation
+        self.top = max(positions)  # the measured list must reach this far
         one = operator.itemgetter(*positions)
         self.pick = one if len(positions) > 1 else (lambda seq: (one(seq),))
 
@@ -105,7 +106,7 @@ def _total(params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tenso
         _entries.pop(key, None)  # re-indexed: found again at the next call
         return None
     if (tap is None or tap.grads is None or tap.parts is None or tap.scale is not None
-            or tap.generation != entry.generation or len(tap.grads) <= max(entry.positions)):
+            or tap.generation != entry.generation or len(tap.grads) <= entry.top):
         return None
     pick = entry.pick
     if not all(map(operator.is_, grads, pick(tap.grads))) or list(map(VERSION, grads)) != list(pick(tap.grad_versions)):

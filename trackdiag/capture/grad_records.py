@@ -14,7 +14,8 @@ import torch
 from trackdiag.capture.context import Component
 from trackdiag.util.norms import fp32_norm, grad_norms, plain
 
-_VERSION = operator.attrgetter("_version")
+#: a tensor's version counter (``list(map(VERSION, tensors))``: one C-level pass, no frame per tensor)
+VERSION = operator.attrgetter("_version")
 
 
 @dataclass(slots=True)
@@ -178,7 +179,7 @@ def plain_tap(comp: Component, grads: list[torch.Tensor], step: int, number: int
         torch._C._set_grad_enabled(grad_mode)
     tap = Tap(None, None, step, number, comp.generation, parts=parts)
     if keep:
-        tap.grads, tap.grad_versions = grads, list(map(_VERSION, grads))
+        tap.grads, tap.grad_versions = grads, list(map(VERSION, grads))
     g = sentinel.grad if sentinel is not None else None
     if g is not None:
         tap.sentinel = sentinel_raw(comp, grads, parts, sentinel)

@@ -36,8 +36,8 @@ import torch
 
 from trackdiag.capture import clip_serve
 from trackdiag.capture.context import Component, ProbeContext
-from trackdiag.capture.grad_records import (GradView, Pass, Tap, foreach_norms, plain_tap, sentinel_norm, sentinel_raw,
-                                            totals)
+from trackdiag.capture.grad_records import (VERSION, GradView, Pass, Tap, foreach_norms, plain_tap, sentinel_norm,
+                                            sentinel_raw, totals)
 from trackdiag.capture.tap_hooks import TAP_QUEUE, CompTap, firing, pick_sentinel
 from trackdiag.util.norms import global_norm, grad_norms, max_abs
 
@@ -228,7 +228,7 @@ class GradTap:
             tap.ids = [id(g) for g in grads]
         if keep and parts is not None and scale is None and not several:  # the loop's clip may read these norms
             tap.parts = list(parts)
-            tap.grads, tap.grad_versions = grads, (tap.versions if detail else [g._version for g in grads])
+            tap.grads, tap.grad_versions = grads, (tap.versions if detail else list(map(VERSION, grads)))
         g = sentinel.grad if sentinel is not None else None
         if g is not None:  # what the step's optimizer must find unchanged (else it looks at the values)
             tap.sentinel_grad, tap.sentinel_version = g, g._version
