@@ -54,6 +54,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout's trackdiag
 import workloads  # noqa: E402
+import arms as arm_setup  # noqa: E402  (its BACKEND; `arms` is the arm names below)
 from arms import PRESETS, Arm, watch_recompile_limit  # noqa: E402
 from table import line_of, markdown, row_of  # noqa: E402
 
@@ -127,7 +128,8 @@ def bench(wl: workloads.Workload, arms: list[str], rounds: int, steps: int, warm
 
 def environment(device: torch.device, compiled: bool, amp: str) -> str:
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    return f"device: {dev} | torch {torch.__version__} | compile: {'on' if compiled else 'off'} | amp: {amp}"
+    backend = "" if arm_setup.BACKEND == "inductor" else f" ({arm_setup.BACKEND})"
+    return f"device: {dev} | torch {torch.__version__} | compile: {'on' + backend if compiled else 'off'} | amp: {amp}"
 
 
 def _write_json(path: Path | None, device: torch.device, args: argparse.Namespace, rows: list[dict[str, Any]], skipped: list[str],
@@ -136,7 +138,7 @@ def _write_json(path: Path | None, device: torch.device, args: argparse.Namespac
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"environment": environment(device, args.compile, args.amp), "complete": done, "rows": rows, "skipped": skipped,
-            "settings": {k: getattr(args, k) for k in ("rounds", "steps", "warmup", "block", "compile", "amp")}}
+            "settings": {k: getattr(args, k) for k in ("rounds", "steps", "warmup", "block", "compile", "backend", "amp")}}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(body, indent=1, default=str))
     tmp.replace(path)
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, help="steps per turn (default 1 on CPU, 10 on CUDA); divides --steps")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     ap.add_argument("--compile", action="store_true", help="torch.compile every arm's model (default arms: bare basic advanced)")
+    ap.add_argument("--backend", default="inductor", help="torch.compile's backend under --compile (aot_eager: Dynamo's "
+                    "graphs without Inductor's code generation, for checking the table, not for timing)")
     ap.add_argument("--amp", choices=["auto", "none", "bf16", "fp16"], default="auto",
                     help="CUDA autocast: auto = the workload's own (gpt: bf16); fp16 steps through a GradScaler")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; 1 on a busy shared box, where "
@@ -183,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         arms = ["bare", "basic", "advanced"]
     else:
         arms = ["bare", "disabled", *PRESETS, *([] if args.no_peers else available_peers())]
+    arm_setup.BACKEND = args.backend
     if args.compile:
         watch_recompile_limit()
     print("#", environment(device, args.compile, args.amp), flush=True)

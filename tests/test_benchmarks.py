@@ -224,8 +224,10 @@ def test_op_trace_profiles_each_arm_beside_the_bare_loop(tmp_path: Path) -> None
 
 def test_overhead_compiled_table_counts_dynamo(tmp_path: Path) -> None:
     """``--compile``: bare/basic/advanced on compiled models, finite ratios (or a reported failure,
-    never a crash) and Dynamo's counts per arm."""
-    res, stdout = _overhead(tmp_path, "--workloads", "gpt_tiny", "--compile", "--rounds", "2", "--steps", "5", "--warmup", "5", "--markdown")
+    never a crash) and Dynamo's counts per arm. The ``aot_eager`` backend: Dynamo's graphs, breaks and recompiles
+    are the backend's input, so the counts are Inductor's too, without its C++ builds (~35 CPU-s on a fresh
+    2-core machine, issue 47); Inductor under a session is tests/test_compile.py's."""
+    res, stdout = _overhead(tmp_path, "--workloads", "gpt_tiny", "--compile", "--backend", "aot_eager", "--rounds", "2", "--steps", "5", "--warmup", "5", "--markdown")
     rows = {r["arm"]: r for r in res["rows"]}
     assert set(rows) == {"bare", "basic", "advanced"} and "compile: on" in res["environment"]
     assert _finite(rows["bare"]) and rows["bare"]["graph_breaks"] == 0 and rows["bare"]["unique_graphs"] >= 1
