@@ -119,7 +119,7 @@ def group_of(module: str) -> str | None:
 #: for ~45 s (sampled every 5 s on a cold run); in file order they run beside the in-process tests that use a core.
 COSTLY: dict[str, float] = {
     "tests/test_sweep_server.py::test_parallel_jobs_one_parent_every_point_true_statuses[joblib]": 120,
-    "tests/test_sweep_ray.py": 120,
+    "tests/test_sweep_ray.py": 90,
     "tests/test_sweep_server.py::test_parallel_jobs_one_parent_every_point_true_statuses[submitit_local]": 70,
     "tests/test_sweep_faults.py::test_server_restarted_mid_sweep_loses_nothing": 120,
     "tests/test_sweep_faults.py::test_killed_job_is_killed_others_unaffected": 110,
