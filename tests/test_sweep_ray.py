@@ -8,9 +8,9 @@ sweep all run inside one private network namespace (``unshare -n``, loopback onl
 re-runs itself there (``TRACKDIAG_RAY_NETNS=1``) and the outer test only checks that it passed.
 
 3 jobs of the example app (the user's app, a copy outside the repo), two waves on the cluster's 2 CPUs; job 2's
-worker process gets SIGKILL mid-run. Then: 1 parent run and 3 children, jobs 0-1 FINISHED with every point their local record holds and all their steps, job 2 KILLED (its points
-up to the kill delivered from its local record), the comparison written once the last job ended and logged to the
-parent, which ends KILLED.
+worker process gets SIGKILL mid-run. Then: 1 parent run and 3 children, jobs 0-1 FINISHED with every point their
+local record holds and all their steps, job 2 KILLED (its points up to the kill delivered from its local record),
+the comparison written once the last job ended and logged to the parent, which ends KILLED.
 
 The launcher's known traps, set in the sweep's overrides (docs/shared-server.md, "Ray"):
 ``object_store_memory=null`` (the launcher always passes it; Ray 2.60 refuses it when connecting
