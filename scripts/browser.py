@@ -101,6 +101,19 @@ class Browser:
             if self.profile is not None:
                 shutil.rmtree(self.profile, ignore_errors=True)
 
+    def resize(self, width: int, height: int) -> None:
+        """A new viewport size for the page."""
+        self.width, self.height = width, height
+        self.page.set_viewport_size({"width": width, "height": height})
+
+    def forget(self, origin: str) -> None:
+        """Clear the cookies and ``origin``'s local and session storage (what a page remembers of a visit),
+        keeping the cache: a returning visitor without the last visit's settings."""
+        self.page.context.clear_cookies()
+        self.page.goto(origin, wait_until="load", timeout=60_000)
+        self.eval("(() => { localStorage.clear(); sessionStorage.clear(); })()")
+        self.page.goto("about:blank")
+
     def eval(self, expression: str) -> Any:
         """The value of a JavaScript expression in the page (promises awaited); RuntimeError if it throws."""
         from playwright.sync_api import Error

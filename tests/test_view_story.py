@@ -91,16 +91,32 @@ def test_printed_link_opens_the_run_with_its_story_on_top(story: dict[str, str],
     _nonblank(shot)
 
 
-def test_report_link_opens_the_report(story: dict[str, str], tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def _returning() -> Iterator[Browser]:
     with Browser(1400, 1000) as b:
-        b.goto(story["url"])
-        assert b.wait("!!Array.from(document.querySelectorAll('a')).find(a => a.innerText === 'report.html')", 90)
-        href = b.eval("Array.from(document.querySelectorAll('a')).find(a => a.innerText === 'report.html').getAttribute('href')")
-        b.goto(story["uri"] + "/" + href)
-        shown = b.wait("document.body.innerText.includes('files/report.html') && "
-                       "Array.from(document.querySelectorAll('iframe')).some(f => f.getBoundingClientRect().height > 300)", 90)
-        text = b.eval("document.body.innerText")
-        shot = b.screenshot(tmp_path / "report_preview.png")
+        yield b
+
+
+@pytest.fixture
+def browser(_returning: Browser, story: dict[str, str]) -> Browser:
+    """The browser of the tests after the first visit: one Chromium and profile for them all, so MLflow's
+    scripts are compiled once (a fresh profile pays ~6 CPU-s per MLflow page on 2 cores, a warm one ~1: issue
+    47); each test starts with the server's cookies and storage cleared, at 1400 x 1000."""
+    _returning.forget(story["uri"] + "/health")
+    _returning.resize(1400, 1000)
+    return _returning
+
+
+def test_report_link_opens_the_report(story: dict[str, str], browser: Browser, tmp_path: Path) -> None:
+    b = browser
+    b.goto(story["url"])
+    assert b.wait("!!Array.from(document.querySelectorAll('a')).find(a => a.innerText === 'report.html')", 90)
+    href = b.eval("Array.from(document.querySelectorAll('a')).find(a => a.innerText === 'report.html').getAttribute('href')")
+    b.goto(story["uri"] + "/" + href)
+    shown = b.wait("document.body.innerText.includes('files/report.html') && "
+                   "Array.from(document.querySelectorAll('iframe')).some(f => f.getBoundingClientRect().height > 300)", 90)
+    text = b.eval("document.body.innerText")
+    shot = b.screenshot(tmp_path / "report_preview.png")
     assert href.startswith("#/experiments/") and href.endswith("/artifacts/files/report.html?workflowType=machine_learning")
     assert shown, text[:2000]
     assert "Evaluations" not in text
@@ -117,21 +133,21 @@ def _chart_extents(b: Browser) -> dict[str, list[float]]:
         return [key, [Math.min(...xs), Math.max(...xs), ...p._fullLayout.xaxis.range]]; })"""))
 
 
-def test_alert_chart_shares_the_loss_step_range(story: dict[str, str], tmp_path: Path) -> None:
+def test_alert_chart_shares_the_loss_step_range(story: dict[str, str], browser: Browser, tmp_path: Path) -> None:
     kind = json.loads((Path(story["run_dir"]) / "alerts.json").read_text())[0]["kind"]  # the incident's alert
     base, _, route = story["url"].partition("#")
     page, _, query = route.partition("?")
     box = "input[placeholder*=\"Search metric\"]"
-    with Browser(1400, 1000) as b:
-        b.goto(f"{base}#{page}/model-metrics?{query}")
-        assert b.wait(f"!!document.querySelector('{box}')", 60)
-        assert b.wait("document.body.innerText.includes('diag/alerts')", 90), b.eval("document.body.innerText")[:2000]
-        b.eval(f"document.querySelector('{box}').focus()")
-        b.type(f"diag/alerts/{kind}|diag/loss$")  # the filter is a regular expression
-        assert b.wait("document.querySelectorAll('.js-plotly-plot').length === 2", 60)
-        time.sleep(1.0)
-        charts = _chart_extents(b)
-        shot = b.screenshot(tmp_path / "alert_chart.png")
+    b = browser
+    b.goto(f"{base}#{page}/model-metrics?{query}")
+    assert b.wait(f"!!document.querySelector('{box}')", 60)
+    assert b.wait("document.body.innerText.includes('diag/alerts')", 90), b.eval("document.body.innerText")[:2000]
+    b.eval(f"document.querySelector('{box}').focus()")
+    b.type(f"diag/alerts/{kind}|diag/loss$")  # the filter is a regular expression
+    assert b.wait("document.querySelectorAll('.js-plotly-plot').length === 2", 60)
+    time.sleep(1.0)
+    charts = _chart_extents(b)
+    shot = b.screenshot(tmp_path / "alert_chart.png")
     loss, alert = charts["diag/loss"], charts[f"diag/alerts/{kind}"]
     assert loss[:2] == [0, 199] and alert[:2] == loss[:2], charts  # the same steps, first to last
     assert alert[2] <= loss[2] and alert[3] >= loss[3], charts  # its axis shows the whole run too
@@ -155,25 +171,27 @@ def test_report_opens_with_health_and_status_in_mlflow_too(story: dict[str, str]
     assert MlflowClient(story["uri"]).get_run(run_id).data.tags["trackdiag.health"] == "critical"
 
 
-def test_runs_table_shows_health_from_the_tag_the_readme_names(story: dict[str, str], tmp_path: Path) -> None:
+def test_runs_table_shows_health_from_the_tag_the_readme_names(story: dict[str, str], browser: Browser,
+                                                               tmp_path: Path) -> None:
     """README: in the runs table, *Columns* -> *Tags* -> ``trackdiag.health`` adds the health."""
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert "*Columns* → *Tags* → `trackdiag.health`" in readme
     base, _, route = story["url"].partition("#")
     experiment = route.split("/runs/")[0]
-    with Browser(1600, 1000) as b:
-        b.goto(f"{base}#{experiment}?workflowType=machine_learning")
-        assert b.wait("Array.from(document.querySelectorAll('button')).some(x => x.innerText.trim() === 'Columns')", 90)
-        assert b.wait("document.body.innerText.includes('lr_explode')", 60)
-        b.eval("Array.from(document.querySelectorAll('button')).find(x => x.innerText.trim() === 'Columns').click()")
-        assert b.wait("document.body.innerText.includes('Tags (')", 30), b.eval("document.body.innerText")[:2000]
-        menu = b.eval("document.body.innerText")
-        b.eval("Array.from(document.querySelectorAll('*')).filter(e => e.children.length === 0 && "
-               "e.innerText === 'trackdiag.health').pop().click()")
-        b.press("Escape")
-        shown = b.wait("Array.from(document.querySelectorAll('[role=columnheader], th')).some(h => "
-                       "h.innerText.includes('trackdiag.health')) && document.body.innerText.includes('critical')", 30)
-        shot = b.screenshot(tmp_path / "runs_table.png")
+    b = browser
+    b.resize(1600, 1000)
+    b.goto(f"{base}#{experiment}?workflowType=machine_learning")
+    assert b.wait("Array.from(document.querySelectorAll('button')).some(x => x.innerText.trim() === 'Columns')", 90)
+    assert b.wait("document.body.innerText.includes('lr_explode')", 60)
+    b.eval("Array.from(document.querySelectorAll('button')).find(x => x.innerText.trim() === 'Columns').click()")
+    assert b.wait("document.body.innerText.includes('Tags (')", 30), b.eval("document.body.innerText")[:2000]
+    menu = b.eval("document.body.innerText")
+    b.eval("Array.from(document.querySelectorAll('*')).filter(e => e.children.length === 0 && "
+           "e.innerText === 'trackdiag.health').pop().click()")
+    b.press("Escape")
+    shown = b.wait("Array.from(document.querySelectorAll('[role=columnheader], th')).some(h => "
+                   "h.innerText.includes('trackdiag.health')) && document.body.innerText.includes('critical')", 30)
+    shot = b.screenshot(tmp_path / "runs_table.png")
     assert "Tags (" in menu and "trackdiag.health" in menu
     assert shown
     _nonblank(shot)
