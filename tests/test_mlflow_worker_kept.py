@@ -139,6 +139,19 @@ def test_sessions_of_different_pytest_tests_share_the_worker(tmp_path: Path, mon
     assert kept is not None and _kept_pid() == kept
 
 
+def test_the_users_own_mlflow_import_keeps_the_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow's telemetry writes its session id into the environment of the process that imports MLflow (a user
+    reading a run back with ``MlflowClient`` between sessions): the next session keeps the worker (issue 47: the
+    suite's in-process MLflow tests started one more worker each time)."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.delenv("_MLFLOW_TELEMETRY_SESSION_ID", raising=False)
+    _run(tmp_path, store, "a")
+    kept = _kept_pid()
+    monkeypatch.setenv("_MLFLOW_TELEMETRY_SESSION_ID", uuid.uuid4().hex)  # what mlflow.telemetry sets
+    _run(tmp_path, store, "b")
+    assert kept is not None and _kept_pid() == kept
+
+
 def _script(tmp_path: Path, body: str, mark: str) -> subprocess.Popen[str]:
     (tmp_path / "job.py").write_text(textwrap.dedent('''
         import sys, time

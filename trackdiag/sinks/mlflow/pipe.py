@@ -39,19 +39,21 @@ _parked: dict[tuple[Any, ...], "subprocess.Popen[bytes]"] = {}  # at most one
 _registered: list[Any] = []
 
 
-#: variables that change between the sessions of one process and that MLflow never reads: pytest names the test
-#: running in ``PYTEST_CURRENT_TEST`` (setup, call, teardown of each), so a user's tests of their training loop got
-#: a worker each (~2 s of CPU importing MLflow) instead of sharing one
-_NOT_READ_BY_MLFLOW = frozenset({"PYTEST_CURRENT_TEST"})
+#: variables that change between the sessions of one process and that no MLflow call of the worker reads: pytest
+#: names the test running in ``PYTEST_CURRENT_TEST`` (setup, call, teardown of each), so a user's tests of their
+#: training loop got a worker each (~2 s of CPU importing MLflow) instead of sharing one; MLflow's telemetry puts its
+#: session id in ``_MLFLOW_TELEMETRY_SESSION_ID`` when the user's process first imports MLflow (an ``MlflowClient``
+#: to read a run back), so the next session got a worker of its own (what the worker's own telemetry reports under)
+_NOT_KEYED = frozenset({"PYTEST_CURRENT_TEST", "_MLFLOW_TELEMETRY_SESSION_ID"})
 
 
 def pool_key(env: dict[str, str]) -> tuple[Any, ...]:
     """Which sessions may share a worker: the same process (a forked child never takes its parent's) and
     the same environment (MLflow's credentials and settings are read from it), but for the variables in
-    ``_NOT_READ_BY_MLFLOW``. Not the directory: every path the sink sends is absolute, and the worker moves to
+    ``_NOT_KEYED``. Not the directory: every path the sink sends is absolute, and the worker moves to
     each session's working directory (``ProcessRunner``), so whatever MLflow resolves against it resolves as in
     a worker started there."""
-    return os.getpid(), tuple(sorted(kv for kv in env.items() if kv[0] not in _NOT_READ_BY_MLFLOW))
+    return os.getpid(), tuple(sorted(kv for kv in env.items() if kv[0] not in _NOT_KEYED))
 
 
 def take(key: tuple[Any, ...]) -> "subprocess.Popen[bytes] | None":
