@@ -42,6 +42,23 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
 LEAN_PROBES = {"report": {"enabled": False}}
 
 
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
+    """One real ``mlflow server`` (SQLite store, ``tests/_mlflow_util.MlflowServer``) for the modules of the
+    ``mlflow_server`` group, which only need one running: their runs are told apart by experiment or run tag. Each
+    start is ~10-16 CPU-s on 2 cores; four modules started one each (issue 47). The tests that stop or restart a
+    server start their own."""
+    from _mlflow_util import MlflowServer
+
+    srv = MlflowServer(tmp_path_factory.mktemp("mlflow_server"))
+    try:
+        srv.start()
+        srv.wait(180)
+        yield srv
+    finally:
+        srv.stop()  # the whole process group, whatever happened
+
+
 def make_mlp(hidden: int = 32, depth: int = 2, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
@@ -94,13 +111,16 @@ def _close_sessions_left_open():
 
 #: modules whose module-scoped fixtures start something costly (a tracking server, PostgreSQL, a training
 #: run, a browser story): their tests go to one xdist worker (``--dist loadgroup``) so it starts once
-SHARED_FIXTURES = {"test_benchmarks", "test_compare", "test_delivery_server", "test_distributed", "test_hydra_app",
-                   "test_lightning", "test_mlflow_sink", "test_plots", "test_view_screens", "test_view_story"}
+SHARED_FIXTURES = {"test_benchmarks", "test_compare", "test_distributed", "test_hydra_app", "test_lightning",
+                   "test_mlflow_sink", "test_plots"}
 #: modules that share one group: the sweeps (five tests, 25-50 s each on 2 cores) wait on PostgreSQL, MLflow and Ray
 #: starting and on their jobs, so on one worker they start one PostgreSQL + MLflow server (_sweeps.server_fixture:
 #: one per worker process) and leave the other worker's CPU-bound tests the cores they do not use; spread over both
 #: workers they waited side by side at the start of the run (~15 % of the cores idle in its first 80 s)
-GROUPED_WITH = {"test_sweep_server": "sweeps", "test_sweep_faults": "sweeps", "test_sweep_ray": "sweeps"}
+GROUPED_WITH = {"test_sweep_server": "sweeps", "test_sweep_faults": "sweeps", "test_sweep_ray": "sweeps",
+                # one SQLite ``mlflow server`` (the session fixture ``mlflow_server``) for the modules that need one up
+                "test_view_story": "mlflow_server", "test_view_screens": "mlflow_server",
+                "test_delivery_server": "mlflow_server", "test_hardening_redact": "mlflow_server"}
 
 
 def group_of(module: str) -> str | None:

@@ -13,7 +13,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -35,14 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow_server"))
-    try:
-        srv.start()
-        srv.wait(120)
-        yield srv
-    finally:
-        srv.stop()  # the whole process group, whatever happened
+def server(mlflow_server: MlflowServer) -> MlflowServer:
+    """The suite's shared server (conftest ``mlflow_server``); the delays and outages are the proxy's."""
+    return mlflow_server
 
 
 def _proxy(server: MlflowServer, tmp_path: Path, delay: float, port: int | None = None) -> DelayProxy:

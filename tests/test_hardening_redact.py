@@ -157,27 +157,26 @@ def test_redact_section_is_validated_and_can_be_switched_off(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_credentials_in_the_tracking_uri_connect_but_are_never_written(tmp_path: Path) -> None:
+def test_credentials_in_the_tracking_uri_connect_but_are_never_written(tmp_path: Path,
+                                                                      mlflow_server: MlflowServer) -> None:
     """The real tracking URI (with user:password) is what the MLflow sink connects with; the run's
-    record and the diag config artifact only ever hold the masked one."""
-    server = MlflowServer(tmp_path)
-    server.start()
-    try:
-        server.wait()
-        uri = server.uri.replace("http://", "http://alice:S3cr3t-uri@")
-        model, opt = tiny_model()
-        with trackdiag.Diagnostics(model, opt, level="basic", every=2, sinks=["mlflow"], output_dir=str(tmp_path / "run"),
-                                   sink={"mlflow": {"tracking_uri": uri, "experiment": "creds"}}) as diag:
-            train(diag, model, opt, range(6))
-        sink = next(s for s in diag._hub.sinks if isinstance(s, MlflowSink))
-        assert sink.tracking_uri == uri and sink.run_id  # connected with the real credentials
-        client = MlflowClient(server.uri)
-        assert [m.step for m in client.get_metric_history(sink.run_id, "diag/loss")] == list(range(6))
-        diag_cfg = Path(client.download_artifacts(sink.run_id, "trackdiag/diag_config.yaml", str(tmp_path / "dl")))
-        assert "alice:" + MASK in diag_cfg.read_text()
-    finally:
-        server.stop()
-    written = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith("server")]
+    record, the diag config artifact and the server's own files (but its database, which holds the masked URI's
+    run) only ever hold the masked one."""
+    server = mlflow_server
+    uri = server.uri.replace("http://", "http://alice:S3cr3t-uri@")
+    model, opt = tiny_model()
+    with trackdiag.Diagnostics(model, opt, level="basic", every=2, sinks=["mlflow"], output_dir=str(tmp_path / "run"),
+                               sink={"mlflow": {"tracking_uri": uri, "experiment": "creds"}}) as diag:
+        train(diag, model, opt, range(6))
+    sink = next(s for s in diag._hub.sinks if isinstance(s, MlflowSink))
+    assert sink.tracking_uri == uri and sink.run_id  # connected with the real credentials
+    client = MlflowClient(server.uri)
+    assert [m.step for m in client.get_metric_history(sink.run_id, "diag/loss")] == list(range(6))
+    diag_cfg = Path(client.download_artifacts(sink.run_id, "trackdiag/diag_config.yaml", str(tmp_path / "dl")))
+    assert "alice:" + MASK in diag_cfg.read_text()
+    served = [p for p in server.root.rglob("*") if p.is_file() and sink.run_id in str(p)]
+    assert served  # the run's artifacts on the server
+    written = [p for p in [*tmp_path.rglob("*"), *server.root.rglob("*")] if p.is_file() and p.name != "server.db"]
     assert written and not [p for p in written if b"S3cr3t-uri" in p.read_bytes()]
 
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -154,35 +154,26 @@ with diag:
 
 
 @pytest.fixture(scope="module")
-def served_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+def served_run(mlflow_server: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, str]:
     """(server URI, experiment id, run id) of a run delivered to a real ``mlflow server``."""
-    pytest.importorskip("mlflow")
-    from _mlflow_util import MlflowServer, ready_store
-
+    uri = mlflow_server.uri
     root = tmp_path_factory.mktemp("served")
-    ready_store(root, "server.db")  # tables made once per test process, not by the server
-    server = MlflowServer(root)
-    server.start()
-    try:
-        server.wait(120)
-        (root / "train_view.py").write_text(SCRIPT.replace("URI", repr(server.uri)))
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
-        proc = warm.run([sys.executable, "train_view.py"], cwd=root, env=env, capture_output=True, text=True,
-                        timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        with urllib.request.urlopen(f"{server.uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name=view",
-                                    timeout=10) as r:
-            exp = json.load(r)["experiment"]
-        body = json.dumps({"experiment_ids": [exp["experiment_id"]]}).encode()
-        req = urllib.request.Request(f"{server.uri}/api/2.0/mlflow/runs/search", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            [run] = json.load(r)["runs"]
-        tags = {t["key"]: t["value"] for t in exp.get("tags", [])}
-        assert tags.get("mlflow.experimentKind") == "custom_model_development"
-        yield server.uri, exp["experiment_id"], run["info"]["run_id"]
-    finally:
-        server.stop()
+    (root / "train_view.py").write_text(SCRIPT.replace("URI", repr(uri)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
+    proc = warm.run([sys.executable, "train_view.py"], cwd=root, env=env, capture_output=True, text=True,
+                    timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with urllib.request.urlopen(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name=view",
+                                timeout=10) as r:
+        exp = json.load(r)["experiment"]
+    body = json.dumps({"experiment_ids": [exp["experiment_id"]]}).encode()
+    req = urllib.request.Request(f"{uri}/api/2.0/mlflow/runs/search", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        [run] = json.load(r)["runs"]
+    tags = {t["key"]: t["value"] for t in exp.get("tags", [])}
+    assert tags.get("mlflow.experimentKind") == "custom_model_development"
+    return uri, exp["experiment_id"], run["info"]["run_id"]
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -36,29 +36,20 @@ HEALTH = "Array.from(document.querySelectorAll('strong')).find(e => e.innerText.
 
 
 @pytest.fixture(scope="module")
-def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def story(mlflow_server: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The example app (``+diag=advanced fault=lr_explode``, 200 steps) against a real server:
     ``{"url": the link it printed, "uri": the server, "run_dir": its local record}``."""
-    from _mlflow_util import MlflowServer, ready_store
-
     root = tmp_path_factory.mktemp("story")
-    ready_store(root, "server.db")
-    server = MlflowServer(root)
-    server.start()
-    try:
-        server.wait(120)
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env["MLFLOW_TRACKING_URI"] = server.uri
-        proc = warm.run([sys.executable, str(REPO / "examples" / "train.py"), "+diag=advanced", "fault=lr_explode",
-                               "fault_step=100", "steps=200", f"hydra.run.dir={root / 'job'}"], cwd=root, env=env,
-                        capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        links = re.findall(r"^trackdiag: MLflow run FINISHED, health critical: (\S+)$", proc.stderr, re.M)
-        assert len(links) == 1, proc.stderr[-3000:]
-        assert "View run" not in proc.stdout + proc.stderr  # MLflow's own link (GenAI view) is not printed
-        yield {"url": links[0], "uri": server.uri, "run_dir": str(root / "job" / "diag")}
-    finally:
-        server.stop()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["MLFLOW_TRACKING_URI"] = mlflow_server.uri
+    proc = warm.run([sys.executable, str(REPO / "examples" / "train.py"), "+diag=advanced", "fault=lr_explode",
+                     "fault_step=100", "steps=200", f"hydra.run.dir={root / 'job'}"], cwd=root, env=env,
+                    capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    links = re.findall(r"^trackdiag: MLflow run FINISHED, health critical: (\S+)$", proc.stderr, re.M)
+    assert len(links) == 1, proc.stderr[-3000:]
+    assert "View run" not in proc.stdout + proc.stderr  # MLflow's own link (GenAI view) is not printed
+    return {"url": links[0], "uri": mlflow_server.uri, "run_dir": str(root / "job" / "diag")}
 
 
 def test_printed_link_opens_the_run_with_its_story_on_top(story: dict[str, str], tmp_path: Path) -> None:
