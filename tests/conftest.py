@@ -162,7 +162,7 @@ COSTLY: dict[str, float] = {
     "tests/test_delivery_busy.py": 32,
     "tests/test_rl_unflagged.py::test_pytorch_actor_critic_example": 31,
     "tests/test_optuna_hydra.py::test_optuna_sweeper_prunes_exploding_trials": 30,
-    "tests/test_compile.py::test_no_graph_break_or_recompile_at_any_preset[inplace]": 25,
+    "tests/test_compile.py::test_inductor_end_to_end_at_every_preset": 20,   # a fresh machine builds Inductor's headers
     "tests/test_delivery_status.py::test_crash_sigterm_and_ctrl_c_without_with": 22,
     "tests/test_optuna_compare.py::test_cli_compare_optuna_source": 21,
     "tests/test_silent_ranks.py": 21,
