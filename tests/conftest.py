@@ -197,12 +197,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
             groups[item.nodeid] = group
-    # costliest scope first (a group is one scope: its tests stay together, in file order); stable for the rest
+    # costliest scope first (a group is one scope: its tests stay together, in file order, even when its modules
+    # are not neighbours in the collection); stable for the rest
     scope_cost: dict[str, float] = {}
-    for item in items:
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
         scope = groups.get(item.nodeid, item.nodeid)
         scope_cost[scope] = max(scope_cost.get(scope, 0.0), cost(item.nodeid))
-    items.sort(key=lambda item: -scope_cost[groups.get(item.nodeid, item.nodeid)])
+        first.setdefault(scope, i)
+
+    def order(item: pytest.Item) -> tuple[float, int]:
+        scope = groups.get(item.nodeid, item.nodeid)
+        return -scope_cost[scope], first[scope]
+
+    items.sort(key=order)
     COLLECTED[:] = [item.nodeid for item in items]  # before ``-k``/``-m`` deselect (this hook runs first)
 
 
