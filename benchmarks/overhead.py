@@ -27,7 +27,8 @@ in a user's process, and its graph breaks, unique graphs and frames compiled
 (``torch._dynamo.utils.counters``) and recompile-limit hits are recorded. Then Dynamo is reset and all
 arms are timed together with the limit raised to 8 x arms (the arms share code: ``Module.__call__``,
 trackdiag's hooks, and would otherwise push each other over it); frames compiled during the timed
-rounds are reported too (they mean the timing includes compiles).
+rounds are reported too (they mean the timing includes compiles). ``--backend`` (default ``inductor``):
+``aot_eager`` gives the same graphs and counts without Inductor's code generation (the tests' check of the table).
 
 Workloads (workloads.py, gpt.py): mlp, cnn, transformer (a 2-layer LM), deep_narrow (1,000 tensors with a
 LayerNorm), and the scaling rows scale10/100/1000/3000 (exactly that many parameter tensors at ~constant
