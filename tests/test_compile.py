@@ -19,11 +19,11 @@ from _zoo_a import one_thread
 from trackdiag.core.record import read_records
 
 pytestmark = pytest.mark.slow
+BACKEND = "aot_eager"  # the char-GPT's (module doc)
 LEAN = {"report": {"enabled": False}, "landscape": {"enabled": False}, "histograms": {"enabled": False}}
 
 
-def run(tmp_path, level: str | None, style: str, steps: int = 8, warm_up: bool = False, fault_at: int | None = None,
-        backend: str = "aot_eager"):
+def run(tmp_path, level: str | None, style: str, steps: int = 8, warm_up: bool = False, fault_at: int | None = None):
     """Train a compiled char-GPT; returns (graph breaks, unique graphs, recompiles, session)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -35,10 +35,10 @@ def run(tmp_path, level: str | None, style: str, steps: int = 8, warm_up: bool =
     model = CharGPT(vocab)
     opt = torch.optim.AdamW(model.parameters(), 1e-3)
     if style == "wrap":
-        cm = torch.compile(model, fullgraph=True, backend=backend)
+        cm = torch.compile(model, fullgraph=True, backend=BACKEND)
     else:
         cm = model
-        model.compile(fullgraph=True, backend=backend)
+        model.compile(fullgraph=True, backend=BACKEND)
     batches = char_batches(data, 32, 8)
 
     def train_step(x, y):

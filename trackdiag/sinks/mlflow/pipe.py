@@ -43,7 +43,8 @@ _registered: list[Any] = []
 #: names the test running in ``PYTEST_CURRENT_TEST`` (setup, call, teardown of each), so a user's tests of their
 #: training loop got a worker each (~2 s of CPU importing MLflow) instead of sharing one; MLflow's telemetry puts its
 #: session id in ``_MLFLOW_TELEMETRY_SESSION_ID`` when the user's process first imports MLflow (an ``MlflowClient``
-#: to read a run back), so the next session got a worker of its own (what the worker's own telemetry reports under)
+#: to read a run back), so the next session got a worker of its own; a kept worker's telemetry keeps the id it
+#: started with, which no logging call reads
 _NOT_KEYED = frozenset({"PYTEST_CURRENT_TEST", "_MLFLOW_TELEMETRY_SESSION_ID"})
 
 
