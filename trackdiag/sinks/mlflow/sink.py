@@ -116,9 +116,9 @@ class MlflowSink(Sink):
         self._npoints = 0
         self._tags: list[tuple[str, str]] = []
         self._series = AlertSeries()
-        self._images = histogram_images and importlib.util.find_spec("matplotlib") is not None
+        self._images = histogram_images and importlib.util.find_spec("PIL") is not None  # MLflow's log_image needs it
         if histogram_images and not self._images:
-            log.info("trackdiag: matplotlib not installed; MLflow gets histogram data (JSON) without images")
+            log.info("trackdiag: Pillow not installed; MLflow gets histogram data (JSON) without images")
         self._deliver: Deliverer | None = None
         self._report: dict[str, Any] | None = None  # the run's report.html op, held back until close
 
