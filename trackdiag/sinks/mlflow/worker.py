@@ -14,10 +14,8 @@ exits when its parent dies. A parent that dies without saying goodbye (``{"bye":
 :meth:`ProcessRunner.close`) was killed (SIGKILL, the OOM killer): the child then ends the run
 KILLED (``Runner.abandon``) before it exits, so a killed job's run does not stay RUNNING on the
 server. Its own logs (and MLflow's prints) go to stderr; MLflow's own "View run at" line is
-switched off (trackdiag prints the run's link in the model-training view). It imports MLflow and
-(for a new store) creates its tables at normal priority, then lowers its priority (``nice`` +5)
-once the run exists: a worker niced from its start got ~10 % of a core on a busy machine and had
-not made its first call when training ended.
+switched off (trackdiag prints the run's link in the model-training view). It gives the CPU to training
+first (:mod:`trackdiag.sinks.mlflow.priority`): its scheduling group at nice 19 until its run exists, 10 after.
 
 A worker whose session closed cleanly is kept for the next session of the same process and environment
 (:mod:`trackdiag.sinks.mlflow.pipe`), which it serves from that session's working directory: importing MLflow (~2 s of CPU) is paid once per process
@@ -38,6 +36,7 @@ from typing import Any
 
 from trackdiag.sinks.mlflow.ops import is_permanent
 from trackdiag.sinks.mlflow.pipe import park, pool_key, receive, send, take
+from trackdiag.sinks.mlflow.priority import Yielding
 from trackdiag.sinks.mlflow.run import NoRun
 
 
@@ -192,6 +191,8 @@ def main() -> None:
 
 def _serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    priority = Yielding()
+    priority.start()  # before importing MLflow: the import is most of what a run costs here
     proto = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # MLflow prints ("View run at ...") must not corrupt the protocol
     sys.stdout = sys.stderr
@@ -203,7 +204,6 @@ def _serve() -> None:
     from trackdiag.sinks.mlflow.run import Runner
 
     runner: Runner | None = None
-    niced = False
     while True:
         try:
             msg = receive(sys.stdin.buffer)
@@ -233,9 +233,8 @@ def _serve() -> None:
             refused = runner.run_many(msg["ops"]) if "ops" in msg else {}
             reply: dict[str, Any] = {"state": runner.state if runner else {}, "calls": runner.calls if runner else 0,
                                      "refused": refused}
-            if not niced and runner is not None and runner.state.get("run_id") and hasattr(os, "nice"):
-                niced = True
-                os.nice(5)  # set up: from now on training gets the CPU first (never undone: needs privileges)
+            if runner is not None and runner.state.get("run_id"):
+                priority.settle()  # set up: from now on a steady share, enough to deliver as training logs
         except Exception as exc:
             code = getattr(exc, "error_code", None)
             reply = {"error": f"{type(exc).__name__}: {exc}"[:4000], "permanent": is_permanent(exc),
