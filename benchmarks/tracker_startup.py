@@ -8,7 +8,7 @@ delivery worker: importing MLflow, making the store and the run, writing batches
 every arm's steps alike and cancels out; and its arms log to the local record only. Here each arm is a fresh Python
 process training the example's model (digits-sized MLP, Adam, batch 64, ``advanced``) with one sink: ``none`` (no
 session: the bare loop), ``local`` (the run directory only) and ``mlflow`` (the default: a new SQLite store beside the
-run, through the delivery worker). Arms alternate within each round. Printed per arm: the milliseconds per step of
+run, through the delivery worker); ``--arms ... wandb`` adds W&B offline (its own ``wandb-core`` process). Arms alternate within each round. Printed per arm: the milliseconds per step of
 each block of 50 steps (median over rounds) and the whole loop's wall time (median, min-max), so a cost that only
 the start of a run pays shows where it falls.
 """
@@ -39,7 +39,8 @@ gen = torch.Generator().manual_seed(1)
 diag = None
 if sink != "none":
     import trackdiag
-    diag = trackdiag.Diagnostics(model, opt, level="advanced", sinks=[sink], output_dir=out + "/diag")
+    extra = {"sink": {"wandb": {"mode": "offline", "dir": out, "project": "bench"}}} if sink == "wandb" else {}
+    diag = trackdiag.Diagnostics(model, opt, level="advanced", sinks=[sink], output_dir=out + "/diag", **extra)
     diag.__enter__()
 blocks, t0, start = [], time.perf_counter(), time.perf_counter()
 for step in range(steps):
@@ -76,7 +77,7 @@ def run_arm(sink: str, steps: int, threads: int | None) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arms", nargs="+", default=["none", "local", "mlflow"], choices=["none", "local", "mlflow"])
+    ap.add_argument("--arms", nargs="+", default=["none", "local", "mlflow"], choices=["none", "local", "mlflow", "wandb"])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the arms (default: torch's own)")
