@@ -201,6 +201,22 @@ def test_floor_table_has_the_floor_the_machinery_and_each_preset(tmp_path: Path)
     assert floor.probes_off("basic", keep={"loss"}).keys() == set(load_preset("basic")["probes"]) - {"loss"}
 
 
+def test_tracker_startup_times_each_arm_in_a_process_of_its_own(tmp_path: Path) -> None:
+    """benchmarks/tracker_startup.py: one fresh process per arm and round (the delivery worker's cost is
+    process-wide, so it cannot be interleaved); a row per arm with one block time per 50 steps, all finite, the bare
+    loop's below the session's first block (its first steps are all logging steps)."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "tracker_startup.py"), "--arms", "none", "local", "--steps",
+                           "100", "--rounds", "1", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["arm"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"none", "local"}
+    assert all(len(r["blocks_ms"]) == 2 and all(math.isfinite(b) and b > 0 for b in r["blocks_ms"]) for r in rows.values())
+    assert rows["none"]["blocks_ms"][0] < rows["local"]["blocks_ms"][0], proc.stdout
+    assert "| local |" in proc.stdout and "| none |" in proc.stdout
+
+
 def test_op_trace_profiles_each_arm_beside_the_bare_loop(tmp_path: Path) -> None:
     """benchmarks/op_trace.py on the small MLP: one profiled section per arm with finite timings, and the
     operations trackdiag adds show in its arm only (the gradient tap's one multi-tensor norm per backward)."""
