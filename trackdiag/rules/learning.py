@@ -15,7 +15,9 @@ long warm-up schedule is waited for), on the medians of the first ``start_steps`
   targets, mixup or label smoothing, the entropy of the mean target), for an MSE regression, the targets' variance;
   a loss that *sits* in the chance band (every 25-step median of the last 75 steps within ``margin``, or twice
   the noise of that median) and did not fall over the last 50 is judged from ``sit_after`` (60) steps after the
-  learning rate last rose, not ``warmup``: the test spans 75 steps itself;
+  learning rate last rose, not ``warmup``: the test spans 75 steps itself; before ``warmup`` a fall beyond that
+  noise, however small, is a fall (a loss that starts at chance from a calibrated init and falls ~1 % in 50 steps
+  on its way down is a slow start: labels at chance fall by nothing);
 - **flat** (``persistent``, counted only with one of the others): the recent loss is less than
   ``min_drop`` (5%) below the start;
 - **accuracy at chance** (``corroborated``): the last ``patience`` evaluations' accuracy
@@ -192,7 +194,9 @@ class NotLearning(Rule):
             # however it got there: a miscalibrated start that fell to chance in ten steps and stayed (a label bug),
             # or a loss that jumped back to it mid-run (labels shuffled): in the band for the last 75 steps and no
             # fall over the last 50 (a loss passing through the band falls ~5% of it in 50 steps)
-            at_chance = self._stalled(rec, step, 50, now)
+            # before the warm-up is over, a fall within the noise only: a loss that starts at chance (a calibrated
+            # init) and falls slowly (~1 % in 50 steps) is a slow start, not labels at chance, which fall by nothing
+            at_chance = self._stalled(rec, step, 50, now, least=self.min_fall if due else 0.0)
         acc = self._acc_at_chance() and (due or at_chance)
         flat = flat and (due or at_chance)  # before the warm-up is over, a flat loss alone is not judged
         evidence = (["loss"] if at_chance else []) + (["corroborated"] if acc else [])
@@ -230,9 +234,9 @@ class NotLearning(Rule):
                          f"ToTensor() already divides images by 255)")
         return self.make(since, ", ".join(parts) + ".", now, chance if at_chance else start, loss_where(key), evidence)
 
-    def _stalled(self, rec: Recent, step: int, span: int, now: float) -> bool:
-        """The loss fell less than ``min_fall`` (or twice the noise of a 25-value median) over the last ``span``
-        steps (the medians of the span's first and last 25 steps)."""
+    def _stalled(self, rec: Recent, step: int, span: int, now: float, least: float | None = None) -> bool:
+        """The loss fell less than ``least`` (default ``min_fall``) of itself or twice the noise of a 25-value median
+        over the last ``span`` steps (the medians of the span's first and last 25 steps)."""
         head = [v for v in rec.between(step - span + 1, step - span + 25) if math.isfinite(v)]
         tail = [v for v in rec.between(step - 24, step) if math.isfinite(v)]
         if len(head) < 5 or len(tail) < 5:
@@ -241,7 +245,7 @@ class NotLearning(Rule):
         mid = statistics.median(tail)
         sigma = 1.4826 * statistics.median(abs(v - mid) for v in tail)
         noise = 2 * 1.25 * sigma / math.sqrt(len(tail))
-        return statistics.median(head) - mid < max(self.min_fall * abs(now), noise)
+        return statistics.median(head) - mid < max((self.min_fall if least is None else least) * abs(now), noise)
 
     def _sits(self, rec: Recent, step: int, chance: float) -> bool:
         """Every 25-step median of the last 75 steps within ``margin`` of ``chance`` (a loss passing through
