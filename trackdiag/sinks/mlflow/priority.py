@@ -18,7 +18,7 @@ against training's (its earlier ``os.nice(5)`` changed nothing there). Its group
   gaps): ~10 % of the CPU against a training process at 0, enough to deliver as training logs;
 - ``HURRY`` (0) once the session closes (set by the training process, :func:`set_group`: the worker is its child,
   same user): training is over, what is left to deliver is what the user waits for; back to ``STEADY`` when a kept
-  worker serves the next session (:meth:`Yielding.resume`, in the worker).
+  worker serves the next session.
 
 Where there are no autogroups (autogroup off, a cgroup of its own, not Linux) the worker's own ``nice`` does the same
 job; it cannot be lowered again without privileges, so it is set once, to ``STEADY``.
@@ -83,11 +83,6 @@ class Yielding:
     def _starved(self) -> None:
         if not self._settled.wait(STARVED):
             self.settle()
-
-    def resume(self) -> None:
-        """A kept worker serves a new session: its steady share again (the last session's close hurried it)."""
-        if self._grouped and self._settled.is_set():
-            _set_autogroup(STEADY, self._path)
 
     def settle(self) -> None:
         if self._settled.is_set():

@@ -37,7 +37,7 @@ from typing import Any
 
 from trackdiag.sinks.mlflow.ops import is_permanent
 from trackdiag.sinks.mlflow.pipe import park, pool_key, receive, send, take
-from trackdiag.sinks.mlflow.priority import HURRY, Yielding, set_group
+from trackdiag.sinks.mlflow.priority import HURRY, STEADY, Yielding, set_group
 from trackdiag.sinks.mlflow.run import NoRun
 
 
@@ -70,6 +70,7 @@ class ProcessRunner:
         parked = take(self._key)
         if parked is not None:
             self._proc = parked
+            set_group(parked.pid, STEADY)  # hurried at the last session's close: a steady share while training
             try:
                 self._call({"init": state, "cwd": os.getcwd()})  # where the session's relative paths start
                 return
@@ -231,7 +232,6 @@ def _serve() -> None:
             if "init" in msg:
                 if msg.get("cwd"):  # a kept worker serves the next session from its directory, as a new one would
                     os.chdir(msg["cwd"])
-                priority.resume()  # a kept worker, hurried at the last close: a steady share while training
                 runner = Runner(msg["init"])
                 holder[:] = [runner]
             elif runner is None:
