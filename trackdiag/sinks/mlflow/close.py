@@ -74,8 +74,6 @@ class CloseWait:
             done0 = (self.done[0], self.done[1])
             total = self.pending()
             self._cv.notify_all()
-            if self._runner is not None and hasattr(self._runner, "hurry"):
-                self._runner.hurry()  # training is over: the worker need not yield any more
         t0 = last_move = last_probe = time.monotonic()
         last_done = tuple(self.done)
         why: str | None = None

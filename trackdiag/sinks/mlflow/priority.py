@@ -15,10 +15,7 @@ against training's (its earlier ``os.nice(5)`` changed nothing there). Its group
   training leaves; on 2 cores that run took 1.4 s instead of 4.3 (600 steps), 7 instead of 12-15 s (5,000 steps),
   and the run existed ~9 s after the start instead of ~2.5;
 - ``STEADY`` (10) from then on, or after ``STARVED`` seconds without a run (a CPU that training saturates leaves no
-  gaps): ~10 % of the CPU against a training process at 0, enough to deliver as training logs;
-- ``HURRY`` (0) once the session closes (set by the training process, :func:`set_group`: the worker is its child,
-  same user): training is over, what is left to deliver is what the user waits for; back to ``STEADY`` when a kept
-  worker serves the next session.
+  gaps): ~10 % of the CPU against a training process at 0, enough to deliver as training logs.
 
 Where there are no autogroups (autogroup off, a cgroup of its own, not Linux) the worker's own ``nice`` does the same
 job; it cannot be lowered again without privileges, so it is set once, to ``STEADY``.
@@ -31,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-START, STEADY, HURRY, STARVED = 19, 10, 0, 30.0
+START, STEADY, STARVED = 19, 10, 30.0
 AUTOGROUP = Path("/proc/self/autogroup")
 
 
@@ -43,15 +40,8 @@ def autogroup_nice(path: Path = AUTOGROUP) -> int | None:
         return None
 
 
-def set_group(pid: int, nice: int, tries: int = 1) -> bool:
-    """Set the autogroup nice of process ``pid`` (the delivery worker, from the training process); False without
-    autogroups or when the kernel refuses. One try by default: the training process never waits on it."""
-    path = Path(f"/proc/{pid}/autogroup")
-    return autogroup_nice(path) is not None and _set_autogroup(nice, path, tries)
-
-
-def _set_autogroup(nice: int, path: Path, tries: int = 3) -> bool:
-    for _ in range(tries):  # the kernel refuses (EAGAIN) a second change within 100 ms, machine-wide
+def _set_autogroup(nice: int, path: Path) -> bool:
+    for _ in range(3):  # the kernel refuses (EAGAIN) a second change within 100 ms, machine-wide
         try:
             path.write_text(str(nice))
             return True

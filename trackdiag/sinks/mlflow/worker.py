@@ -15,8 +15,7 @@ exits when its parent dies. A parent that dies without saying goodbye (``{"bye":
 KILLED (``Runner.abandon``) before it exits, so a killed job's run does not stay RUNNING on the
 server. Its own logs (and MLflow's prints) go to stderr; MLflow's own "View run at" line is
 switched off (trackdiag prints the run's link in the model-training view). It gives the CPU to training
-first (:mod:`trackdiag.sinks.mlflow.priority`): its scheduling group at nice 19 until its run exists, 10 after,
-0 once the session closes (what is left is what the user waits for).
+first (:mod:`trackdiag.sinks.mlflow.priority`): its scheduling group at nice 19 until its run exists, 10 after.
 
 A worker whose session closed cleanly is kept for the next session of the same process and environment
 (:mod:`trackdiag.sinks.mlflow.pipe`), which it serves from that session's working directory: importing MLflow (~2 s of CPU) is paid once per process
@@ -37,7 +36,7 @@ from typing import Any
 
 from trackdiag.sinks.mlflow.ops import is_permanent
 from trackdiag.sinks.mlflow.pipe import park, pool_key, receive, send, take
-from trackdiag.sinks.mlflow.priority import HURRY, STEADY, Yielding, set_group
+from trackdiag.sinks.mlflow.priority import Yielding
 from trackdiag.sinks.mlflow.run import NoRun
 
 
@@ -70,7 +69,6 @@ class ProcessRunner:
         parked = take(self._key)
         if parked is not None:
             self._proc = parked
-            set_group(parked.pid, STEADY)  # hurried at the last session's close: a steady share while training
             try:
                 self._call({"init": state, "cwd": os.getcwd()})  # where the session's relative paths start
                 return
@@ -80,10 +78,6 @@ class ProcessRunner:
         self._proc = subprocess.Popen(child_command("trackdiag.sinks.mlflow.worker"), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env=env, start_new_session=True)
         self._call({"init": state, "cwd": os.getcwd()})
-
-    def hurry(self) -> None:
-        """The session is closing: the worker's group to nice 0 for what is left (best effort, never waits)."""
-        set_group(self._proc.pid, HURRY)
 
     @property
     def dead(self) -> bool:
