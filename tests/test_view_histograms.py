@@ -4,6 +4,8 @@ the heat-maps of a healthy, a NaN and an LR-explosion run differ; the per-step M
 square (what the run page's image cards show) and flag values piled up in the end bins."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -107,8 +109,6 @@ def test_mlflow_histogram_image_bars_follow_the_counts_without_matplotlib() -> N
     code = ("import sys; from trackdiag.sinks.mlflow.media import HistogramRenderer; "
             "a = HistogramRenderer().to_array('diag/grad/hist/0', [0.0, 1.0, 2.0], [3.0, 4.0], 5); "
             "assert a is not None and a.shape == (256, 256, 3); assert 'matplotlib' not in sys.modules, 'imported'")
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])  # this checkout's trackdiag
     assert done.returncode == 0, done.stderr[-2000:]
