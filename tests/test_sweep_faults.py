@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -35,6 +34,11 @@ def app(tmp_path: Path) -> Path:
     return copy_app(tmp_path / "app")
 
 
+def outage_seen(sweep: Path) -> bool:
+    """A job's Hydra log (``<job>/train.log``) holds the sink's one warning per outage."""
+    return any("unreachable" in log.read_text(errors="replace") for log in sweep.glob("*/*.log"))
+
+
 def test_server_restarted_mid_sweep_loses_nothing(server: PgMlflowServer, app: Path, tmp_path: Path) -> None:
     """The server goes away while the first jobs train and comes back (same store, same port) while
     the sweep goes on: training never stops, every point of every job reaches the server, every run
@@ -51,9 +55,11 @@ def test_server_restarted_mid_sweep_loses_nothing(server: PgMlflowServer, app: P
         wait_for(lambda: record_lines(sweep, 0) >= 3 or record_lines(sweep, 1) >= 3, 300, "jobs training")
         server.stop()  # mid-request, mid-sweep
         down_at = [record_lines(sweep, n) for n in range(3)]
-        time.sleep(5)
-        server.start()  # same PostgreSQL, same port; the sweep trains on while it boots
-        server.wait(240)
+        try:  # down until a job has met the outage (a busy machine may take a while to try)
+            wait_for(lambda: outage_seen(sweep), 240, "a job warning that MLflow is unreachable")
+        finally:
+            server.start()  # same PostgreSQL, same port; the sweep trains on while it boots
+            server.wait(240)
     finally:
         reader.join(1300)
     assert proc.returncode == 0, out.get("stderr", "")[-3000:]
