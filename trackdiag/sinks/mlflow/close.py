@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 from trackdiag.sinks.mlflow.batch import group_summary
+from trackdiag.sinks.mlflow.priority import hurry
 from trackdiag.sinks.mlflow.spool import Spool
 from trackdiag.sinks.mlflow.store import healthy
 
@@ -39,6 +40,7 @@ class CloseWait:
     _down_since: float | None
     _broken: str | None
     _runner: Any
+    _worker_pid: int | None
     _health: str | None
     _factory: Callable[[dict[str, Any]], Any]
     _thread: threading.Thread
@@ -55,6 +57,15 @@ class CloseWait:
         with self._cv:
             self._interrupted = True
             self._cv.notify_all()
+
+    def spawned(self, pid: int) -> None:
+        """A delivery worker process runs for this deliverer (``ProcessRunner``'s ``on_spawn``, before it has answered):
+        hurried at once when the session is closing already (:func:`~trackdiag.sinks.mlflow.priority.hurry`)."""
+        with self._cv:
+            self._worker_pid = pid
+            closing = self._closing
+        if closing:
+            hurry(pid)
 
     def pending(self) -> tuple[int, int]:
         """(metric points, files) not delivered yet, counted from the spool (call after ``_persist``)."""
@@ -74,6 +85,9 @@ class CloseWait:
             done0 = (self.done[0], self.done[1])
             total = self.pending()
             self._cv.notify_all()
+            pid = self._worker_pid
+        if pid is not None:  # training is over: the worker need not yield any more
+            hurry(pid)
         t0 = last_move = last_probe = time.monotonic()
         last_done = tuple(self.done)
         why: str | None = None

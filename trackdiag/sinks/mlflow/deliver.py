@@ -49,6 +49,7 @@ class Deliverer(CloseWait, Outages):
         self._seq = 0
         self._inflight: list[Any] | None = None   # [seq, ops, persisted?] taken from the queue
         self._runner: Any = None  # Runner, or ProcessRunner (same interface, in a child process)
+        self._worker_pid: int | None = None  # a ProcessRunner's worker, from its start (CloseWait.spawned)
         self._health = health_url(state["tracking_uri"])
         self._retry_at = 0.0           # monotonic time of the next try while down
         self._delay = 0.0              # current backoff (0 = up)

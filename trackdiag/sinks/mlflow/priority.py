@@ -15,7 +15,12 @@ against training's (its earlier ``os.nice(5)`` changed nothing there). Its group
   training leaves; on 2 cores that run took 1.4 s instead of 4.3 (600 steps), 7 instead of 12-15 s (5,000 steps),
   and the run existed ~9 s after the start instead of ~2.5;
 - ``STEADY`` (10) from then on, or after ``STARVED`` seconds without a run (a CPU that training saturates leaves no
-  gaps): ~10 % of the CPU against a training process at 0, enough to deliver as training logs.
+  gaps): ~10 % of the CPU against a training process at 0, enough to deliver as training logs;
+- ``HURRY`` (0) once the session closes (set by the training process, :func:`hurry`: the worker is its child, same
+  user), whether or not the worker has its run yet: training is over, what is left to deliver is what the user waits
+  for (on a machine whose cores other work keeps busy, a worker at 10 or 19 took 30-40 s to deliver what it does in a
+  few at 0, and the session gave up on it); back to ``STEADY`` when a kept worker serves the next session
+  (:meth:`Yielding.resume`, in the worker). A worker whose run comes only after the hurry stays at 0.
 
 Where there are no autogroups (autogroup off, a cgroup of its own, not Linux) the worker's own ``nice`` does the same
 job; it cannot be lowered again without privileges, so it is set once, to ``STEADY``.
@@ -28,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-START, STEADY, STARVED = 19, 10, 30.0
+START, STEADY, HURRY, STARVED = 19, 10, 0, 30.0
 AUTOGROUP = Path("/proc/self/autogroup")
 
 
@@ -40,8 +45,30 @@ def autogroup_nice(path: Path = AUTOGROUP) -> int | None:
         return None
 
 
-def _set_autogroup(nice: int, path: Path) -> bool:
-    for _ in range(3):  # the kernel refuses (EAGAIN) a second change within 100 ms, machine-wide
+def set_group(pid: int, nice: int, tries: int = 1) -> bool:
+    """Set the autogroup nice of process ``pid`` (the delivery worker, from the training process); False without
+    autogroups or when the kernel refuses. One try by default: the training process never waits on it."""
+    path = Path(f"/proc/{pid}/autogroup")
+    return autogroup_nice(path) is not None and _set_autogroup(nice, path, tries)
+
+
+def hurry(pid: int, wait: float = 5.0) -> None:
+    """The session is closing: worker ``pid``'s group to ``HURRY``. On a thread of its own, so close never waits on
+    it; best effort. A worker spawned a moment ago has not set its ``START`` yet (its first line) and would undo an
+    earlier change: the thread waits up to ``wait`` seconds for the group to leave its default (0) first, and retries
+    past the kernel's one autogroup change per 100 ms (machine-wide: other workers starting)."""
+    def run() -> None:
+        path = Path(f"/proc/{pid}/autogroup")
+        end = time.monotonic() + wait
+        while autogroup_nice(path) == 0 and time.monotonic() < end:
+            time.sleep(0.05)
+        set_group(pid, HURRY, 4)
+
+    threading.Thread(target=run, daemon=True, name="trackdiag-mlflow-hurry").start()
+
+
+def _set_autogroup(nice: int, path: Path, tries: int = 3) -> bool:
+    for _ in range(tries):  # the kernel refuses (EAGAIN) a second change within 100 ms, machine-wide
         try:
             path.write_text(str(nice))
             return True
@@ -74,9 +101,14 @@ class Yielding:
         if not self._settled.wait(STARVED):
             self.settle()
 
+    def resume(self) -> None:
+        """A kept worker serves a new session: its steady share again (the last session's close hurried it)."""
+        if self._grouped and self._settled.is_set():
+            _set_autogroup(STEADY, self._path)
+
     def settle(self) -> None:
         if self._settled.is_set():
             return
         self._settled.set()
-        if self._grouped:
+        if self._grouped and autogroup_nice(self._path) == START:  # not when the session's close hurried it already
             _set_autogroup(STEADY, self._path)

@@ -154,7 +154,7 @@ class MlflowSink(Sink):
         leftovers = (lambda: self._start_leftovers(spool)) if self.deliver_leftovers else None
         self._deliver = Deliverer(spool, self._state, backoff=self.retry_backoff, max_backoff=self.retry_max_backoff,
                                   max_memory_ops=self.max_memory_batches, on_open=leftovers,
-                                  runner_factory=ProcessRunner if self.delivery == "process" else Runner)
+                                  runner_factory=self._worker if self.delivery == "process" else Runner)
         tags = {"trackdiag.level": run.level, "trackdiag.version": __version__, "trackdiag.run_dir": str(run.output_dir),
                 "trackdiag.run_name": run.name, "trackdiag.components": ",".join(run.components),
                 SESSION_TAG: uuid.uuid4().hex}
@@ -257,6 +257,10 @@ class MlflowSink(Sink):
             self._deliver.interrupt()
 
     # ------------------------------------------------------------------ helpers
+    def _worker(self, state: dict[str, Any]) -> ProcessRunner:
+        """The delivery worker (the deliverer's runner factory): its pid goes to the deliverer as soon as it runs."""
+        return ProcessRunner(state, on_spawn=self._deliver.spawned)
+
     def _start_leftovers(self, own: Spool) -> None:
         """Once the run exists: deliver spools earlier runs left for this store, in the background."""
         self._leftovers = launch(output_root(self._run.output_dir, self._cwd), self.tracking_uri, own.dir)

@@ -15,7 +15,8 @@ exits when its parent dies. A parent that dies without saying goodbye (``{"bye":
 KILLED (``Runner.abandon``) before it exits, so a killed job's run does not stay RUNNING on the
 server. Its own logs (and MLflow's prints) go to stderr; MLflow's own "View run at" line is
 switched off (trackdiag prints the run's link in the model-training view). It gives the CPU to training
-first (:mod:`trackdiag.sinks.mlflow.priority`): its scheduling group at nice 19 until its run exists, 10 after.
+first (:mod:`trackdiag.sinks.mlflow.priority`): its scheduling group at nice 19 until its run exists, 10 after,
+0 once the session closes (what is left is what the user waits for).
 
 A worker whose session closed cleanly is kept for the next session of the same process and environment
 (:mod:`trackdiag.sinks.mlflow.pipe`), which it serves from that session's working directory: importing MLflow (~2 s of CPU) is paid once per process
@@ -32,7 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trackdiag.sinks.mlflow.ops import is_permanent
 from trackdiag.sinks.mlflow.pipe import park, pool_key, receive, send, take
@@ -51,7 +52,9 @@ class WorkerError(RuntimeError):
 class ProcessRunner:
     """Executes ops in a child process. Raises ``ConnectionError`` if the child is gone."""
 
-    def __init__(self, state: dict[str, Any]) -> None:
+    def __init__(self, state: dict[str, Any], on_spawn: Callable[[int], None] | None = None) -> None:
+        """``on_spawn``: told the worker's pid as soon as it runs, before it has answered (a session closing meanwhile
+        hurries it: :func:`~trackdiag.sinks.mlflow.priority.hurry`); a kept worker's once it serves this session."""
         self.state = state
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[3])  # the child imports this same trackdiag
@@ -71,12 +74,16 @@ class ProcessRunner:
             self._proc = parked
             try:
                 self._call({"init": state, "cwd": os.getcwd()})  # where the session's relative paths start
+                if on_spawn is not None:  # after the init: that puts a kept worker back to its steady share
+                    on_spawn(parked.pid)
                 return
             except ConnectionError:  # it died while parked: start a fresh one
                 pass
         # its own session: a terminal's Ctrl-C reaches the training process only (see the module doc)
         self._proc = subprocess.Popen(child_command("trackdiag.sinks.mlflow.worker"), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env=env, start_new_session=True)
+        if on_spawn is not None:  # the init waits for MLflow's import: seconds on a busy machine
+            on_spawn(self._proc.pid)
         self._call({"init": state, "cwd": os.getcwd()})
 
     @property
@@ -226,6 +233,7 @@ def _serve() -> None:
             if "init" in msg:
                 if msg.get("cwd"):  # a kept worker serves the next session from its directory, as a new one would
                     os.chdir(msg["cwd"])
+                priority.resume()  # a kept worker, hurried at the last close: a steady share while training
                 runner = Runner(msg["init"])
                 holder[:] = [runner]
             elif runner is None:
