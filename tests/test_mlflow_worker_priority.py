@@ -149,3 +149,30 @@ def test_a_worker_still_starting_when_the_session_closes_is_hurried(tmp_path: Pa
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_an_orphaned_worker_hurries_itself_before_it_ends_the_run_killed(tmp_path: Path, monkeypatch) -> None:
+    """The training process was killed: the worker ends its run KILLED at nice 0, not at its steady 10 (beside busy
+    cores that took over a minute, and a sweep waits on it). The group is read when the run is being ended."""
+    from trackdiag.sinks.mlflow import worker
+
+    fake = tmp_path / "autogroup"
+    fake.write_text("/autogroup-7 nice 0\n")
+    y = priority.Yielding(fake, own_nice=False)
+    y.start()
+    y.settle()
+    assert priority.autogroup_nice(fake) == priority.STEADY
+
+    class Runner:  # stands in for run.Runner: records the group its abandon ran under
+        state = {"run_id": "r1"}
+        seen: list[int | None] = []
+
+        def abandon(self) -> bool:
+            self.seen.append(priority.autogroup_nice(fake))
+            return True
+
+    monkeypatch.setattr(worker, "_priority", [y])
+    monkeypatch.setattr(worker, "_abandoned", [])
+    worker._abandon(Runner())
+    worker._abandon(Runner())  # once only
+    assert Runner.seen == [priority.HURRY]

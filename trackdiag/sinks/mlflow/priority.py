@@ -20,7 +20,9 @@ against training's (its earlier ``os.nice(5)`` changed nothing there). Its group
   user), whether or not the worker has its run yet: training is over, what is left to deliver is what the user waits
   for (on a machine whose cores other work keeps busy, a worker at 10 or 19 took 30-40 s to deliver what it does in a
   few at 0, and the session gave up on it); back to ``STEADY`` when a kept worker serves the next session
-  (:meth:`Yielding.resume`, in the worker). A worker whose run comes only after the hurry stays at 0.
+  (:meth:`Yielding.resume`, in the worker). A worker whose run comes only after the hurry stays at 0. A worker whose
+  training process died without a goodbye (killed) hurries itself (:meth:`Yielding.hurry`) before it ends the run
+  KILLED: a sweep or a user is waiting to see it ended, and at 10 beside busy cores that took over a minute.
 
 Where there are no autogroups (autogroup off, a cgroup of its own, not Linux) the worker's own ``nice`` does the same
 job; it cannot be lowered again without privileges, so it is set once, to ``STEADY``.
@@ -105,6 +107,12 @@ class Yielding:
         """A kept worker serves a new session: its steady share again (the last session's close hurried it)."""
         if self._grouped and self._settled.is_set():
             _set_autogroup(STEADY, self._path)
+
+    def hurry(self) -> None:
+        """The training process is gone: what is left (ending its run) is what someone waits for."""
+        self._settled.set()
+        if self._grouped:
+            _set_autogroup(HURRY, self._path)
 
     def settle(self) -> None:
         if self._settled.is_set():

@@ -155,14 +155,17 @@ def child_command(module: str, *args: str) -> list[str]:
 
 _abandon_lock = threading.Lock()
 _abandoned: list[bool] = []
+_priority: list[Yielding] = []
 
 
 def _abandon(runner: Any) -> None:
-    """The parent died without a goodbye: end its run KILLED (once; best effort, one line on failure)."""
+    """The parent died without a goodbye: end its run KILLED (once; best effort, one line on failure), hurried."""
     with _abandon_lock:
         if _abandoned or runner is None:
             return
         _abandoned.append(True)
+        for priority in _priority:
+            priority.hurry()
         try:
             if runner.abandon():
                 logging.getLogger("trackdiag").warning(
@@ -199,6 +202,7 @@ def main() -> None:
 def _serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     priority = Yielding()
+    _priority[:] = [priority]
     priority.start()  # before importing MLflow: the import is most of what a run costs here
     proto = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # MLflow prints ("View run at ...") must not corrupt the protocol
