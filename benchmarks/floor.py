@@ -11,6 +11,9 @@ cost budget off, so every arm keeps its cadence):
 - ``floor``: the device work the every-step series need, written by hand with nothing around it: one gradient
   hook that queues one end-of-backward callback, one ``_foreach_norm`` over the gradients there, the loss detached
   into a list (cleared every 50 steps). No implementation of ``basic`` can cost less than this;
+- ``fused``: ``basic``'s every-step work (the floor's, plus the zero-grad sentinel's reset test, the optimizer's
+  same-gradients check, the input's ``aminmax``, the pass and step counts) as one fused program would do it: one
+  Python call per hook, nothing dispatched per probe, one tuple a step into a ring. What a new step path could cost;
 - ``machinery``: a ``basic`` session with every probe off but ``loss`` and a logging step every 1,000 steps: the
   session's own per-step path (gradient tap, optimizer hooks, ``step()``) over the floor;
 - each preset in ``--presets``, and each ``--drop PRESET:PROBE[,PROBE...]``: that preset with those probes off
@@ -26,6 +29,7 @@ CPU-bound loop (the GIL says no).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import statistics
@@ -101,6 +105,62 @@ def floor_arm(wl: workloads.Workload) -> Arm:
             norms.clear()
 
     arm.extra = extra
+    return arm
+
+
+def fused_arm(wl: workloads.Workload) -> Arm:
+    """``basic``'s every-step work as one fused program would do it, written by hand (module docstring): what a step
+    path with one Python event per hook and no per-probe dispatch would cost, the device work included."""
+    arm = Arm("fused", wl, None)
+    params = [p for p in arm.model.parameters() if p.requires_grad]
+    sentinel = min(params[-2:], key=lambda p: p.numel())
+    engine = torch.autograd.Variable._execution_engine
+    ring: list[Any] = []  # (step, loss, grad norms, sentinel reset, input aminmax, passes, stepped, repeat)
+    state = {"queued": False, "passes": 0, "reset": None, "norms": None, "stepped": False, "last": None, "step": 0}
+
+    def end() -> None:
+        state["queued"] = False
+        state["norms"] = torch._foreach_norm([p.grad for p in params])
+
+    def watch(_g: torch.Tensor) -> None:  # the zero-grad sentinel: reset before this pass accumulated?
+        g = sentinel.grad
+        state["reset"] = True if g is None else torch.linalg.vector_norm(g) == 0
+        state["passes"] += 1
+        if not state["queued"]:
+            state["queued"] = True
+            engine.queue_callback(end)
+
+    sentinel.register_hook(watch)
+
+    def pre(opt: Any, _args: Any, _kwargs: Any) -> None:  # stepped, and on the same gradients as the step before?
+        g = sentinel.grad
+        held = (g, g._version) if g is not None else None
+        state["repeat"] = held is not None and state["last"] is not None and state["last"][0] is g \
+            and state["last"][1] == held[1] and state["passes"] == 0
+        state["last"], state["stepped"] = held, True
+
+    arm.opt.register_step_pre_hook(pre)
+    batch_of: list[torch.Tensor] = []
+
+    def extra(loss: torch.Tensor) -> None:
+        x = batch_of[-1] if batch_of else None
+        ring.append((state["step"], loss.detach(), state["norms"], state["reset"],
+                     torch.aminmax(x) if x is not None else None, state["passes"], state["stepped"], state["repeat"]))
+        state["passes"], state["stepped"] = 0, False
+        state["step"] += 1
+        if len(ring) >= 50:
+            ring.clear()
+
+    arm.extra = extra
+    arm.ring = ring  # type: ignore[attr-defined]  # read by tests/test_benchmarks.py
+    make = wl.make_batch
+
+    def make_batch(gen: torch.Generator) -> Any:
+        x, y = make(gen)
+        batch_of[:] = [x]
+        return x, y
+
+    arm.wl = dataclasses.replace(wl, make_batch=make_batch)
     return arm
 
 
@@ -219,7 +279,7 @@ def main() -> None:
     if args.judge:
         judge_experiment(wl, args.judge_us, args.rounds, args.steps, args.warmup)
         return
-    arms = [Arm("bare", wl, None), floor_arm(wl),
+    arms = [Arm("bare", wl, None), floor_arm(wl), fused_arm(wl),
             Arm("machinery", wl, {"every": 1000, "probes": probes_off("basic", keep={"loss"})})]
     arms += [Arm(p, wl, {}, level=p) for p in args.presets]
     for spec in args.drop:

@@ -188,7 +188,7 @@ def test_floor_table_has_the_floor_the_machinery_and_each_preset(tmp_path: Path)
         cells = [c.strip() for c in line.strip("|").split("|")]
         if line.startswith("| ") and len(cells) == 4 and cells[1].replace(".", "").isdigit():
             rows[cells[0]] = (float(cells[1]), float(cells[2]), float(cells[3]))
-    assert set(rows) == {"bare", "floor", "machinery", "basic", "advanced", "basic without data_finite"}, proc.stdout
+    assert set(rows) == {"bare", "floor", "fused", "machinery", "basic", "advanced", "basic without data_finite"}, proc.stdout
     assert rows["bare"][1:] == (0.0, 1.0) and all(math.isfinite(v) and v > 0 for v, _, _ in rows.values())
     assert rows["advanced"][2] > 1.0, proc.stdout
     sys.path.insert(0, str(BENCH))
@@ -199,6 +199,17 @@ def test_floor_table_has_the_floor_the_machinery_and_each_preset(tmp_path: Path)
     with pytest.raises(SystemExit, match=r"no probe \['no_such_probe'\] in 'basic': .*data_finite"):
         floor.probes_off("basic", drop={"no_such_probe"})
     assert floor.probes_off("basic", keep={"loss"}).keys() == set(load_preset("basic")["probes"]) - {"loss"}
+
+    # the fused arm does basic's every-step work: each step's gradient norm (torch's total norm of the gradients the
+    # step left), a reset sentinel (set_to_none), one pass, stepped, not on the same gradients, the input's range
+    fused = floor.fused_arm(floor.workloads.get("small"))
+    for n in range(3):
+        fused.step()
+        step, loss, norms, reset, (lo, hi), passes, stepped, repeat = fused.ring[-1]
+        grads = [q.grad for q in fused.model.parameters()]
+        assert step == n and loss.ndim == 0 and passes == 1 and stepped and not repeat and reset is True
+        assert torch.equal(torch.linalg.vector_norm(torch.stack(norms)), torch.nn.utils.get_total_norm(grads))
+        assert float(lo) <= float(hi)
 
 
 def test_tracker_startup_times_each_arm_in_a_process_of_its_own(tmp_path: Path) -> None:
