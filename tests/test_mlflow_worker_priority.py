@@ -152,8 +152,8 @@ def test_a_worker_still_starting_when_the_session_closes_is_hurried(tmp_path: Pa
 
 
 def test_an_orphaned_worker_hurries_itself_before_it_ends_the_run_killed(tmp_path: Path, monkeypatch) -> None:
-    """The training process was killed: the worker ends its run KILLED at nice 0, not at its steady 10 (beside busy
-    cores that took over a minute, and a sweep waits on it). The group is read when the run is being ended."""
+    """The training process was killed: the worker ends its run KILLED at nice 0, not at its steady 10 (a sweep or
+    a user waits on it). The group is read when the run is being ended."""
     from trackdiag.sinks.mlflow import worker
 
     fake = tmp_path / "autogroup"

@@ -22,7 +22,8 @@ against training's (its earlier ``os.nice(5)`` changed nothing there). Its group
   few at 0, and the session gave up on it); back to ``STEADY`` when a kept worker serves the next session
   (:meth:`Yielding.resume`, in the worker). A worker whose run comes only after the hurry stays at 0. A worker whose
   training process died without a goodbye (killed) hurries itself (:meth:`Yielding.hurry`) before it ends the run
-  KILLED: a sweep or a user is waiting to see it ended, and at 10 beside busy cores that took over a minute.
+  KILLED: a sweep or a user is waiting to see it ended, and at 10 it would share busy cores at a tenth of their
+  weight.
 
 Where there are no autogroups (autogroup off, a cgroup of its own, not Linux) the worker's own ``nice`` does the same
 job; it cannot be lowered again without privileges, so it is set once, to ``STEADY``.
