@@ -116,7 +116,8 @@ def fused_arm(wl: workloads.Workload) -> Arm:
     sentinel = min(params[-2:], key=lambda p: p.numel())
     engine = torch.autograd.Variable._execution_engine
     ring: list[Any] = []  # (step, loss, grad norms, sentinel reset, input aminmax, passes, stepped, repeat)
-    state = {"queued": False, "passes": 0, "reset": None, "norms": None, "stepped": False, "last": None, "step": 0}
+    state = {"queued": False, "passes": 0, "reset": None, "norms": None, "stepped": False, "repeat": False,
+             "last": None, "step": 0}
 
     def end() -> None:
         state["queued"] = False
