@@ -223,50 +223,69 @@ class LossDivergence(Rule):
         return out
 
     def _scan(self, st: dict[str, Any], points: list[tuple[int, float]]) -> tuple[str, int, float, float] | None:
-        """Feed the new losses; the first divergence they show, as (why, step, now, base)."""
+        """Feed the new losses; the first divergence they show, as (why, step, now, base). The state is read into
+        locals once and written back once (host work per value: the logging step's longest loop at ``basic``)."""
+        finite = [(step, v) for step, v in points if math.isfinite(v)]
+        if not finite:
+            return None
         found = None
+        window, span = self.window, SPAN * self.window
         recent: list[float] = st["recent"]
-        for step, v in points:
-            if not math.isfinite(v):
-                continue
+        longer: list[float] = st.setdefault("longer", [])  # a sparse loss's level: the mean of 3 windows
+        first: list[float] = st["first"]
+        seen, zeros, after = st.get("seen", 0), st.get("zeros", 0), st.get("after", 0)
+        sparse, early_fired = st.get("sparse", False), st.get("early_fired", False)
+        fired, has_fired = st.get("fired", False), "fired" in st
+        best, best_step, start, since = st["best"], st["best_step"], st["start"], st["since"]
+        early_steps, early_factor = self.early_steps, self.early_factor
+        rise, giveback = self.factor - 1.0, self.giveback
+        for step, v in finite:
             recent.append(v)
-            del recent[:-self.window]
-            longer: list[float] = st.setdefault("longer", [])  # a sparse loss's level: the mean of 3 windows
+            if len(recent) > window:
+                del recent[0]
             longer.append(v)
-            del longer[:-SPAN * self.window]
-            st["seen"], st["zeros"] = st.get("seen", 0) + 1, st.get("zeros", 0) + (v == 0.0)
-            if not st.get("sparse") and len(recent) == self.window and (
-                    st["zeros"] >= SPARSE * st["seen"] or recent.count(0.0) >= SPARSE * self.window):
-                st["sparse"], st["best"] = True, math.inf  # levels are means from here on (the start stays: progress)
-            first: list[float] = st["first"]
+            if len(longer) > span:
+                del longer[0]
+            seen += 1
+            zeros += v == 0.0
+            full = len(recent) == window
+            if not sparse and full and (zeros >= SPARSE * seen or recent.count(0.0) >= SPARSE * window):
+                sparse, best = True, math.inf  # levels are means from here on (the start stays: progress)
             if len(first) < 3:
                 first.append(v)
-                st["after"] = 0
+                after = 0
                 judged = False
             else:
-                st["after"] = st.get("after", 0) + 1  # losses since the first three (the median is of those alone:
-                judged = st["after"] >= 3     # with the first ones in it, a loss falling 5.0, 0.18, 0.01 "rose")
-            if judged and found is None and step < self.early_steps and not st.get("early_fired"):
-                now, base = statistics.median(recent[-min(5, st["after"]):]), min(first) or statistics.fmean(first)
-                if base != 0.0 and now > self.early_factor * abs(base) and now - base > 1e-6:  # 0: nothing mined yet
-                    found, st["early_fired"] = ("early", step, now, base), True
-            if len(recent) < self.window:
+                after += 1  # losses since the first three (the median is of those alone:
+                judged = after >= 3  # with the first ones in it, a loss falling 5.0, 0.18, 0.01 "rose")
+            if judged and found is None and step < early_steps and not early_fired:
+                now, base = statistics.median(recent[-min(5, after):]), min(first) or statistics.fmean(first)
+                if base != 0.0 and now > early_factor * abs(base) and now - base > 1e-6:  # 0: nothing mined yet
+                    found, early_fired = ("early", step, now, base), True
+            if not full:
                 continue
-            cur = statistics.fmean(longer) if st.get("sparse") else statistics.median(recent)
-            if math.isnan(st["start"]):
-                st["start"] = cur
-            if cur < st["best"]:
-                st["best"], st["best_step"] = cur, step
-            best, start = st["best"], st["start"]
+            cur = statistics.fmean(longer) if sparse else statistics.median(recent)
+            if math.isnan(start):
+                start = cur
+            if cur < best:
+                best, best_step = cur, step
             progress = max(start - best, abs(best) * 1e-3, 1e-12)
-            diverged = cur - best > (self.factor - 1.0) * abs(best) and (cur - best) > self.giveback * progress
+            diverged = cur - best > rise * abs(best) and (cur - best) > giveback * progress
             if not diverged:
-                st["since"] = -1
-                st["fired"] = False
-            elif st["since"] < 0:
-                st["since"] = step
-            if diverged and found is None and not st.get("fired"):
-                found, st["fired"] = ("late", step, cur, best), True
+                since = -1
+                fired, has_fired = False, True
+            elif since < 0:
+                since = step
+            if diverged and found is None and not fired:
+                found, fired, has_fired = ("late", step, cur, best), True, True
+        st["seen"], st["zeros"], st["after"] = seen, zeros, after
+        st["best"], st["best_step"], st["start"], st["since"] = best, best_step, start, since
+        if sparse:
+            st["sparse"] = True
+        if early_fired:
+            st["early_fired"] = True
+        if has_fired:
+            st["fired"] = fired
         return found
 
     def _verdict(self, key: str, comp: str, st: dict[str, Any], found: tuple[str, int, float, float], grad: Recent,

@@ -57,6 +57,7 @@ class LossRunaway(Rule):
         self._first: dict[str, list[float]] = {}
         self._told: set[str] = set()
         self._signs: dict[str, list[int]] = {}  # series -> [last sign, sign changes]: a loss back above zero is signed
+        self._lines: dict[str, tuple[float, float, float]] = {}  # series -> _line() of its full ``first``: fixed from then on
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         """At most one ``loss_runaway`` finding per loss series and phase (see module docstring)."""
@@ -67,12 +68,19 @@ class LossRunaway(Rule):
                 continue
             if ps >= 0:  # a new phase: its own start
                 self._loss.pop(key, None), self._first.pop(key, None), self._told.discard(key)
+                self._lines.pop(key, None)
                 points = [p for p in points if p[0] >= ps]
             rec = self._loss.setdefault(key, Recent(1024))
             first = self._first.setdefault(key, [])
             signs = self._signs.setdefault(key, [0, 0])
+            # the window at once when it fits: a judged step reads the points up to itself only (Recent.between), and
+            # the 3 windows it reads back stay within the 1,024 kept
+            bulk = len(points) + 3 * self.window <= (rec.points.maxlen or 0)
+            if bulk:
+                rec.extend(points)
             for s, v in points:
-                rec.extend([(s, v)])
+                if not bulk:
+                    rec.extend([(s, v)])
                 if not math.isfinite(v):
                     continue
                 if v != 0.0 and (v > 0) != (signs[0] > 0):
@@ -90,8 +98,14 @@ class LossRunaway(Rule):
                     out.append(signed_rise(found, s if signed else -1))
         return out
 
-    def _line(self, first: list[float]) -> tuple[float, float, float]:
-        """The start, its scale and the line a runaway loss crosses."""
+    def _line(self, key: str, first: list[float]) -> tuple[float, float, float]:
+        """The start, its scale and the line a runaway loss crosses (worked out once ``first`` is full: it stays so)."""
+        line = self._lines.get(key)
+        if line is None:
+            line = self._lines[key] = self._line_of(first)
+        return line
+
+    def _line_of(self, first: list[float]) -> tuple[float, float, float]:
         start = statistics.median(first)
         scale = max(abs(start), max(first) - min(first), 1e-12)
         line = -self.factor * scale if start > 0 else start - self.factor * scale
@@ -99,7 +113,7 @@ class LossRunaway(Rule):
 
     def _judge(self, key: str, rec: Recent, first: list[float], step: int, value: float,
                signed: bool = False) -> Alert | None:
-        start, _, line = self._line(first)
+        start, _, line = self._line(key, first)
         if value >= line:
             return None
         w = self.window
@@ -129,4 +143,5 @@ class LossRunaway(Rule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._first = {k: list(v) for k, v in state.get("first", {}).items()}
+        self._lines = {}
         self._told = set(state.get("told", []))

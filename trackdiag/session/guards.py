@@ -6,6 +6,7 @@ the logging step's alerts, guarded the same way."""
 from __future__ import annotations
 
 import logging
+from itertools import repeat
 from typing import Any
 
 from trackdiag.capture.context import ProbeContext
@@ -58,11 +59,14 @@ class Guards:
             if not r.enabled:
                 continue
             try:
-                out += [(r, a) for a in getattr(r, method)(*args)]
+                found = getattr(r, method)(*args)
             except Exception as exc:  # noqa: BLE001
                 r.enabled = False
                 self._disabled[f"rule:{r.kind}"] = f"{type(exc).__name__} in {method}: {exc}"
                 log.warning("trackdiag: rule %r disabled: %s", r.kind, self._disabled[f"rule:{r.kind}"])
+                continue
+            if found:  # most rules find nothing: no list built for them (a logging step asks every rule)
+                out.extend(zip(repeat(r), found))
         return out
 
     def _fail(self, probe: Probe, method: str, exc: Exception) -> None:
