@@ -12,7 +12,10 @@ cross-entropy; or the binary cross-entropy (on logits, or on probabilities) agai
 output's size: a binary or multi-label classification (``binary``), whose chance level is the entropy of
 the label prior, H(p) (ln 2 at p = 0.5), the mean of H(p_j) over the labels of a multi-hot target. The
 targets are ``batch[1]`` (or a target key); for a pair or triplet batch ``(x1, x2, y)`` whose second part
-does not pair with the output, its last part. Integer 0/1 targets count (the loop casts them).
+does not pair with the output, its last part. Integer 0/1 targets count (the loop casts them). Class targets that are
+the integer model input shifted by one position (``(T, B)`` or ``(B, T)`` token ids, the targets as they are or
+flattened to ``(T*B,)`` beside ``(T*B, C)`` outputs, as pytorch/examples' word_language_model does) show a language
+model (``next_token``) whatever the layout.
 
 Cost: on the first ``STEPS`` steps only, one cross-entropy (or MSE and two BCEs and the label prior) of the
 step's outputs, on the device, kept by reference and read with the logging step's one host copy; nothing afterwards.
@@ -26,11 +29,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trackdiag.util.tensors import TARGET_KEYS, class_dim, logits_of, pick, targets_of
+from trackdiag.util.tensors import TARGET_KEYS, class_dim, inputs_of, logits_of, pick, targets_of
 
 STEPS = 3  # the first steps whose loss is compared with the outputs' cross-entropy / MSE
 TOL = 0.02  # relative: an autocast loss and our fp32 recomputation agree to ~1e-3
 TOL_ACCUM = 0.35  # several backward passes in the step: the loss is over micro-batches, the outputs the last one's
+NEXT_TOKEN = 0.9  # the share of positions whose target is the input's next token from which the task is a language model
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Task:
     prior: float = math.nan
     majority: float = math.nan
     soft: bool = False  # soft targets (mixup, label smoothing): ``chance`` is the mean target's entropy
+    next_token: bool = False  # the targets are the input tokens shifted by one position: a language model
 
 
 def masked_ce(scores: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +93,9 @@ def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
         out = {"ce": ce, "n": n, **_agreement(scores, t)}
         if scores.dim() == 3 and scores.shape[1] > 1:  # (B, T, C): the target of position t is token t+1
             out["ce_shift"] = masked_ce(scores[:, :-1], t[:, 1:])[0]
+        following = next_token_share(inputs_of(batch), t)
+        if following is not None:
+            out["next"] = following
         return out
     y = _float_target(batch, logits)
     if y is not None and y.is_floating_point() and y.shape == logits.shape and logits.dim() == 2 and logits.shape[1] > 1:
@@ -105,6 +113,17 @@ def terms(outputs: Any, batch: Any) -> dict[str, torch.Tensor] | None:
         # can equal the logits' MSE at one step by chance (0.5648 vs 0.5622 at a PixelCNN's step 1)
         return {"mse": F.mse_loss(out_f, yf), "var": yf.var(unbiased=False), **_binary_terms(out_f, yf)}
     return None
+
+
+def next_token_share(x: Any, t: torch.Tensor) -> torch.Tensor | None:
+    """The share of positions whose class target is the next token of the integer input ``x`` along its sequence
+    axis, the first (``(T, B)``, seq-first) or the second (``(B, T)``), ``t`` as it is or flattened (0-d float, on the
+    device); None when ``x`` is no 2-D integer tensor of ``t``'s size."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.numel() != t.numel() or min(x.shape) < 2 \
+            or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool or x.device != t.device:
+        return None
+    tv = t.reshape(x.shape)
+    return torch.maximum((tv[:-1] == x[1:]).float().mean(), (tv[:, :-1] == x[:, 1:]).float().mean())
 
 
 def _agreement(scores: torch.Tensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -180,10 +199,11 @@ def decide(loss: float, got: dict[str, float], classes: int, accumulated: bool =
     n = got.get("n", 1.0)
     if "ce" in got:
         c = classes
+        lm = got.get("next", 0.0) >= NEXT_TOKEN  # flattened or not: position t's target is input token t+1
         for shift, ce in ((False, got["ce"]), (True, got.get("ce_shift", math.nan))):
             for red, scale in (("mean", 1.0), ("sum", n)):
                 if _close(loss, ce * scale, tol):
-                    return Task("classification", math.log(c) * scale, c, red, shift, sequence)
+                    return Task("classification", math.log(c) * scale, c, red, shift, sequence or lm, next_token=lm)
         return Task()
     if got.get("soft") == 1.0:
         for red, scale in (("mean", 1.0), ("sum", got.get("rows", 1.0))):

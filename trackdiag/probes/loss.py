@@ -9,7 +9,8 @@ Emits, per loss name (``loss`` or ``<component>/loss``):
   ``diag/task/kind`` (1 classification, 2 regression, 3 binary/multi-label BCE, 0 not shown),
   ``diag/task/chance_loss`` (the loss of a model that ignores its input: ln C, ln 2 for BCE, or the
   targets' variance for MSE; times the targets for a summed loss), ``diag/task/marginal_entropy`` and
-  ``diag/task/majority_share`` (the label frequencies' entropy, for BCE the mean H(p_j) of the labels) and ``diag/task/shift`` (1: the loss compares position t with target t+1), once the
+  ``diag/task/majority_share`` (the label frequencies' entropy, for BCE the mean H(p_j) of the labels) and ``diag/task/shift`` (1: the loss compares position t with target t+1), ``diag/task/sequence`` (1: a target per position)
+  and ``diag/task/next_token`` (1: the targets are the input tokens shifted by one: a language model), once the
   task is shown (see :mod:`trackdiag.alerts.task`): the first steps' loss equals the outputs'
   cross-entropy (or MSE) against the batch's targets. Task-specific rules read these.
 Cost: one ``detach`` per step and loss (a reference is kept, nothing is copied); at the logging
@@ -196,6 +197,7 @@ class LossProbe(Probe):
             record.scalars["diag/task/shift"] = float(self.task.shift)
             record.scalars["diag/task/summed"] = float(self.task.reduction == "sum")
             record.scalars["diag/task/sequence"] = float(self.task.sequence)
+            record.scalars["diag/task/next_token"] = float(self.task.next_token)
         for name, vals in values.items():
             key = f"diag/{name}/loss" if name else "diag/loss"
             steps = self._steps[name]

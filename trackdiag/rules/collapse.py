@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any, Sequence
 
 from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
+from trackdiag.rules._lm import is_language_model, resting
 from trackdiag.rules._streak import Streaks
 from trackdiag.rules.base import TINY_INPUT, Rule
 
@@ -36,7 +38,9 @@ class ModeCollapse(Rule):
       (``diag/task/kind``: a VAE's reconstruction beside digit labels is not a classifier), and, with the
       labels in the batch (``out/label_top_fraction``), the other classes are predicted for under half the
       rows they hold: a classifier of rare positives (0.6 % fraud) predicts the majority class for as many
-      rows as there are; a sample with fewer than ``MIN_OTHERS`` (8) rows of other classes tells nothing.
+      rows as there are; a sample with fewer than ``MIN_OTHERS`` (8) rows of other classes tells nothing; a
+      language model whose loss sits at the entropy of its token frequencies is at its first plateau (a unigram
+      model predicts its most frequent token everywhere: :mod:`trackdiag.rules._lm`).
 
     The streak must also span ``min_steps`` (100) optimizer steps: early in training a model often
     predicts one class, and a zero-initialised head outputs a constant, for a few dozen steps.
@@ -57,10 +61,14 @@ class ModeCollapse(Rule):
         self.patience, self.min_steps = patience, min_steps
         self._streaks = Streaks(patience)
         self._classification = False
+        self._task: dict[str, float] = {}  # the task keys a language model's rest is read from (rules/_lm.py)
 
     def check(self, record: Record, history: Sequence[Record], components: Sequence[Component]) -> list[Alert]:
         out = []
         self._classification = self._classification or record.scalars.get("diag/task/kind") == 1.0
+        for k in ("next_token", "shift", "marginal_entropy"):
+            if f"diag/task/{k}" in record.scalars:
+                self._task[k] = record.scalars[f"diag/task/{k}"]
         # a model fed one value everywhere has constant outputs because of it: constant_inputs names the cause
         fed = record.scalars.get("diag/data/inputs_constant_steps", 0.0) == 0
         for key, std in record.scalars.items():
@@ -80,6 +88,9 @@ class ModeCollapse(Rule):
                     f"{scale:.3g} (mean pairwise distance {dist:.3g}) since step {self._streaks.start(where + '|std')}.",
                     std, limit, place, ["persistent"]))
             single = self._classification and math.isfinite(top) and n >= self.min_samples and top >= self.class_fraction
+            if single and is_language_model(self._task):  # its most frequent token everywhere, at its frequencies' loss
+                losses = [v for _, v in record.series.get(f"{base}/loss", ()) if math.isfinite(v)]
+                single = not (losses and resting(self._task, statistics.median(losses)))
             if single and math.isfinite(labels):  # the labels themselves: as concentrated (rare positives) is no collapse
                 if (1.0 - labels) * n < MIN_OTHERS:
                     continue  # (almost) one class in the sample: it tells nothing either way

@@ -17,7 +17,10 @@ long warm-up schedule is waited for), on the medians of the first ``start_steps`
   the noise of that median) and did not fall over the last 50 is judged from ``sit_after`` (60) steps after the
   learning rate last rose, not ``warmup``: the test spans 75 steps itself; before ``warmup`` a fall beyond that
   noise, however small, is a fall (a loss that starts at chance from a calibrated init and falls ~1 % in 50 steps
-  on its way down is a slow start: labels at chance fall by nothing);
+  on its way down is a slow start: labels at chance fall by nothing); a language model (its targets the input
+  tokens shifted by one, flattened or not, or its loss shifting them) whose loss is at or below the entropy of its
+  token frequencies is resting there, as language models do for a few hundred steps before they learn from the
+  context, and is neither (:mod:`trackdiag.rules._lm`);
 - **flat** (``persistent``, counted only with one of the others): the recent loss is less than
   ``min_drop`` (5%) below the start;
 - **accuracy at chance** (``corroborated``): the last ``patience`` evaluations' accuracy
@@ -44,6 +47,7 @@ from typing import Any, Sequence
 from trackdiag.capture.context import Component
 from trackdiag.core.alert import Alert
 from trackdiag.core.record import Record
+from trackdiag.rules._lm import resting as lm_resting
 from trackdiag.rules._recent import Recent
 from trackdiag.rules._streak import Streaks
 from trackdiag.rules.base import (TINY_INPUT, Rule, layer_values, loss_series, loss_where, phase_start, points_of,
@@ -140,7 +144,7 @@ class NotLearning(Rule):
         decays = [(record.scalars.get(k.replace("opt/weight_decay", "opt/lr", 1), 0.0), v)
                   for k, v in record.scalars.items() if "opt/weight_decay" in k]
         self._decay = max(((lr * wd, lr, wd) for lr, wd in decays if math.isfinite(lr * wd)), default=(0.0, 0.0, 0.0))
-        for k in ("kind", "chance_loss", "marginal_entropy", "majority_share", "summed", "sequence"):
+        for k in ("kind", "chance_loss", "marginal_entropy", "majority_share", "summed", "sequence", "shift", "next_token"):
             v = record.scalars.get(f"diag/task/{k}")
             if v is not None:
                 self._task[k] = v
@@ -186,11 +190,12 @@ class NotLearning(Rule):
         # model learns the token frequencies first and may rest at their entropy for a hundred steps)
         span = 100 if flat else 2 * 100
         stalled = self._stalled(rec, step, span, now)
+        resting = lm_resting(self._task, now, self.margin)  # a language model's first plateau (rules/_lm.py)
         # at the chance level, or stuck above it without having fallen (a loss that fell 4x from a bad init and
         # still sits above chance is a slow learner: initial_loss told of the init, the hint here would mislead)
         at_chance = (due and math.isfinite(chance) and now >= (1 - self.margin) * chance and stalled
-                     and (now <= (1 + self.margin) * chance or flat))
-        if not at_chance and math.isfinite(chance) and self._sits(rec, step, chance):
+                     and (now <= (1 + self.margin) * chance or flat) and not resting)
+        if not at_chance and not resting and math.isfinite(chance) and self._sits(rec, step, chance):
             # however it got there: a miscalibrated start that fell to chance in ten steps and stayed (a label bug),
             # or a loss that jumped back to it mid-run (labels shuffled): in the band for the last 75 steps and no
             # fall over the last 50 (a loss passing through the band falls ~5% of it in 50 steps)

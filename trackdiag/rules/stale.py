@@ -87,10 +87,12 @@ class StaleParams(Rule):
     - **waiting** (info): a layer that has never received a gradient after ``min_steps`` steps and
       ``patience`` (5) measurements: a later phase (greedy layer-wise training), an unused module, or
       a ``.detach()`` cutting it off. A warning (``persistent``) when nothing explains it: the component
-      has one optimizer, it steps (not idle), no training phase has begun in the run (``diag/phase``), other
-      layers receive gradients, and the layers waiting since their first measurement hold at least
-      ``CUT_SHARE`` (5%) of the optimised values (a cut-off part of the network, not an unused pooler), counting
-      no layer of a parallel branch whose siblings train (:func:`branch_not_taken`: an expert no token reached);
+      has one optimizer or none (a hand-written update), it steps (not idle), no training phase has begun in the
+      run (``diag/phase``), other layers receive gradients, and the layers waiting since their first measurement
+      hold at least ``CUT_SHARE`` (5%) of the optimised values or include the model's first layer (a cut-off part
+      of the network, the input side cut from the layers that train by a ``.detach()``, not an unused pooler or
+      auxiliary head), counting no layer of a parallel branch whose siblings train (:func:`branch_not_taken`: an
+      expert no token reached);
     - **stopped** (info): a layer that received gradients and then none (``None`` or exactly zero) or
       no longer changes (``update/ratio`` = 0) for ``min_steps`` steps and ``patience`` measurements:
       a phase that ended, or a layer frozen mid-run. A measurement where every layer's gradient is exactly
@@ -161,7 +163,7 @@ class StaleParams(Rule):
                     first = self._first.get(key, since)
                     when = (f"in any of the {record.step - since} steps since its first measurement (step {since})"
                             if since <= first else f"since step {since} ({record.step - since} steps)")
-                    cut = self._cut_off(record, comp, grads) if since <= first else ""
+                    cut = self._cut_off(record, comp, grads, layer) if since <= first else ""
                     evidence = ["persistent"] if cut else []
                     msg = (f"{where} has not received a gradient {when}: " + (cut or "waiting for a later phase, "
                            "unused in forward, or cut off by a .detach()."))
@@ -171,9 +173,10 @@ class StaleParams(Rule):
                 out.append(self.make(since, msg, 0.0, 0.0, where, evidence))
         return out
 
-    def _cut_off(self, record: Record, comp: Component, grads: dict[str, float]) -> str:
-        """Why a layer that never had a gradient is a fault, or "" when something may explain it (see class doc)."""
-        if (len(comp.optimizers) != 1 or self._phased or comp.key("update/idle_steps") in record.scalars
+    def _cut_off(self, record: Record, comp: Component, grads: dict[str, float], layer: str) -> str:
+        """Why ``layer``, which never had a gradient, is a fault, or "" when something may explain it (see class doc):
+        one of the layers cut off, not a branch the forward routes around while others are."""
+        if (len(comp.optimizers) > 1 or self._phased or comp.key("update/idle_steps") in record.scalars
                 or not any(v > 0 for v in grads.values())):
             return ""
         sizes = self._size(comp)
@@ -181,11 +184,18 @@ class StaleParams(Rule):
                and not branch_not_taken(comp, lay, grads)]
         total = sum(sizes.values())
         share = sum(sizes.get(lay, 0.0) for lay in cut) / total if total else 0.0
-        if share < self.CUT_SHARE:
+        # the model's first layer among them: the input side is cut from the layers that train (a .detach() between
+        # them), however few values it holds (pytorch/examples' mnist: its two convolutions are 1.6 % of them); an
+        # unused module (a pooler, an auxiliary head) sits after the layers that train or beside them
+        first = bool(comp.index.layers) and comp.index.layers[0] in cut
+        if layer not in cut or share < self.CUT_SHARE and not first:
             return ""
-        return (f"its optimizer steps at every step and the other layers train, with no phase to wait for; "
-                f"{len(cut)} layer(s) holding {share:.0%} of the optimised values ({layers_named(comp, dict.fromkeys(cut, 1.0))}) "
-                f"are cut off: a .detach(), .data or torch.no_grad() in forward, or a module the forward no longer calls.")
+        stepped = "its optimizer steps" if comp.optimizers else "its parameters are updated"
+        where = "including its first layer, " if first else ""
+        return (f"{stepped} at every step and the other layers train, with no phase to wait for; "
+                f"{len(cut)} layer(s) {where}holding {share:.1%} of the optimised values "
+                f"({layers_named(comp, dict.fromkeys(cut, 1.0))}) are cut off: a .detach(), .data or torch.no_grad() in "
+                f"forward, or a module the forward no longer calls.")
 
     def _still(self, record: Record, components: Sequence[Component]) -> list[Alert]:
         """Components whose optimizer steps and gets gradients while their weights do not move at all."""
