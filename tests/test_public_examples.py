@@ -175,3 +175,70 @@ def test_mnist_example_with_an_unused_last_head_stays_info(tmp_path) -> None:
     assert any(a.kind == "stale_params" and a.where == "aux" for a in diag.alerts), [(a.kind, a.where) for a in diag.alerts]
     loud = [a for a in diag.alerts if a.severity != "info"]
     assert loud == [], [(a.kind, a.severity, a.where, a.message) for a in loud]
+
+
+class Reverser(nn.Module):
+    """The PyTorch translation tutorial's ``Seq2SeqTransformer`` (token embeddings x sqrt(d), sinusoidal positions,
+    ``nn.Transformer``, a generator), shrunk: it learns to reverse a sequence of tokens."""
+
+    def __init__(self, vocab: int = 16, d: int = 32) -> None:
+        super().__init__()
+        self.d = d
+        self.src, self.tgt = nn.Embedding(vocab, d), nn.Embedding(vocab, d)
+        self.transformer = nn.Transformer(d, 2, 1, 1, 64, dropout=0.1, batch_first=True)
+        self.generator = nn.Linear(d, vocab)
+        pos = torch.arange(32).unsqueeze(1) * torch.exp(-torch.arange(0, d, 2) * math.log(10000.0) / d)
+        self.register_buffer("pe", torch.stack([pos.sin(), pos.cos()], -1).reshape(32, d))
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        n = tgt.shape[1]
+        mask = torch.triu(torch.full((n, n), float("-inf")), 1)
+        embed = lambda e, t: e(t) * math.sqrt(self.d) + self.pe[: t.shape[1]]  # noqa: E731
+        return self.generator(self.transformer(embed(self.src, src), embed(self.tgt, tgt), tgt_mask=mask))
+
+
+def _noam(tmp_path, lr1000_at: int | None, steps: int = 60) -> trackdiag.Diagnostics:
+    """The tutorial's recipe: Adam at a base rate of 1, betas (0.9, 0.98), eps 1e-9, scaled by ``LambdaLR`` to
+    ``d**-0.5 * min(s**-0.5, s * warmup**-1.5)`` (a linear ramp from ~0 over 200 steps), cross-entropy with label
+    smoothing 0.1 on the flattened logits."""
+    torch.manual_seed(0)
+    model, factor = Reverser(), [1.0]
+    opt = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # the tutorial's rate(): step 0 counts as step 1
+        opt, lambda s: factor[0] * 32 ** -0.5 * min(max(s, 1) ** -0.5, max(s, 1) * 200 ** -1.5))
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
+    diag = trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                 sink={"console": {"enabled": False}})
+    g = torch.Generator().manual_seed(1)
+    with diag:
+        for step in range(steps):
+            if step == lr1000_at:
+                factor[0] = 1000.0  # planted: the schedule's factor, as a config typo would scale it
+                sched.step(sched.last_epoch)  # applied at once
+            src = torch.randint(2, 16, (32, 8), generator=g)
+            tgt = torch.cat([torch.ones(32, 1, dtype=torch.long), src.flip(1)], 1)  # BOS (1), then the reversal
+            out = model(src, tgt[:, :-1])
+            loss = loss_fn(out.reshape(-1, out.shape[-1]), tgt[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            diag.step(loss, outputs=out, batch=(src, tgt))
+    return diag
+
+
+def test_a_warm_up_from_zero_is_no_jump_of_the_learning_rate(tmp_path) -> None:
+    """The rate x11 from step 0 to step 10 and x50 by step 50 is the ramp; before: update_scale critical at step 50 on
+    every healthy run of a Noam or linear warm-up at ``advanced`` ("the learning rate rose from 4.42e-05 to 0.00225"),
+    the tutorial's translation transformer's and a hand-written fine-tuning loop's, which also emptied its history
+    (so a real blow-up later went unsaid) and opened an incident that absorbed what followed. A x1000 planted mid-ramp
+    is said at its step."""
+    healthy = _noam(tmp_path / "healthy", None)
+    loud = [a for a in healthy.alerts if a.severity != "info"]
+    assert loud == [], [(a.kind, a.severity, a.step, a.message) for a in loud]
+    planted = _noam(tmp_path / "planted", 50)
+    found = [a for a in planted.alerts if a.kind == "update_scale"]
+    assert found and found[0].step == 50 and found[0].severity == "critical", [(a.kind, a.step) for a in planted.alerts]

@@ -15,7 +15,9 @@ class UpdateScale(Rule):
     """The whole model's step (``update/step_size``: ||dw|| / ||w|| over the parameters not born zero) at a
     measurement is ``jump`` (10) x or more above the largest of this phase's earlier measurements (at least
     ``history`` (5) of them), or ``WITH_LR`` (3) x above their median where the learning rate also jumped ``jump`` x or more
-    between two logging steps since the previous measurement (the weights a blown-up rate inflates shrink the ratio
+    between two logging steps since the previous measurement, beyond what a warm-up from 0 gives between them (the rate
+    growing with the step or its square: ``((s + 1) / (s_before + 1))**2``; Noam's linear ramp is x11 from step 0 to
+    step 10) (the weights a blown-up rate inflates shrink the ratio
     within steps; a warm-up ramps the rate over many logging steps: accelerate_cv's 15x from step 9 to 50 is no jump; nor
     is a rise back to no more than ``REVISIT`` (1.5) x the largest rate of the run so far, as a warm restart's: SGDR's
     cosine back to its base rate, 18x in one step), while the pre-clip gradient norm there is no more than ``GRAD_FACTOR`` (3) x its
@@ -39,6 +41,7 @@ class UpdateScale(Rule):
         self._sizes: dict[str, list[float]] = {}  # component -> this phase's step sizes
         self._grads: dict[str, list[float]] = {}  # component -> the gradient norm at those measurements
         self._lr: dict[str, float] = {}  # component -> its largest learning rate at the previous logging step
+        self._lr_step: dict[str, int] = {}  # component -> the step of that reading
         self._lr_top: dict[str, float] = {}  # component -> the largest learning rate of the run so far
         self._at: dict[str, float] = {}  # component -> its learning rate at the previous measurement
         self._rose: dict[str, float] = {}  # component -> the rate before a jump x10 between two logging steps, since the last measurement
@@ -52,10 +55,13 @@ class UpdateScale(Rule):
             lr = self._top_lr(record, comp)
             last = self._lr.get(comp.name, math.nan)
             top = self._lr_top.get(comp.name, math.nan)
-            if last > 0 and lr >= self.jump * last and not lr <= self.REVISIT * top:
+            # what a warm-up from 0 gives between the two readings: a rate growing with the step (Noam's linear
+            # ramp, x11 from step 0 to 10), or with its square, is no jump
+            ramp = ((record.step + 1) / (self._lr_step.get(comp.name, record.step) + 1)) ** 2
+            if last > 0 and lr >= self.jump * last * ramp and not lr <= self.REVISIT * top:
                 self._rose.setdefault(comp.name, last)  # a jump between two logging steps, to a rate never used before
             if math.isfinite(lr):
-                self._lr[comp.name] = lr
+                self._lr[comp.name], self._lr_step[comp.name] = lr, record.step
                 self._lr_top[comp.name] = max(lr, top) if math.isfinite(top) else lr
             size = record.scalars.get(comp.key("update/step_size"))
             grad = latest(record, comp.key("grad/global_norm"))
@@ -95,11 +101,13 @@ class UpdateScale(Rule):
                          ["weights", "corroborated"] if raised else ["weights"])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sizes": self._sizes, "grads": self._grads, "lr": self._lr, "rose": self._rose, "lr_top": self._lr_top}
+        return {"sizes": self._sizes, "grads": self._grads, "lr": self._lr, "rose": self._rose, "lr_top": self._lr_top,
+                "lr_step": self._lr_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._sizes = {k: [float(x) for x in v] for k, v in state.get("sizes", {}).items()}
         self._grads = {k: [float(x) for x in v] for k, v in state.get("grads", {}).items()}
         self._lr = {k: float(v) for k, v in state.get("lr", {}).items()}
+        self._lr_step = {k: int(v) for k, v in state.get("lr_step", {}).items()}
         self._rose = {k: float(v) for k, v in state.get("rose", {}).items()}
         self._lr_top = {k: float(v) for k, v in state.get("lr_top", {}).items()}
