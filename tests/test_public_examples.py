@@ -242,3 +242,25 @@ def test_a_warm_up_from_zero_is_no_jump_of_the_learning_rate(tmp_path) -> None:
     planted = _noam(tmp_path / "planted", 50)
     found = [a for a in planted.alerts if a.kind == "update_scale"]
     assert found and found[0].step == 50 and found[0].severity == "critical", [(a.kind, a.step) for a in planted.alerts]
+
+
+def test_a_frozen_share_short_of_all_is_not_said_as_100_percent() -> None:
+    """A body frozen by mistake beside a trainable head of 0.2 % of the values (the rehearsal's fine-tuning loop: 195
+    values of a classifier head): the stall's message said "100% of the values ... are frozen"; it gives the share."""
+    from trackdiag.capture.components import build_components
+    from trackdiag.core.record import Record
+    from trackdiag.rules.stale import StaleParams
+
+    body, head = nn.Linear(1000, 1000), nn.Linear(1000, 2)
+    body.requires_grad_(False)
+    model = nn.Sequential(body, head)
+    comp = build_components(model, torch.optim.SGD(model.parameters(), lr=0.1), 64)[0]
+    rule, found = StaleParams(), []
+    for step in range(0, 80, 10):
+        rec = Record(step=step, time=0.0)
+        rec.series["diag/loss"] = [(s, 0.69) for s in range(step, step + 10)]
+        if step == 0:
+            rec.tables["diag/setup/frozen"] = {"0": float(body.weight.numel() + body.bias.numel())}
+        found += [a for a in rule.check(rec, [], [comp]) if a.severity != "info"]
+    assert len(found) == 1 and "stalls" in found[0].message, [(a.kind, a.severity, a.message) for a in found]
+    assert found[0].message.startswith("99.8% of the values"), found[0].message

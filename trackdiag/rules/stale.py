@@ -273,7 +273,8 @@ class StaleParams(Rule):
             a, b = statistics.fmean(early), statistics.fmean(late)
             if not (math.isfinite(a) and math.isfinite(b)) or not self.STALL * a <= b <= a / self.STALL:
                 continue
-            msg = (f"{cold[1]:.0%} of the values the optimizer holds are frozen (requires_grad=False: {cold[2]}) and the "
+            share = f"{cold[1]:.1%}" if 0.99 < cold[1] < 1.0 else f"{cold[1]:.0%}"  # a head's 0.2 % trainable is not "100 %"
+            msg = (f"{share} of the values the optimizer holds are frozen (requires_grad=False: {cold[2]}) and the "
                    f"loss stalls: {b:.4g} over the last {len(late)} steps against {a:.4g} over the first {len(early)}. "
                    f"A fine-tuning slip (everything frozen but the last layer)? Unfreeze what should train.")
             if self._chance > 0 and abs(b / self._chance - 1) <= 1 - self.STALL:  # the model learns nothing at all
