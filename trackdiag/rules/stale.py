@@ -65,6 +65,16 @@ def branch_not_taken(comp: Component, layer: str, grads: dict[str, float]) -> bo
     return False
 
 
+def _share(x: float) -> str:
+    """A share as a percentage that does not round to 100 % (or 0 %) unless it is: a head of 0.03 % of the values left
+    trainable is "99.97%", not "100%"."""
+    for digits in range(4):
+        text = f"{x:.{digits}%}"
+        if (x >= 1.0 or not text.startswith("100")) and (x <= 0.0 or float(text[:-1]) > 0):
+            return text
+    return f"{x:.4%}"
+
+
 class StaleParams(Rule):
     """Parameters that do not train, by phase (``where`` = the layer, ``step`` = when the phase began):
 
@@ -273,8 +283,7 @@ class StaleParams(Rule):
             a, b = statistics.fmean(early), statistics.fmean(late)
             if not (math.isfinite(a) and math.isfinite(b)) or not self.STALL * a <= b <= a / self.STALL:
                 continue
-            share = f"{cold[1]:.1%}" if 0.99 < cold[1] < 1.0 else f"{cold[1]:.0%}"  # a head's 0.2 % trainable is not "100 %"
-            msg = (f"{share} of the values the optimizer holds are frozen (requires_grad=False: {cold[2]}) and the "
+            msg = (f"{_share(cold[1])} of the values the optimizer holds are frozen (requires_grad=False: {cold[2]}) and the "
                    f"loss stalls: {b:.4g} over the last {len(late)} steps against {a:.4g} over the first {len(early)}. "
                    f"A fine-tuning slip (everything frozen but the last layer)? Unfreeze what should train.")
             if self._chance > 0 and abs(b / self._chance - 1) <= 1 - self.STALL:  # the model learns nothing at all
