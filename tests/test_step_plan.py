@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import trackdiag
+from trackdiag.core.record import read_records
 from trackdiag.session.budget_policy import Budget
 from trackdiag.util.schedule import NEVER, SCAN, EarlyThenEvery, Every, Never, SpreadThenEvery, Strided, next_due
 
@@ -44,6 +45,13 @@ def _run(tmp_path, level: str, planned: bool, steps: int = 260, spike_at: int = 
                                  budget=None, probes={"report": {"enabled": False}, "landscape": {"enabled": False}})
     if not planned:
         diag._plain_step = lambda step: False
+        replan = diag._replan
+
+        def unplanned_hooks() -> None:  # the optimizer hooks call every probe, as on a logging step
+            replan()
+            diag._pre_plain = diag._post_plain = diag._grad_plain = None
+
+        diag._replan = unplanned_hooks
     logged = []
     with diag:
         for step in range(steps):
@@ -68,12 +76,21 @@ def _run(tmp_path, level: str, planned: bool, steps: int = 260, spike_at: int = 
     return logged, sorted((a.kind, a.step) for a in diag.alerts), diag
 
 
-@pytest.mark.parametrize("level,shed_at", [("basic", None), ("advanced", None), ("advanced", 120)])
+def _points(run_dir) -> dict[tuple[str, int], float]:
+    clocks = ("perf/", "overhead", "time", "memory", "rss")
+    return {(k, s): v for r in read_records(run_dir) for k, s, v in r.points() if not any(c in k for c in clocks)}
+
+
+@pytest.mark.parametrize("level,shed_at", [("basic", None), ("advanced", None), ("advanced", 120), ("extreme", None)])
 def test_the_planned_run_logs_and_alerts_exactly_as_asking_every_step(tmp_path, level, shed_at):
     planned = _run(tmp_path, level, True, shed_at=shed_at)
     asked = _run(tmp_path, level, False, shed_at=shed_at)
     assert planned[0] == asked[0] and len(planned[0]) > 5
     assert planned[1] == asked[1]
+    # every metric point the same (a probe skipped on a step where it had work would change some): the clocks aside
+    mine, theirs = _points(tmp_path / f"{level}True"), _points(tmp_path / f"{level}False")
+    assert mine.keys() == theirs.keys() and len(mine) > 100
+    assert [k for k in mine if mine[k] != theirs[k]] == []
     assert any(kind == "loss_spike" and step == 137 for kind, step in planned[1]), planned[1]
     if level == "advanced":  # an anomaly window (basic has none): every step after the alert is a logging step
         raised = min(s for s in planned[0] if s >= 137)
@@ -84,5 +101,10 @@ def test_probes_with_nothing_to_do_are_not_called_and_a_scaler_makes_its_probe_b
     _, _, plain = _run(tmp_path, "basic", True, steps=60)
     busy = {p.name for p in plain._busy}
     assert "loss" in busy and "scaler" not in busy and "setup" not in busy, busy
+    # the optimizer hooks' plain-step lists: no due-only probe, no set-up check once done; the mode check stays
+    assert {p.name for p in plain._pre_plain} == {"modes"}, plain._pre_plain
+    _, _, adv = _run(tmp_path, "advanced", True, steps=60)
+    assert not any(p.due_only for p in (*adv._pre_plain, *adv._post_plain, *adv._grad_plain))
+    assert {"updates", "histograms", "gradflow"} & {p.name for p in adv._grad_probes + adv._pre_probes + adv._post_probes}
     _, _, amp = _run(tmp_path, "basic", True, steps=60, scaler=True)
     assert "scaler" in {p.name for p in amp._busy}

@@ -31,11 +31,11 @@ def _model() -> nn.Sequential:
 
 
 def _hook_calls(loss: torch.Tensor) -> int:
-    """The tap's tensor-hook calls in ``loss.backward()`` (each ends in ``fire``; the sentinel's ``watch`` calls it)."""
+    """The tap's tensor-hook calls in ``loss.backward()`` (a layer's ``fire``, the sentinel's ``watch``)."""
     n = [0]
 
     def prof(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_name == "fire" and frame.f_code.co_filename.endswith("tap_hooks.py"):
+        if event == "call" and frame.f_code.co_name in ("fire", "watch") and frame.f_code.co_filename.endswith("tap_hooks.py"):
             n[0] += 1
 
     sys.setprofile(prof)

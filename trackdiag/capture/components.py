@@ -1,6 +1,7 @@
 """Turn the user's model(s) and optimizer(s) into named :class:`Component` objects."""
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,6 +12,8 @@ from trackdiag.capture.context import Component
 from trackdiag.capture.layers import LayerIndex
 from trackdiag.capture.optimizers import param_groups, real_optimizer
 from trackdiag.core.errors import TrackdiagError
+
+_PARAMS = operator.itemgetter("params")
 
 
 def unwrap(model: Any) -> Any:
@@ -110,7 +113,10 @@ def groups_signature(comp: Component) -> tuple[Any, ...]:
     tensors per group): it changes with ``add_param_group``."""
     # comp.optimizers are torch optimizers (the wrappers' inner ones): their own param_groups, no wrapper walk;
     # a new optimizer re-indexes the component when it is adopted, so the optimizers' identities are left out
-    return tuple([len(g["params"]) for o in comp.optimizers for g in o.param_groups] + [len(comp.optimizers)])
+    opts = comp.optimizers
+    if len(opts) == 1:  # the usual one optimizer: C-level passes, no comprehension's frame on every step
+        return (*map(len, map(_PARAMS, opts[0].param_groups)), 1)
+    return tuple([len(g["params"]) for o in opts for g in o.param_groups] + [len(opts)])
 
 
 def attachable(comp: Component, opt: Any) -> bool:

@@ -28,7 +28,9 @@ all-zero test (2 small ops) when its gradient was not ``None``. No host read. De
 """
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import time
 from typing import Callable
 
@@ -40,6 +42,9 @@ from trackdiag.capture.grad_records import (VERSION, GradView, Pass, Tap, foreac
                                             sentinel_raw, totals)
 from trackdiag.capture.tap_hooks import TAP_QUEUE, CompTap, firing, pick_sentinel
 from trackdiag.util.norms import global_norm, grad_norms, max_abs
+
+GRAD = operator.attrgetter("grad")
+_is_none = functools.partial(operator.is_, None)
 
 __all__ = ["TAP_QUEUE", "GradTap", "GradView", "Pass", "Tap", "firing", "pick_sentinel", "sentinel_norm", "totals"]
 
@@ -136,7 +141,7 @@ class GradTap:
                 if self.refresh is not None and st.comp.refreshed != self.ctx.step:  # once per step
                     self.refresh(st.comp)
                 if scale is False:
-                    scale = self.scale()
+                    scale = self.scale() if self.ctx.scaler is not None else None
                 tap = self.measure(st.comp, st.count, scale=scale, sentinel=st.sentinel, keep=st.clip_armed)
                 raw = tap.sentinel
                 if raw is not None:
@@ -156,7 +161,9 @@ class GradTap:
                     self.closure_began(st.comp)
             if not st.saw or st.misses:
                 self._follow_sentinel(st)
-            if st.passed():
+            if st.thin:  # what passed() does once the sentinel stands alone, inline (a frame a pass)
+                st.fires = st.whole = 0
+            elif st.passed():
                 st.thin_out()
             st.saw = False
         self.ctx.hook_seconds += time.perf_counter() - t0
@@ -184,8 +191,14 @@ class GradTap:
         ``_foreach_norm``'s (unscaled, one optimizer) keeps them, and the gradients, for
         :mod:`~trackdiag.capture.clip_serve`."""
         idx = comp.index
-        grads = idx.grads()
-        idx.clear_cache()
+        grads = None
+        if not idx.sharded:  # idx.grads() inline on the usual pass (a C-level pass, no frame)
+            grads = list(map(GRAD, idx.params))
+            if any(map(_is_none, grads)):
+                grads = None
+        if grads is None:
+            grads = idx.grads()
+        idx._cache.clear()
         detail = self.detail()
         several = len(comp.optimizers) > 1  # a later optimizer's own pass may be merged in: per-tensor norms kept
         if scale is False:

@@ -90,6 +90,11 @@ class CompTap:
             value = None if self.comp.optimizers or p.layout is not torch.strided else p.detach().sum(dtype=torch.float32)
             self.pending = Pass(reset, p._version, self.last_nonzero, value)
             self.saw = True
+            self.fires += 1  # fire() inline: a frame less on every backward pass
+            if not self.fired:
+                self.fired = True
+                TAP_QUEUE.arm()
+            return None
         return self.fire(_grad)
 
     def accumulated(self, _param: torch.Tensor) -> None:
@@ -125,8 +130,10 @@ class _Queue:
         if self.queued:
             return
         self.queued = True
+        # is a process group up? _distributed()'s answer read off torch's one world object (its three frames a pass)
+        up = _WORLD._default_pg is not None if _WORLD is not None else _distributed()
         try:  # DDP/FSDP queue their own end-of-backward work: run after it (twice removed); else at once
-            torch.autograd.Variable._execution_engine.queue_callback(self._again if _distributed() else self._end)
+            torch.autograd.Variable._execution_engine.queue_callback(self._again if up else self._end)
         except Exception:  # noqa: BLE001 - not inside the engine: measured at the step instead
             self.queued = False
 
@@ -152,6 +159,20 @@ def _distributed() -> bool:
     """Whether a process group is up (DDP/FSDP wrappers need one)."""
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized()
+
+
+def _world() -> Any:
+    """torch's process-group registry, whose ``_default_pg`` ``torch.distributed.is_initialized()`` reads (through a
+    metaclass property and a property: three frames), or None when this torch has no such object."""
+    try:
+        from torch.distributed import distributed_c10d
+    except ImportError:  # a torch built without distributed support
+        return None
+    world = getattr(distributed_c10d, "_world", None)
+    return world if world is not None and hasattr(world, "_default_pg") else None
+
+
+_WORLD = _world()
 
 
 def firing(model: Any, params: list[torch.Tensor], sentinel: torch.Tensor | None) -> set[int]:

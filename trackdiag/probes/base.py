@@ -83,6 +83,11 @@ class Probe:
         not call it (:mod:`trackdiag.session.step_plan`). Default: it always has work."""
         return False
 
+    def idle_before_step(self, ctx: ProbeContext) -> bool:
+        """Like :meth:`quiet`, for :meth:`before_optimizer_step`: whether it has nothing to do until the next logging
+        step or change of the session's shape (then the optimizer hook does not call it). Default: it has work."""
+        return False
+
     def collect(self, ctx: ProbeContext) -> dict[str, torch.Tensor | float]:
         """Device tensors (or host numbers) to copy to the host at this logging step."""
         return {}

@@ -57,7 +57,10 @@ class DataFiniteProbe(Probe):
             found = [("batch", batch)] if batch.is_floating_point() or batch.is_complex() else []
             self._input = "batch"
         elif type(batch) in (tuple, list) and len(batch) <= len(_PATHS) and set(map(type, batch)) == _PLAIN:
-            found = [(_PATHS[i], t) for i, t in enumerate(batch) if t.is_floating_point() or t.is_complex()]
+            found = []
+            for i, t in enumerate(batch):  # a loop, not a comprehension: a frame less on every step
+                if t.is_floating_point() or t.is_complex():
+                    found.append((_PATHS[i], t))
             self._input = "batch[0]"
         else:
             found = float_tensors(batch)

@@ -31,6 +31,7 @@ class GradFlowProbe(Probe):
 
     name = "gradflow"
     wants_detail = True
+    due_only = True  # its one step hook acts on due steps only: the session skips it otherwise
 
     def __init__(self, *, enabled: bool = True, every: int | None = None) -> None:
         super().__init__(enabled=enabled, every=every)

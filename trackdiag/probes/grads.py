@@ -95,8 +95,20 @@ class GradProbe(Probe):
             ring = self._ring.get(comp.name)
             if ring is None:
                 ring = self._ring[comp.name] = []
-            ring.append((ctx.step, view.tap.lazy()))
-            self._watch_wipe(ctx, comp, view)
+            tap = view.tap  # Tap.lazy() inline: a frame less on every step
+            ring.append((ctx.step, tap.total_ if tap.total_ is not None else (tap.parts, tap.scale)))
+            pre = tap.sentinel
+            if view.stepped and view.source == "backward" and pre is not None and view.sentinel is not None:
+                # what the optimizer finds of the sentinel's gradient, as a share of what the backward left
+                g = view.sentinel.grad
+                if g is tap.sentinel_grad and g is not None and g._version == tap.sentinel_version:
+                    now = None  # the tensor the backward left, untouched since: not wiped (no kernel, nothing to compare)
+                else:  # gone (None), replaced, or changed in place (clipped, unscaled, zeroed): look at it, one kernel
+                    now = pre.new_zeros(()) if g is None else sentinel_norm(g)
+                kept = self._kept.get(comp.name)
+                if kept is None:
+                    kept = self._kept[comp.name] = []
+                kept.append((ctx.step, pre, now))
         if ctx.is_due(self.schedule):
             with torch.no_grad():  # a create_graph backward leaves gradients in a graph: not these norms
                 self._measure(comp, view)
@@ -126,18 +138,6 @@ class GradProbe(Probe):
             if comp.index.grouped:
                 out["group_norm"] = comp.index.per_group_norm(layer)
         self._pending[comp.name] = out
-
-    def _watch_wipe(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
-        """What the optimizer finds of the sentinel's gradient, as a share of what the backward left."""
-        pre = view.tap.sentinel
-        if not view.stepped or view.source != "backward" or pre is None or view.sentinel is None:
-            return
-        g = view.sentinel.grad
-        if g is view.tap.sentinel_grad and g is not None and g._version == view.tap.sentinel_version:
-            now = None  # the tensor the backward left, untouched since: not wiped (no kernel, nothing to compare)
-        else:  # gone (None), replaced, or changed in place (clipped, unscaled, zeroed): look at it, one kernel
-            now = pre.new_zeros(()) if g is None else sentinel_norm(g)
-        self._kept.setdefault(comp.name, []).append((ctx.step, pre, now))
 
     def window_values(self) -> dict[str, list[Any]]:
         """Each model's pre-clip gradient norms since the last call or logging step (see

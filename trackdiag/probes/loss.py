@@ -75,10 +75,6 @@ class _Ring:
         self.steps: list[int] = []  # the whole window's
         self.folded: list[torch.Tensor] = []  # 1-D fp32 chunks of the window's earlier values (fold)
 
-    def push(self, step: int, value: Any) -> None:
-        self.values.append(value.detach() if isinstance(value, torch.Tensor) else float(value))
-        self.steps.append(step)
-
     def fold(self) -> torch.Tensor | None:
         """The values since the last fold as one 1-D tensor (:func:`_stacked`), kept for :meth:`take`; None when
         there are none."""
@@ -124,7 +120,7 @@ class LossProbe(Probe):
         if ctx.phase != self._phase:  # a new training phase may train another task: show it again
             self._phase, self.task, self._task_steps, self._task_told = ctx.phase, Task(), 0, False
             self._marginal, self._entropy = Marginal(), None
-        if self._marginal.wants and inputs.outputs is not None and inputs.batch is not None and len(inputs.losses) == 1:
+        if not self._marginal.done and self._marginal.wants and inputs.outputs is not None and inputs.batch is not None and len(inputs.losses) == 1:
             self._marginal.add(inputs.outputs, inputs.batch)
         if self._task_steps < STEPS and inputs.outputs is not None and inputs.batch is not None:
             self._task_steps += 1
@@ -145,7 +141,8 @@ class LossProbe(Probe):
             if ring is None:
                 ring = self._rings[name] = _Ring()
                 self._emas[name] = Ema(self.ema_beta)
-            ring.push(ctx.step, value)
+            ring.values.append(value.detach() if isinstance(value, torch.Tensor) else float(value))
+            ring.steps.append(ctx.step)
 
     def window_values(self) -> dict[str, list[Any]]:
         """Each loss's values since the last call or logging step (the cost budget's check between stretched

@@ -88,6 +88,9 @@ class SetupProbe(Probe):
     def quiet(self, ctx: ProbeContext) -> bool:
         return not self._due  # re-indexing makes a component due again (and replans)
 
+    def idle_before_step(self, ctx: ProbeContext) -> bool:
+        return not self._due
+
     def on_step(self, ctx: ProbeContext, inputs: StepInputs) -> None:
         """After the step's optimizers ran (late ones were adopted by now)."""
         for comp in ctx.components:

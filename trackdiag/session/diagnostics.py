@@ -32,7 +32,7 @@ from trackdiag.session.distributed import DistSync
 from trackdiag.session.flight import FlightRecorder
 from trackdiag.session.guards import Guards, enrich_alerts
 from trackdiag.session.step_plan import StepPlan
-from trackdiag.session.steps import OptimizerEvents
+from trackdiag.session.steps import PREPARED, OptimizerEvents
 from trackdiag.sinks.base import Sink, SinkHub
 from trackdiag.util import exit_status
 from trackdiag.util.ranks import is_main_process
@@ -193,7 +193,8 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
         # the plain step (most steps): a scalar loss, no micro-batches, no pre-flight pending, not a logging step nor a
         # window check (the step plan, step_plan.py): the same work as below with nothing asked that cannot apply
         if type(loss) is torch.Tensor and self._plainly and ctx.step < self._next_check and ctx.step > ctx.anomaly_until \
-                and loss.ndim == 0 and not self._phase_pending and not self._is_micro_step():
+                and loss.ndim == 0 and not self._phase_pending and (not (self._grad_states or self._typed_accelerate or any(map(PREPARED, self._model_dicts)))
+                     or not self._is_micro_step()):  # no accelerate object in sight: not a micro-step, and no frame to say it
             return self._plain(t0, ctx, loss, outputs, batch, batch_size)
         if not self._opened:
             self._open()

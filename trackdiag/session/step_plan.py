@@ -102,6 +102,18 @@ class StepPlan:
             except Exception:  # noqa: BLE001 - a probe that cannot tell stays busy
                 busy.append(p)
         self._busy = busy
+        # the optimizer hooks' probes on a plain step: a due-only probe is not due there (every enabled probe's
+        # schedule is one of the plan's), nor is a probe with nothing to do before the step until the next plan
+        pre = []
+        for p in self.__dict__.get("_pre_probes", ()):
+            try:
+                if p.enabled and not p.due_only and not p.idle_before_step(ctx):
+                    pre.append(p)
+            except Exception:  # noqa: BLE001 - a probe that cannot tell stays busy
+                pre.append(p)
+        self._pre_plain = pre
+        self._post_plain = [p for p in self.__dict__.get("_post_probes", ()) if p.enabled and not p.due_only]
+        self._grad_plain = [p for p in self.__dict__.get("_grad_probes", ()) if p.enabled and not p.due_only]
 
     def _busy_probes(self) -> list[Probe]:
         return self._on_step if self._busy is None else self._busy
@@ -120,7 +132,13 @@ class StepPlan:
         nothing (:meth:`Objectives.observe`)."""
         if self._gaps is not None:  # the cost budget's measure of the loop
             self._gaps.append(t0 - self._t_last)
-        inputs = StepInputs({"": loss}, outputs, batch, batch_size if batch_size is not None else batch_size_of(batch))
+        if batch_size is None:  # batch_size_of's usual cases inline: a tensor, or a tuple or list led by one
+            first = batch[0] if type(batch) in (tuple, list) and batch else batch
+            if type(first) is torch.Tensor:
+                batch_size = int(first.shape[0]) if first.ndim else None
+            elif batch is not None:
+                batch_size = batch_size_of(batch)
+        inputs = StepInputs({"": loss}, outputs, batch, batch_size)
         self._finish_components()
         for p in self._busy:
             if p.enabled:

@@ -16,6 +16,7 @@ steps the session's parameters (or explicitly with :meth:`attach`).
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import weakref
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ from trackdiag.capture.context import Component
 from trackdiag.capture.grad_records import GradView, merge_taps
 from trackdiag.capture.gradtap import GradTap
 from trackdiag.capture.optimizers import DISPATCH, accelerate_accumulating, gradient_states, scaler_of, top_lr
+
+#: a model's ``__dict__`` flag that ``accelerate.prepare`` sets (``map(PREPARED, dicts)``: a C-level pass)
+PREPARED = operator.methodcaller("get", "_is_accelerate_prepared")
 from trackdiag.probes.base import Probe
 from trackdiag.util.schedule import NEVER, next_due
 
@@ -53,6 +57,7 @@ class OptimizerEvents:
     components: list[Component]
     probes: list[Probe]
     _replan: Callable[[], None]  # step_plan.StepPlan: the per-step hooks with work change
+    _next_check: int  # step_plan.StepPlan: the steps before it (past the anomaly window) are plain steps
 
     def _init_events(self) -> None:
         ctx = self._ctx
@@ -72,6 +77,11 @@ class OptimizerEvents:
         self._grad_states: list[Any] = []
         self._find_grad_states()
         self._models = list({id(m): m for c in self.components for m in (c.outer, c.model) if m is not None}.values())
+        # what step() looks at before it calls _is_micro_step: the models' own attributes (accelerate.prepare flags a
+        # model there, perhaps after the session began) and whether a model's class is flagged
+        self._model_dicts = [d for m in self._models if isinstance(d := getattr(m, "__dict__", None), dict)]
+        self._typed_accelerate = any(getattr(type(m), "_is_accelerate_prepared", False) for m in self._models) or \
+            len(self._model_dicts) < len(self._models)
         self._notes: dict[str, str] = {}
         self._masks: dict[tuple[str, int, int], torch.Tensor] = {}  # (component, generation, id(optimizer)) -> its params
         # training phases (greedy layer-wise training, progressive unfreezing): an optimizer stepping for the
@@ -84,6 +94,10 @@ class OptimizerEvents:
         self._phase_ready = False  # set after the first step: what happens during it is the set-up
         self._grad_probes = [p for p in self.probes if type(p).on_grads is not Probe.on_grads]
         self._pre_probes = [p for p in self.probes if type(p).before_optimizer_step is not Probe.before_optimizer_step]
+        # the probes each hook calls on a plain step (step_plan.py: worked out with the plan; None until then)
+        self._pre_plain: list[Probe] | None = None
+        self._post_plain: list[Probe] | None = None
+        self._grad_plain: list[Probe] | None = None
         self._post_probes = [p for p in self.probes if type(p).after_optimizer_step is not Probe.after_optimizer_step]
         self._owners: dict[int, Component] = {}  # id(optimizer) -> its component (the component holds the optimizer)
         for comp in self.components:
@@ -223,11 +237,11 @@ class OptimizerEvents:
         if comp.refreshed != self._ctx.step:  # add_param_group: follow the new parameters from this step on
             self._refresh_groups(comp)
         comp.recreations.steps += 1
+        tapped = self._tap.states.get(comp.name)
+        hooked = tapped is not None and bool(tapped.handles or tapped.layer_handles)  # GradTap.hooked inline
         if closure is None and not comp.resteps.failed:  # a closure's own backward passes refresh the gradients inside
-            tapped = self._tap.states.get(comp.name)
             try:
-                comp.resteps.observe(opt, self._ctx.step, tapped.count if tapped is not None and self._tap.hooked(comp.name)
-                                     else -1)
+                comp.resteps.observe(opt, self._ctx.step, tapped.count if hooked else -1)
             except Exception as exc:  # noqa: BLE001 - never raise into the user's optimizer step
                 comp.resteps.failed = f"{type(exc).__name__}: {exc}"
                 self._notes["resteps"] = f"the check for optimizer steps on the same gradients is off: {comp.resteps.failed}"
@@ -239,9 +253,19 @@ class OptimizerEvents:
         st.stepped = True
         if st.consumed and id(opt) not in st.by and len(comp.optimizers) > 1:
             self._merge(comp, opt)
-        if not st.pre_done and (closure is None or st.consumed or not self._tap.hooked(comp.name)):
+        if not st.pre_done and (closure is None or st.consumed or not hooked):
             st.pre_done = True
-            self._run(self._pre_probes, "before_optimizer_step", comp)
+            ctx = self._ctx
+            plain = self._pre_plain is not None and self._next_check > ctx.step > ctx.anomaly_until  # _plain_step inline
+            pre = self._pre_plain if plain else self._pre_probes
+            if pre:  # _run inline: a frame less on every step
+                for p in pre:
+                    if p.enabled and (not p.due_only or ctx.is_due(p.schedule)):
+                        try:
+                            p.before_optimizer_step(ctx, comp)
+                        except Exception as exc:
+                            self._fail(p, "before_optimizer_step", exc)
+                comp.index._cache.clear()
         if closure is not None and not st.consumed:  # the probes before the step: at the closure's first backward
             st.closure = True
             self._tap.begin_closure(comp.name)
@@ -292,13 +316,16 @@ class OptimizerEvents:
             return
         st = self._steps[comp.name]
         st.depth = max(st.depth - 1, 0)
-        if st.depth or not (self._post_probes or (st.closure and not st.consumed)):
+        ctx = self._ctx
+        post = self._post_plain if self._post_plain is not None and self._next_check > ctx.step > ctx.anomaly_until \
+            else self._post_probes
+        if st.depth or not (post or (st.closure and not st.consumed)):
             return
         t0 = time.perf_counter()
         if st.closure and not st.consumed:
             self._consume(comp)
             st.by = (id(opt),)
-        self._run(self._post_probes, "after_optimizer_step", comp)
+        self._run(post, "after_optimizer_step", comp)
         self._window_overhead += time.perf_counter() - t0
 
     def _run(self, probes: list[Probe], method: str, comp: Component) -> None:
@@ -321,11 +348,21 @@ class OptimizerEvents:
         source = "backward"
         if tap is None:  # no backward reached the component since the last step, or the tap is off
             tap, source = self._tap.measure(comp, unscale=False), "step"
-        view = st.view = GradView(comp, tap, source, st.stepped, passes, self._tap.sentinel_of(comp.name))
+        ctx = self._ctx
+        tapped = self._tap.states.get(comp.name)
+        view = st.view = GradView(comp, tap, source, st.stepped, passes, tapped.sentinel if tapped is not None else None)
         if source == "backward":
-            self._ctx.backward_seen.add(comp.name)
-        self._ctx.passes[comp.name] = len(passes)
-        self._hand(comp, view)
+            ctx.backward_seen.add(comp.name)
+        ctx.passes[comp.name] = len(passes)
+        plain = self._grad_plain is not None and self._next_check > ctx.step > ctx.anomaly_until
+        grad = self._grad_plain if plain else self._grad_probes
+        for p in grad:  # _hand inline: a frame less on every step
+            if p.enabled:
+                try:
+                    p.on_grads(ctx, comp, view)
+                except Exception as exc:
+                    self._fail(p, "on_grads", exc)
+        comp.index._cache.clear()
 
     def _hand(self, comp: Component, view: GradView, more: bool = False) -> None:
         """The gradient probes get ``view``: ``on_grads`` at the step's consumption, ``on_more_grads`` after a merge."""
@@ -370,11 +407,14 @@ class OptimizerEvents:
 
     def _finish_components(self) -> None:
         """At ``Diagnostics.step``: components nobody consumed get their gradients read now."""
-        for comp in self.components:
+        stepped = set()
+        for comp in self.components:  # one loop, no comprehension: a frame less on every step
             st = self._steps[comp.name]
             if not st.consumed:
                 self._consume(comp)
-        self._ctx.stepped = {c.name for c in self.components if self._steps[c.name].stepped}
+            if st.stepped:
+                stepped.add(comp.name)
+        self._ctx.stepped = stepped
 
     def _reset_steps(self) -> None:
         self._ctx.backward_seen = set()
