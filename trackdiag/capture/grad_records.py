@@ -181,11 +181,8 @@ def plain_tap(comp: Component, grads: list[torch.Tensor], step: int, number: int
     if keep:
         tap.grads, tap.grad_versions = grads, list(map(VERSION, grads))
     g = sentinel.grad if sentinel is not None else None
-    if g is not None:  # sentinel_raw inline (two frames less on every plain pass)
-        pos = comp.index._cache_pos
-        at = pos.get(id(sentinel)) if pos is not None else comp.index.position(sentinel)
-        raw = parts[at] if at is not None and grads[at] is g else sentinel_norm(g)
-        tap.sentinel = raw if raw.dtype is torch.float32 else raw.float()
+    if g is not None:
+        tap.sentinel = sentinel_raw(comp, grads, parts, sentinel)
         tap.sentinel_grad, tap.sentinel_version = g, g._version
     return tap
 

@@ -198,7 +198,7 @@ class GradTap:
                 grads = None
         if grads is None:
             grads = idx.grads()
-        idx._cache.clear()
+        idx.clear_cache()
         detail = self.detail()
         several = len(comp.optimizers) > 1  # a later optimizer's own pass may be merged in: per-tensor norms kept
         if scale is False:

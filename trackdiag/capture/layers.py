@@ -140,9 +140,10 @@ class LayerIndex:
                 norms = self._cache["param"] = grad_norms(params, self.low_precision)
         return norms
 
-    def clear_cache(self) -> None:
-        """Forget the cached norms: gradients or parameters may have changed since they were taken."""
-        self._cache.clear()
+    def __post_init__(self) -> None:
+        #: forget the cached norms (gradients or parameters may have changed since they were taken): the cache's own
+        #: ``clear``, bound once (the hooks call it on every step; a method would add a Python frame each time)
+        self.clear_cache = self._cache.clear
 
     def per_layer_norm(self, norms: torch.Tensor) -> torch.Tensor:
         """L2 norm per layer from per-tensor L2 norms (one index_add, no host sync)."""

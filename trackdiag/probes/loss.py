@@ -120,8 +120,10 @@ class LossProbe(Probe):
         if ctx.phase != self._phase:  # a new training phase may train another task: show it again
             self._phase, self.task, self._task_steps, self._task_told = ctx.phase, Task(), 0, False
             self._marginal, self._entropy = Marginal(), None
-        if not self._marginal.done and self._marginal.wants and inputs.outputs is not None and inputs.batch is not None and len(inputs.losses) == 1:
-            self._marginal.add(inputs.outputs, inputs.batch)
+        marginal = self._marginal  # done: its property not asked again on every step
+        if not marginal.done and marginal.wants and inputs.outputs is not None and inputs.batch is not None \
+                and len(inputs.losses) == 1:
+            marginal.add(inputs.outputs, inputs.batch)
         if self._task_steps < STEPS and inputs.outputs is not None and inputs.batch is not None:
             self._task_steps += 1
             if self._classes < 0:

@@ -29,6 +29,7 @@ from trackdiag.session.budget import CostBudget
 from trackdiag.session.checks import SetupChecks
 from trackdiag.session.close import RunEnd
 from trackdiag.session.distributed import DistSync
+from trackdiag.session.evaluations import Evaluations
 from trackdiag.session.flight import FlightRecorder
 from trackdiag.session.guards import Guards, enrich_alerts
 from trackdiag.session.step_plan import StepPlan
@@ -50,7 +51,8 @@ def _build(family: dict[str, str], name: str, entry: Mapping[str, Any] | None) -
     return lookup(family, name, entry)(**{k: v for k, v in entry.items() if k != "_target_"})
 
 
-class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd, Guards, CostBudget):
+class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd, Guards, CostBudget,
+                  Evaluations):
     """Training diagnostics for one run. See the README for the metric keys and alert kinds.
 
     Args:
@@ -192,9 +194,11 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
         ctx = self._ctx
         # the plain step (most steps): a scalar loss, no micro-batches, no pre-flight pending, not a logging step nor a
         # window check (the step plan, step_plan.py): the same work as below with nothing asked that cannot apply
+        # accelerate's gradient state, or a model it prepared (flagged perhaps after the session began): only then can
+        # the step be a micro-step (C-level tests: _is_micro_step's frames are not paid without accelerate)
+        accelerated = self._grad_states or self._typed_accelerate or any(map(PREPARED, self._model_dicts))
         if type(loss) is torch.Tensor and self._plainly and ctx.step < self._next_check and ctx.step > ctx.anomaly_until \
-                and loss.ndim == 0 and not self._phase_pending and (not (self._grad_states or self._typed_accelerate or any(map(PREPARED, self._model_dicts)))
-                     or not self._is_micro_step()):  # no accelerate object in sight: not a micro-step, and no frame to say it
+                and loss.ndim == 0 and not self._phase_pending and not (accelerated and self._is_micro_step()):
             return self._plain(t0, ctx, loss, outputs, batch, batch_size)
         if not self._opened:
             self._open()
@@ -269,38 +273,6 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
                             "scalar loss you call backward() on.", f" {name!r}" if name else "", tuple(value.shape))
             return value.detach().float().mean() if value.numel() else None
         return value
-
-    def log_eval(self, loss: Any = None, *, batch: Any = None, **metrics: Any) -> None:
-        """Record evaluation results (``diag/eval/loss``, ``diag/eval/<name>``) at the current step.
-
-        Values must be real numbers or one-element tensors (read back here: one host sync each);
-        any other value is skipped with one warning naming its key, never an exception. ``batch``: an
-        evaluation batch (optional): compared with the recent training batches (``eval_on_train_batch``).
-        """
-        from trackdiag.util.eval_values import eval_scalars
-
-        if isinstance(batch, (int, float)) and not isinstance(batch, bool):  # a metric named "batch", as before
-            metrics["batch"], batch = batch, None
-        values = eval_scalars(loss, metrics)
-        if not values:
-            return
-        if not self._opened:
-            self._open()
-        step = max(self._step - 1, 0)
-        record = Record(step=step, time=time.time())
-        for k, v in values.items():
-            record.scalars[f"diag/eval/{k}"] = v
-        for p in self._eval_probes:  # what they saw of the evaluation (the eval_mode probe: the models' calls)
-            if p.enabled:
-                self._guard(p, "on_eval", self._ctx, record)
-        if batch is not None:  # the probes that fingerprint training batches say whether it is one of them
-            for p in self.probes:
-                if p.enabled and hasattr(p, "on_eval_batch"):
-                    self._guard(p, "on_eval_batch", self._ctx, batch, record)
-        alerts = self._judge("check_eval", record, self._history)
-        raised = self._emit(record, alerts)
-        if raised is not None:
-            raise AlertRaised(raised)
 
     def _log(self, step: int, final: bool = False, resume: dict[int, dict[str, Any]] | None = None) -> Alert | None:
         """Collect, measure, judge and send the record of ``step``'s window. ``resume``: what a logging step cut

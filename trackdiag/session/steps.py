@@ -29,13 +29,13 @@ from trackdiag.capture.context import Component
 from trackdiag.capture.grad_records import GradView, merge_taps
 from trackdiag.capture.gradtap import GradTap
 from trackdiag.capture.optimizers import DISPATCH, accelerate_accumulating, gradient_states, scaler_of, top_lr
-
-#: a model's ``__dict__`` flag that ``accelerate.prepare`` sets (``map(PREPARED, dicts)``: a C-level pass)
-PREPARED = operator.methodcaller("get", "_is_accelerate_prepared")
 from trackdiag.probes.base import Probe
 from trackdiag.util.schedule import NEVER, next_due
 
 log = logging.getLogger("trackdiag")
+
+#: a model's ``__dict__`` flag that ``accelerate.prepare`` sets (``map(PREPARED, dicts)``: a C-level pass)
+PREPARED = operator.methodcaller("get", "_is_accelerate_prepared")
 
 
 @dataclass(slots=True)
@@ -257,15 +257,7 @@ class OptimizerEvents:
             st.pre_done = True
             ctx = self._ctx
             plain = self._pre_plain is not None and self._next_check > ctx.step > ctx.anomaly_until  # _plain_step inline
-            pre = self._pre_plain if plain else self._pre_probes
-            if pre:  # _run inline: a frame less on every step
-                for p in pre:
-                    if p.enabled and (not p.due_only or ctx.is_due(p.schedule)):
-                        try:
-                            p.before_optimizer_step(ctx, comp)
-                        except Exception as exc:
-                            self._fail(p, "before_optimizer_step", exc)
-                comp.index._cache.clear()
+            self._run(self._pre_plain if plain else self._pre_probes, "before_optimizer_step", comp)
         if closure is not None and not st.consumed:  # the probes before the step: at the closure's first backward
             st.closure = True
             self._tap.begin_closure(comp.name)
@@ -349,25 +341,18 @@ class OptimizerEvents:
         if tap is None:  # no backward reached the component since the last step, or the tap is off
             tap, source = self._tap.measure(comp, unscale=False), "step"
         ctx = self._ctx
-        tapped = self._tap.states.get(comp.name)
-        view = st.view = GradView(comp, tap, source, st.stepped, passes, tapped.sentinel if tapped is not None else None)
+        view = st.view = GradView(comp, tap, source, st.stepped, passes, self._tap.sentinel_of(comp.name))
         if source == "backward":
             ctx.backward_seen.add(comp.name)
         ctx.passes[comp.name] = len(passes)
-        plain = self._grad_plain is not None and self._next_check > ctx.step > ctx.anomaly_until
-        grad = self._grad_plain if plain else self._grad_probes
-        for p in grad:  # _hand inline: a frame less on every step
-            if p.enabled:
-                try:
-                    p.on_grads(ctx, comp, view)
-                except Exception as exc:
-                    self._fail(p, "on_grads", exc)
-        comp.index._cache.clear()
+        self._hand(comp, view)
 
     def _hand(self, comp: Component, view: GradView, more: bool = False) -> None:
-        """The gradient probes get ``view``: ``on_grads`` at the step's consumption, ``on_more_grads`` after a merge."""
+        """The gradient probes get ``view``: ``on_grads`` at the step's consumption, ``on_more_grads`` after a merge;
+        on a plain step only those the step plan keeps (no due-only probe)."""
         ctx = self._ctx
-        for p in self._grad_probes:
+        plain = self._grad_plain is not None and self._next_check > ctx.step > ctx.anomaly_until
+        for p in self._grad_plain if plain else self._grad_probes:
             if p.enabled:
                 try:
                     (p.on_more_grads if more else p.on_grads)(ctx, comp, view)
