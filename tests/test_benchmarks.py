@@ -212,6 +212,20 @@ def test_floor_table_has_the_floor_the_machinery_and_each_preset(tmp_path: Path)
         assert float(lo) <= float(hi)
 
 
+def test_builds_compares_two_builds_in_one_process(tmp_path: Path) -> None:
+    """benchmarks/builds.py against this very checkout: the other build is imported under its own name (its session
+    runs beside this one's and records its own run), and the table has a row per preset with both builds' figures."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(BENCH / "builds.py"), str(ROOT), "--presets", "basic", "--rounds", "2",
+                           "--steps", "30", "--warmup", "30"], capture_output=True, text=True, timeout=240, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| basic |"))
+    this, other, cheaper, diff = (c.strip() for c in row.strip("|").split("|")[1:])
+    assert math.isfinite(float(this)) and math.isfinite(float(other)) and math.isfinite(float(diff))
+    assert cheaper in ("0/2", "1/2", "2/2")
+
+
 def test_tracker_startup_times_each_arm_in_a_process_of_its_own(tmp_path: Path) -> None:
     """benchmarks/tracker_startup.py: one fresh process per arm and round (the delivery worker's cost is
     process-wide, so it cannot be interleaved); a row per arm with one block time per 50 steps, all finite, the bare

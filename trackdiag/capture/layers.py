@@ -56,7 +56,7 @@ class LayerIndex:
     grouped: bool
     _zeros: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
     sharded: bool = False  # some parameters are DTensors (FSDP2): read their local shards
-    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)  # never rebound: clear_cache is its clear
     index_of: list[int] = field(default_factory=list)  # host copy of ``index``
     low_precision: bool = False  # some parameters are fp16/bf16: norms accumulate in fp32
     #: the global norm is the foreach norms' norm (one device, unsharded; on the CPU at most 64 tensors, whatever

@@ -1,0 +1,140 @@
+"""Two builds of trackdiag side by side in one process: which one costs less on a plain step.
+
+    python benchmarks/builds.py OTHER_CHECKOUT [--presets basic advanced] [--rounds 12] [--workload small]
+
+Separate processes cannot tell a change of ~20 us a step apart on a machine whose speed drifts between runs (this
+2-core VM: the same build 61-142 us over the bare loop in six runs). Here the other checkout's ``trackdiag`` is copied
+under another package name (``trackdiag_other``: its imports and its logger renamed) into a temporary directory, and
+three arms (the bare loop, this checkout's build, the other build; each its own model, optimizer and batch stream
+from one seed; the cost budget off) step in random order, one step each, after ``--warmup`` steps. Per round of
+``--steps`` steps: the median thread time (``time.thread_time_ns``) of each arm's plain steps (a session's step that
+its step plan knew to be no logging step), less the bare loop's. Prints, per preset, each build's median excess over
+the rounds and in how many rounds this build was the cheaper one, with the median difference.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import random
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]  # this checkout's trackdiag
+
+import torch  # noqa: E402
+
+import workloads  # noqa: E402
+
+OTHER = "trackdiag_other"
+_IMPORTS = [(re.compile(r"\btrackdiag\."), f"{OTHER}."), (re.compile(r"\bfrom trackdiag import\b"), f"from {OTHER} import"),
+            (re.compile(r"^import trackdiag$", re.M), f"import {OTHER}"), (re.compile(r'"trackdiag"\)'), f'"{OTHER}")')]
+
+
+def load_other(checkout: Path, into: Path) -> Any:
+    """The ``trackdiag`` package of ``checkout``, copied into ``into`` as :data:`OTHER` and imported."""
+    dest = into / OTHER
+    shutil.copytree(checkout / "trackdiag", dest, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in dest.rglob("*.py"):
+        text = path.read_text()
+        for pattern, repl in _IMPORTS:
+            text = pattern.sub(repl, text)
+        path.write_text(text)
+    sys.path.insert(0, str(into))
+    return importlib.import_module(OTHER)
+
+
+class Arm:
+    """One contender: its own model, optimizer, batches and (unless bare) session of ``module``."""
+
+    def __init__(self, name: str, wl: workloads.Workload, module: Any, level: str) -> None:
+        torch.manual_seed(0)
+        self.name, self.wl = name, wl
+        self.model = wl.make_model()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=wl.lr)
+        self.gen = torch.Generator().manual_seed(1)
+        self.diag = None
+        if module is not None:
+            self.diag = module.Diagnostics(self.model, self.opt, level=level, sinks=["local"], budget=None,
+                                           output_dir=tempfile.mkdtemp(prefix=f"{name}-", dir="."),
+                                           sink={"console": {"enabled": False}})
+            self.diag.__enter__()
+
+    def plain(self) -> bool:
+        d = self.diag
+        return d is None or d._next_check > d._ctx.step > d._ctx.anomaly_until
+
+    def step(self) -> tuple[bool, int]:
+        x, y = self.wl.make_batch(self.gen)
+        plain = self.plain()
+        t0 = time.thread_time_ns()
+        out = self.model(x)
+        loss = self.wl.loss(out, y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        if self.diag is not None:
+            self.diag.step(loss, outputs=out, batch=(x, y))
+        return plain, time.thread_time_ns() - t0
+
+
+def compare(other: Any, wl: workloads.Workload, level: str, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Per round, each build's median plain-step thread time over the bare loop's (us)."""
+    import trackdiag
+
+    arms = [Arm("bare", wl, None, level), Arm("this", wl, trackdiag, level), Arm("other", wl, other, level)]
+    for _ in range(warmup):
+        for a in arms:
+            a.step()
+    excess: dict[str, list[float]] = {"this": [], "other": []}
+    for _ in range(rounds):
+        times: dict[str, list[int]] = {a.name: [] for a in arms}
+        for _ in range(steps):
+            order = arms[:]
+            random.shuffle(order)
+            for a in order:
+                plain, ns = a.step()
+                if plain:
+                    times[a.name].append(ns)
+        bare = statistics.median(times["bare"])
+        for name in excess:
+            excess[name].append((statistics.median(times[name]) - bare) / 1e3)
+    for a in arms[1:]:
+        a.diag.close()
+    diff = [t - o for t, o in zip(excess["this"], excess["other"])]
+    return {"this": excess["this"], "other": excess["other"], "cheaper": sum(d < 0 for d in diff),
+            "diff": statistics.median(diff)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("other", type=Path, help="the other checkout (its trackdiag/ is copied, not installed)")
+    ap.add_argument("--presets", nargs="*", default=["basic", "advanced"])
+    ap.add_argument("--workload", default="small")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=1500)
+    args = ap.parse_args()
+    if args.workload.endswith("+clip"):  # each build answers clip_grad_norm_ with its own tap (capture.clip_serve)
+        raise SystemExit("builds.py: no +clip workload (both builds would wrap clip_grad_norm_)")
+    torch.set_num_threads(1)
+    os.chdir(tempfile.mkdtemp(prefix="trackdiag-builds-"))
+    other = load_other(args.other.resolve(), Path(tempfile.mkdtemp(prefix="trackdiag-other-")))
+    wl = workloads.get(args.workload)
+    print(f"| {wl.name} | this build, plain step over bare (us) | other build | rounds this build cheaper | median "
+          f"difference (us) |\n|---|---:|---:|---:|---:|")
+    for level in args.presets:
+        got = compare(other, wl, level, args.rounds, args.steps, args.warmup)
+        print(f"| {level} | {statistics.median(got['this']):.1f} | {statistics.median(got['other']):.1f} | "
+              f"{got['cheaper']}/{args.rounds} | {got['diff']:+.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
