@@ -31,6 +31,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]  # this checkout's trackdia
 
 import torch  # noqa: E402
 
+import floor  # noqa: E402
 import workloads  # noqa: E402
 
 OTHER = "trackdiag_other"
@@ -51,37 +52,23 @@ def load_other(checkout: Path, into: Path) -> Any:
     return importlib.import_module(OTHER)
 
 
-class Arm:
-    """One contender: its own model, optimizer, batches and (unless bare) session of ``module``."""
+class Arm(floor.Arm):
+    """floor.py's contender (its own model, optimizer and batch stream from one seed) with a session of ``module``'s
+    ``Diagnostics`` (none: the bare loop); :meth:`timed` is one step's thread time and whether it was a plain step."""
 
     def __init__(self, name: str, wl: workloads.Workload, module: Any, level: str) -> None:
-        torch.manual_seed(0)
-        self.name, self.wl = name, wl
-        self.model = wl.make_model()
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=wl.lr)
-        self.gen = torch.Generator().manual_seed(1)
-        self.diag = None
+        super().__init__(name, wl, None)
         if module is not None:
             self.diag = module.Diagnostics(self.model, self.opt, level=level, sinks=["local"], budget=None,
                                            output_dir=tempfile.mkdtemp(prefix=f"{name}-", dir="."),
                                            sink={"console": {"enabled": False}})
             self.diag.__enter__()
 
-    def plain(self) -> bool:
+    def timed(self) -> tuple[bool, int]:
         d = self.diag
-        return d is None or d._next_check > d._ctx.step > d._ctx.anomaly_until
-
-    def step(self) -> tuple[bool, int]:
-        x, y = self.wl.make_batch(self.gen)
-        plain = self.plain()
+        plain = d is None or d._next_check > d._ctx.step > d._ctx.anomaly_until
         t0 = time.thread_time_ns()
-        out = self.model(x)
-        loss = self.wl.loss(out, y)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
-        if self.diag is not None:
-            self.diag.step(loss, outputs=out, batch=(x, y))
+        self.step()
         return plain, time.thread_time_ns() - t0
 
 
@@ -92,7 +79,7 @@ def compare(other: Any, wl: workloads.Workload, level: str, rounds: int, steps: 
     arms = [Arm("bare", wl, None, level), Arm("this", wl, trackdiag, level), Arm("other", wl, other, level)]
     for _ in range(warmup):
         for a in arms:
-            a.step()
+            a.timed()
     excess: dict[str, list[float]] = {"this": [], "other": []}
     for _ in range(rounds):
         times: dict[str, list[int]] = {a.name: [] for a in arms}
@@ -100,7 +87,7 @@ def compare(other: Any, wl: workloads.Workload, level: str, rounds: int, steps: 
             order = arms[:]
             random.shuffle(order)
             for a in order:
-                plain, ns = a.step()
+                plain, ns = a.timed()
                 if plain:
                     times[a.name].append(ns)
         bare = statistics.median(times["bare"])
