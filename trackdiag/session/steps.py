@@ -16,11 +16,10 @@ steps the session's parameters (or explicitly with :meth:`attach`).
 from __future__ import annotations
 
 import logging
-import operator
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
@@ -28,14 +27,12 @@ from trackdiag.capture.components import attachable, groups_signature, reindex, 
 from trackdiag.capture.context import Component
 from trackdiag.capture.grad_records import GradView, merge_taps
 from trackdiag.capture.gradtap import GradTap
-from trackdiag.capture.optimizers import DISPATCH, accelerate_accumulating, gradient_states, scaler_of, top_lr
+from trackdiag.capture.optimizers import DISPATCH, scaler_of, top_lr
 from trackdiag.probes.base import Probe
+from trackdiag.session.micro_steps import MicroSteps
 from trackdiag.util.schedule import NEVER, next_due
 
 log = logging.getLogger("trackdiag")
-
-#: a model's ``__dict__`` flag that ``accelerate.prepare`` sets (``map(PREPARED, dicts)``: a C-level pass)
-PREPARED = operator.methodcaller("get", "_is_accelerate_prepared")
 
 
 @dataclass(slots=True)
@@ -51,7 +48,7 @@ class _StepState:
     by: tuple[int, ...] = ()  # the optimizers whose gradients ``view`` holds
 
 
-class OptimizerEvents:
+class OptimizerEvents(MicroSteps):
     """Optimizer steps and gradient consumption; see the module docstring."""
 
     components: list[Component]
@@ -73,15 +70,7 @@ class OptimizerEvents:
         self._steps: dict[str, _StepState] = {c.name: _StepState() for c in self.components}
         self._foreign: weakref.WeakSet[Any] = weakref.WeakSet()
         self._retired: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers replaced by newer ones (_retire)
-        self._micro: list[Mapping[str, Any]] = []
-        self._grad_states: list[Any] = []
-        self._find_grad_states()
-        self._models = list({id(m): m for c in self.components for m in (c.outer, c.model) if m is not None}.values())
-        # what step() looks at before it calls _is_micro_step: the models' own attributes (accelerate.prepare flags a
-        # model there, perhaps after the session began) and whether a model's class is flagged
-        self._model_dicts = [d for m in self._models if isinstance(d := getattr(m, "__dict__", None), dict)]
-        self._typed_accelerate = any(getattr(type(m), "_is_accelerate_prepared", False) for m in self._models) or \
-            len(self._model_dicts) < len(self._models)
+        self._init_micro()
         self._notes: dict[str, str] = {}
         self._masks: dict[tuple[str, int, int], torch.Tensor] = {}  # (component, generation, id(optimizer)) -> its params
         # training phases (greedy layer-wise training, progressive unfreezing): an optimizer stepping for the
@@ -361,35 +350,6 @@ class OptimizerEvents:
         comp.index.clear_cache()
 
     # ------------------------------------------------------------------ Diagnostics.step
-    def _is_micro_step(self) -> bool:
-        """A ``step()`` call between two real optimizer steps (accelerate's ``accumulate``). The given
-        optimizers' ``gradient_state`` objects are found when an optimizer is given or adopted."""
-        for st in self._grad_states:
-            if getattr(st, "sync_gradients", True) is False:
-                return True
-        for m in self._models:
-            if accelerate_accumulating(m):
-                return True
-        return False
-
-    def _find_grad_states(self) -> None:
-        self._grad_states = [st for c in self.components for g in c.given for st in gradient_states(g)]
-
-    def _merge_micro(self, losses: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The step's losses: the mean over its micro-batches' losses (device ops only)."""
-        if not self._micro:
-            return losses
-        parts, self._micro = [*self._micro, losses], []
-        self._ctx.passes[""] = max(self._ctx.passes.get("", 0), len(parts))
-        out: dict[str, Any] = {}
-        for name in dict.fromkeys(k for part in parts for k in part):
-            vals = [part[name] for part in parts if part.get(name) is not None]
-            if vals and all(isinstance(v, torch.Tensor) for v in vals):
-                out[name] = torch.stack([v.detach().float().reshape(()) for v in vals]).mean()
-            elif vals:
-                out[name] = sum(float(v) for v in vals) / len(vals)
-        return out
-
     def _finish_components(self) -> None:
         """At ``Diagnostics.step``: components nobody consumed get their gradients read now."""
         stepped = set()
