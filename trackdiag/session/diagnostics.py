@@ -32,8 +32,8 @@ from trackdiag.session.distributed import DistSync
 from trackdiag.session.evaluations import Evaluations
 from trackdiag.session.flight import FlightRecorder
 from trackdiag.session.guards import Guards, enrich_alerts
-from trackdiag.session.step_plan import StepPlan
 from trackdiag.session.micro_steps import PREPARED
+from trackdiag.session.step_plan import StepPlan
 from trackdiag.session.steps import OptimizerEvents
 from trackdiag.sinks.base import Sink, SinkHub
 from trackdiag.util import exit_status

@@ -10,7 +10,9 @@ budget stretching the cadence) drops the plan, and the next step asks the schedu
 The plan also keeps which probes' ``on_step`` has work to do until the next logging step (:meth:`Probe.quiet`: a
 probe whose per-step hook would return at once, such as the AMP probe without an enabled ``GradScaler``, is not
 called). It is worked out again after each logging step and whenever the session's shape changes (an optimizer
-adopted, parameters re-indexed, a phase begun): :meth:`_replan`.
+adopted, parameters re-indexed, a phase begun): :meth:`_replan`. With it, the probes the optimizer hooks call on a plain
+step (``_pre_plain``, ``_post_plain``, ``_grad_plain``): not a due-only probe (its schedule cannot fire there), nor one
+with nothing to do before the step until the next plan (:meth:`Probe.idle_before_step`).
 
 The probes' own due checks (``ctx.is_due``) read the same plan: before the next logging step a schedule of the plan
 is not called (:meth:`_tell`).
