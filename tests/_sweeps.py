@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import _warm as warm
 from _postgres import PgMlflowServer, Postgres
+from _procs import AFTER_GROUP
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,11 +59,18 @@ def server_fixture(tmp_path_factory: Any) -> Iterator[PgMlflowServer]:
         srv = start_server(tmp_path_factory.getbasetemp() / "mlflow_server")
         _SHARED.append(srv)
         atexit.register(stop_server, srv)
+        AFTER_GROUP.setdefault("sweeps", []).append(_release)  # stopped with the sweeps group's last test
     elif not _alive_and_healthy(_SHARED[0]):
         _SHARED[0].stop()
         _SHARED[0].start()
         _SHARED[0].wait(240)
     yield _SHARED[0]
+
+
+def _release() -> None:
+    """Stop the shared server and its PostgreSQL (a later sweep test would start them again)."""
+    if _SHARED:
+        stop_server(_SHARED.pop())
 
 
 def copy_app(dest: Path) -> Path:

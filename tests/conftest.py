@@ -49,14 +49,16 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
     start is ~10-16 CPU-s on 2 cores; four modules started one each (issue 47). The tests that stop or restart a
     server start their own."""
     from _mlflow_util import MlflowServer
+    from _procs import AFTER_GROUP
 
     srv = MlflowServer(tmp_path_factory.mktemp("mlflow_server"))
+    AFTER_GROUP.setdefault("mlflow_server", []).append(srv.stop)  # stopped with the group's last test
     try:
         srv.start()
         srv.wait(180)
         yield srv
     finally:
-        srv.stop()  # the whole process group, whatever happened
+        srv.stop()  # the whole process group, whatever happened (a second stop does nothing)
 
 
 def make_mlp(hidden: int = 32, depth: int = 2, seed: int = 0) -> nn.Module:
@@ -195,8 +197,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     groups: dict[str, str] = {}
     for item in items:
-        module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
-        group = group_of(module)
+        group = group_of(_module_of(item))
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
             groups[item.nodeid] = group
@@ -215,6 +216,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     items.sort(key=order)
     COLLECTED[:] = [item.nodeid for item in items]  # before ``-k``/``-m`` deselect (this hook runs first)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After a group's last test on this worker (the next test is of another scope, or none), what the group's shared
+    fixtures left running (:data:`_procs.AFTER_GROUP`) is stopped, not at the worker's exit."""
+    yield
+    from _procs import AFTER_GROUP
+
+    group = group_of(_module_of(item))
+    if group in AFTER_GROUP and (nextitem is None or group_of(_module_of(nextitem)) != group):
+        for stop in AFTER_GROUP.pop(group):
+            stop()
+
+
+def _module_of(item: pytest.Item) -> str:
+    return item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
 
 
 #: this session's collection in the order xdist gets it (tests/test_suite_order.py checks it)
