@@ -2,8 +2,20 @@
 run, it makes every Python process of that venv append, at exit, a line to ``$TRACKDIAG_CENSUS``:
 ``test<TAB>own CPU-s<TAB>waited children's CPU-s<TAB>wall-s<TAB>pid<TAB>argv`` (``test``: the
 ``PYTEST_CURRENT_TEST`` it inherited, ``-`` for none). It attributes the MLflow sink's workers, sweep jobs and
-end-to-end apps to the test that started them; processes killed by a signal write nothing."""
+end-to-end apps to the test that started them; processes killed by a signal write nothing (``ACCT=1``: the kernel's
+process accounting counts those, and ``$TRACKDIAG_CENSUS_START`` gets a line as each process starts,
+``pid<TAB>ppid<TAB>test<TAB>command line``, read by ``scripts/acct_report.py``)."""
 import os
+
+if os.environ.get("TRACKDIAG_CENSUS_START"):
+    try:  # the whole command line: a .pth line runs before ``-m``'s module name reaches sys.argv
+        with open("/proc/self/cmdline", "rb") as _f:
+            _cmd = " ".join(a.decode(errors="replace") for a in _f.read().split(b"\0")[1:] if a)
+        with open(os.environ["TRACKDIAG_CENSUS_START"], "a") as _f:
+            _f.write(f"{os.getpid()}\t{os.getppid()}\t{os.environ.get('PYTEST_CURRENT_TEST', '-').split(' ')[0]}\t"
+                     f"{_cmd[:200].replace(chr(9), ' ').replace(chr(10), ' ')}\n")
+    except Exception:  # noqa: BLE001 - a census must never change how a process starts
+        pass
 
 if os.environ.get("TRACKDIAG_CENSUS"):
     import atexit
