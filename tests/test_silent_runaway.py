@@ -169,3 +169,32 @@ def test_a_loss_that_crossed_zero_both_ways_is_recorded_not_raised() -> None:
         got += rule.check(Record(step=lo + 9, scalars={}, series={"diag/loss": list(enumerate(signed))[lo:lo + 10]}), [], [])
     assert [a.severity for a in got] == ["info"], got
     assert 'objective="rl"' in got[0].hint and "crossed zero both ways" in got[0].message
+
+
+def test_a_loss_that_starts_at_zero_is_recorded_not_raised() -> None:
+    """A negative cosine similarity (SimSiam) starts near 0 by symmetry and falls along an S-curve towards -1: far
+    beyond its tiny start, and still speeding up when it crosses the line drawn from its spread, then it levels off.
+    Two healthy SimSiam runs of the rehearsal (2026-12-03: critical at step 49 before) and a logistic fall get at most
+    an info finding that says the start was zero within its noise; a loss that starts clearly below zero and keeps
+    falling is still raised."""
+    from trackdiag.core.record import Record
+
+    def run(values: list[float]) -> list[trackdiag.Alert]:
+        rule, out = LossRunaway(), []
+        for lo in range(0, len(values), 10):
+            out += rule.check(Record(step=lo + 9, scalars={}, series={"diag/loss": list(enumerate(values))[lo:lo + 10]}),
+                              [], [])
+        return out
+
+    wiggle = [-0.006, -0.004, -0.010, -0.012, 0.002, -0.007, -0.001, -0.022, -0.013, -0.002]
+    s_curve = wiggle + [-0.72 / (1 + math.exp(-(i - 40) / 12)) + wiggle[i % 10] for i in range(390)]
+    simsiam_s3 = [-0.0028, -0.0028, -0.0104, -0.0026, 0.0008, -0.01, -0.0194, -0.0067, -0.0131, -0.0088]
+    medians = [-0.017, -0.071, -0.211, -0.327, -0.415, -0.477, -0.552, -0.593, -0.615, -0.65, -0.668, -0.666, -0.684,
+               -0.688, -0.703, -0.707, -0.707, -0.709, -0.708, -0.719]  # of each 20 steps, as the run logged them
+    simsiam_s3 += [medians[i // 20] + wiggle[i % 10] for i in range(10, 400)]
+    for series in (s_curve, simsiam_s3):
+        got = run(series)
+        assert [a.severity for a in got] == ["info"] and "zero within its noise" in got[0].message, got
+    clearly_negative = [-1.0 + 0.05 * w for w in wiggle] + [-1.0 - 0.5 * i for i in range(190)]
+    got = run(clearly_negative)
+    assert len(got) == 1 and got[0].severity == "critical" and "beyond its start" in got[0].message, got

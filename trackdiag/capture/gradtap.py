@@ -40,7 +40,7 @@ from trackdiag.capture import clip_serve
 from trackdiag.capture.context import Component, ProbeContext
 from trackdiag.capture.grad_records import (VERSION, GradView, Pass, Tap, foreach_norms, plain_tap, sentinel_norm,
                                             sentinel_raw, totals)
-from trackdiag.capture.tap_hooks import TAP_QUEUE, CompTap, firing, pick_sentinel
+from trackdiag.capture.tap_hooks import TAP_QUEUE, CompTap, firing, hookable, pick_sentinel, watched
 from trackdiag.util.norms import global_norm, grad_norms, max_abs
 
 GRAD = operator.attrgetter("grad")
@@ -91,14 +91,15 @@ class GradTap:
         st.generation = comp.generation
         st.params_of = {g: ids for g, ids in st.params_of.items() if g >= comp.generation - 1}
         st.params_of[comp.generation] = tuple(id(p) for p in comp.index.params)
-        params = [p for p in comp.index.params if p.requires_grad]
+        params = watched(comp)
         st.sentinel = sentinel if sentinel is not None else pick_sentinel(comp)
         st.misses, st.last_nonzero = 0, True
         try:
-            self._hook_layers(st, params)
-            if st.sentinel is not None:
-                st.handles.append(st.sentinel.register_hook(st.watch))
-                st.handles.append(st.sentinel.register_post_accumulate_grad_hook(st.accumulated))
+            with hookable(params):
+                self._hook_layers(st, params)
+                if st.sentinel is not None:
+                    st.handles.append(st.sentinel.register_hook(st.watch))
+                    st.handles.append(st.sentinel.register_post_accumulate_grad_hook(st.accumulated))
         except RuntimeError as exc:  # e.g. a parameter that cannot take hooks
             self._unhook(st)
             self.failed = f"{type(exc).__name__}: {exc}"
@@ -288,7 +289,9 @@ class GradTap:
             tap = self._carry(st, tap)
         if tap is None and st.thin:  # a step without a pass the sentinel saw: one may have reached other layers only
             try:
-                self._hook_layers(st, [p for p in st.comp.index.params if p.requires_grad])
+                params = watched(st.comp)
+                with hookable(params):
+                    self._hook_layers(st, params)
             except RuntimeError:  # hooked at attach time already: cannot fail here short of a changed parameter
                 pass
         st.latest = st.first_in_step = None

@@ -196,14 +196,45 @@ def firing(model: Any, params: list[torch.Tensor], sentinel: torch.Tensor | None
     return ids - (spare - keep)
 
 
+def watched(comp: Component) -> list[torch.Tensor]:
+    """The parameters of ``comp`` whose gradients the tap hooks: those that require a gradient now. When none does
+    but an optimizer holds some, all of those: a component frozen at every ``step()`` and trained in a phase of its
+    own (a GAN's discriminator, ``requires_grad`` turned off for the generator's step and on again for its own: the
+    igul222 and CycleGAN loops) would otherwise never be hooked, and a ``zero_grad`` it misses never seen."""
+    live = [p for p in comp.index.params if p.requires_grad]
+    if live or not comp.optimizers:
+        return live
+    return [p for p in comp.index.params if p.is_floating_point() or p.is_complex()]
+
+
+@contextlib.contextmanager
+def hookable(params: list[torch.Tensor]) -> Iterator[None]:
+    """``requires_grad`` on for the frozen ones of ``params`` while their hooks are registered (PyTorch refuses a hook
+    on a tensor that does not require a gradient; the hook stays when it is turned off again). Host work, outside any
+    forward or backward pass."""
+    off = [p for p in params if not p.requires_grad]
+    for p in off:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in off:
+            p.requires_grad_(False)
+
+
 def pick_sentinel(comp: Component) -> torch.Tensor | None:
     """The parameter whose gradient stands for the component's in the zero-grad checks: the
-    smallest trainable tensor of the first or the last layer (every backward pass through the
-    component reaches those; the smallest keeps the all-zero test cheap)."""
+    smallest watched tensor (:func:`watched`) of the first or the last layer (every backward pass through the
+    component reaches those; the smallest keeps the all-zero test cheap), not the last layer's bias: it shifts
+    every output alike, so a loss that compares outputs with each other (a WGAN critic's mean difference, a distance
+    between two embeddings) gives it no gradient at all, and a gradient that is always zero looks reset by every
+    pass: a ``zero_grad`` left out would never show."""
     idx = comp.index
-    cands = [i for i, p in enumerate(idx.params) if p.requires_grad]
+    pool_ids = {id(p) for p in watched(comp)}
+    cands = [i for i, p in enumerate(idx.params) if id(p) in pool_ids]
     if not cands:
         return None
-    ends = {idx.layers[idx.index_of[cands[0]]], idx.layers[idx.index_of[cands[-1]]]}
-    pool = [idx.params[i] for i in cands if idx.layers[idx.index_of[i]] in ends]
-    return min(pool, key=lambda p: p.numel())
+    first, last = idx.layers[idx.index_of[cands[0]]], idx.layers[idx.index_of[cands[-1]]]
+    pool = [i for i in cands if idx.layers[idx.index_of[i]] in (first, last)]
+    live = [i for i in pool if not (idx.layers[idx.index_of[i]] == last and idx.names[i].rpartition(".")[2] == "bias")]
+    return min((idx.params[i] for i in live or pool), key=lambda p: p.numel())
