@@ -21,7 +21,11 @@ on the every-step values. (A dict of parts is read as an adversarial set under `
 - the finding is at the first such step, once per series and phase: evidence ``loss`` (the loss shows
   it), and ``persistent`` when the loss kept falling without slowing over all three windows (critical); a
   loss that crossed zero both ways before (a policy-gradient loss without ``objective="rl"``) is an info
-  finding whose hint names ``objective="rl"``.
+  finding whose hint names ``objective="rl"``; so is a loss that started at zero within its noise (the median
+  of its first values no farther from 0 than their spread): it has no size of its own to be "orders of magnitude
+  beyond", and a bounded loss starts there by symmetry (a negative cosine similarity, SimSiam's, starts near 0 with a
+  spread of ~0.02 and falls along an S-curve to -0.7, still speeding up when it crosses any line drawn from that
+  spread).
 
 Cost: host arithmetic on the loss series the record already holds (medians of three 20-value windows at
 the steps that cross the line); nothing on the device.
@@ -113,7 +117,7 @@ class LossRunaway(Rule):
 
     def _judge(self, key: str, rec: Recent, first: list[float], step: int, value: float,
                signed: bool = False) -> Alert | None:
-        start, _, line = self._line(key, first)
+        start, scale, line = self._line(key, first)
         if value >= line:
             return None
         w = self.window
@@ -127,14 +131,19 @@ class LossRunaway(Rule):
         fall, before = mid - now, old - mid
         if fall < self.keep * before:
             return None  # slowing down: converging
-        # a loss that crossed zero both ways (a policy-gradient loss) is recorded, not raised: the hint names objective="rl"
-        evidence = [] if signed else ["loss"] + (["persistent"] if before > 0 else [])
+        # recorded, not raised: a loss that crossed zero both ways (a policy-gradient loss: the hint names
+        # objective="rl"), or one that started at zero within its noise (no size of its own to be far beyond)
+        at_zero = abs(start) < scale  # the spread of the first values is larger than their median's distance to 0
+        evidence = [] if signed or at_zero else ["loss"] + (["persistent"] if before > 0 else [])
         where = "below zero" if start > 0 else "beyond its start"
         msg = (f"the minimised loss {key} fell to {value:.4g} at step {step}, {where}: it started at {start:.4g} "
                f"(median of its first {len(first)} steps) and is still falling without slowing "
                f"({mid:.4g} -> {now:.4g} over the last {w} steps): a loss without a lower bound")
         if signed:
             msg += "; it has crossed zero both ways, as a policy-gradient loss does"
+        elif at_zero:
+            msg += (f"? It started at zero within its noise (spread {scale:.3g}), where a bounded loss such as a "
+                    f"negative cosine similarity starts too: if it levels off, it had a bound")
 
         return self.make(step, msg + ".", value, line, loss_where(key), evidence)
 
