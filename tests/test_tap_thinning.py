@@ -27,7 +27,8 @@ def _model() -> nn.Sequential:
     layers: list[nn.Module] = [nn.Linear(16, 32), nn.ReLU()]
     for _ in range(DEPTH - 2):
         layers += [nn.Linear(32, 32), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(32, 4))  # the sentinel: the smallest of the end layers' (the head's bias)
+    # the sentinel: the smallest tensor of the end layers but the head's bias (pick_sentinel): the first layer's bias
+    return nn.Sequential(*layers, nn.Linear(32, 4))
 
 
 def _hook_calls(loss: torch.Tensor) -> int:
@@ -58,13 +59,13 @@ def test_the_sentinel_stands_alone_after_whole_passes_and_the_norm_stays_exact(t
     gen = torch.Generator().manual_seed(1)
     calls: dict[int, int] = {}
     expected: dict[int, float] = {}
-    aux_from = THIN_AFTER + 10  # from here the loss reads a middle layer: the head (and its sentinel) gets no gradient
+    aux_from = THIN_AFTER + 10  # from here a pass skips the first layer (and its sentinel): a pretext phase on the rest
     for step in range(aux_from + 10):
         x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
         if step < aux_from:
             loss = F.cross_entropy(model(x), y)
         else:
-            loss = model[:4](x).pow(2).mean()  # the first two layers only: a pretext phase
+            loss = F.cross_entropy(model[2:](torch.randn(32, 32, generator=gen)), y)  # every layer but the first
         calls[step] = _hook_calls(loss)
         expected[step] = clip_checked(model.parameters(), 0.5).item()  # pre-clip, clipped
         opt.step()
@@ -75,9 +76,9 @@ def test_the_sentinel_stands_alone_after_whole_passes_and_the_norm_stays_exact(t
     # that the sentinel is reached whenever the model is; then the sentinel's alone
     assert calls[0] == DEPTH and all(calls[s] == DEPTH for s in range(THIN_AFTER - 1)), calls
     assert all(calls[s] == 1 for s in range(THIN_AFTER + 1, aux_from)), calls
-    # the pretext phase reaches two layers, not the sentinel: its first step finds no pass measured and the hooks
+    # the pretext phase reaches every layer but the sentinel's: its first step finds no pass measured and the hooks
     # come back (that step read at the optimizer, after the clip); the passes after it are measured again
-    assert calls[aux_from] == 0 and all(calls[s] == 2 for s in range(aux_from + 1, aux_from + 10)), calls
+    assert calls[aux_from] == 0 and all(calls[s] == DEPTH - 1 for s in range(aux_from + 1, aux_from + 10)), calls
     got = _series(tmp_path, "diag/grad/global_norm")
     assert sorted(got) == sorted(expected)
     for step, ref in expected.items():
