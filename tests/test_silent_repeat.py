@@ -204,3 +204,35 @@ def test_a_batch_rebuilt_each_step_still_repeats(tmp_path) -> None:
     warned = _warned(diag)
     assert [(a.kind, a.step) for a in warned] == [("same_batch", 0)], [(a.kind, a.step) for a in diag.alerts]
     assert all(a != b for a, b in zip(addresses, addresses[1:]))  # each step's batch in memory of its own
+
+
+def _pinn(tmp_path, batch_of) -> trackdiag.Diagnostics:
+    """A PINN tutorial's loop (nanditadoloi/PINN): the boundary points converted from numpy each step (a new tensor,
+    the same values) beside collocation points drawn afresh each step; ``batch_of(boundary, collocation)``."""
+    boundary = np.random.RandomState(0).uniform(size=(200, 2))  # float64: .float() copies it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with one_thread(), trackdiag.Diagnostics(model, opt, level="advanced", sinks=["local"], output_dir=str(tmp_path),
+                                             probes=OFF) as diag:
+        for _ in range(40):
+            fixed, fresh = torch.from_numpy(boundary).float(), torch.rand(1000, 2)
+            x = torch.cat([fixed, fresh])
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            diag.step(loss, batch=batch_of(fixed, fresh))
+    return diag
+
+
+def test_a_batch_whose_other_floating_parts_change_is_not_repeated(tmp_path) -> None:
+    """The PINN tutorial's batch, its fixed part first (the rehearsal of 2026-12-03: a ``same_batch`` warning at step
+    0 on this healthy loop: only the first tensor was fingerprinted); the whole batch rebuilt with the same values
+    each step still repeats."""
+    for name, batch_of in {"pair": lambda a, b: (a, b), "five": lambda a, b: (a[:, :1], a[:, 1:], a.sum(1), b[:, :1], b[:, 1:]),
+                           "dict": lambda a, b: {"input": a, "collocation": b}}.items():
+        diag = _pinn(tmp_path / name, batch_of)
+        assert not _warned(diag), (name, [(a.kind, a.step) for a in diag.alerts])
+    diag = _pinn(tmp_path / "same", lambda a, b: (a, a * 2.0))
+    assert [(a.kind, a.step) for a in _warned(diag)] == [("same_batch", 0)], [(a.kind, a.step) for a in diag.alerts]

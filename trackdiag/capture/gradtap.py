@@ -93,7 +93,7 @@ class GradTap:
         st.params_of[comp.generation] = tuple(id(p) for p in comp.index.params)
         params = watched(comp)
         st.sentinel = sentinel if sentinel is not None else pick_sentinel(comp)
-        st.misses, st.last_nonzero = 0, True
+        st.misses, st.last_nonzero, st.switched = 0, True, sentinel is not None
         try:
             with hookable(params):
                 self._hook_layers(st, params)

@@ -46,6 +46,9 @@ class CompTap:
     whole: int = 0  # backward passes in a row in which every hook ran, the sentinel's too
     thin: bool = False  # only the sentinel's hooks are on
     clip_armed: bool = False  # the loop clips these gradients with clip_grad_norm_ (capture.clip_serve)
+    #: a sentinel that replaced one the passes stopped reaching (GradTap._follow_sentinel), not yet reached: its first
+    #: pass may follow earlier passes of the same step (accumulation), so its gradient tells nothing of a reset
+    switched: bool = False
 
     def fire(self, _grad: torch.Tensor) -> None:
         """Tensor hook on every parameter: note that this backward reaches the component."""
@@ -80,8 +83,9 @@ class CompTap:
         p = self.sentinel
         if p is not None and not TAP_QUEUE.paused:
             g = p.grad
-            if g is None:
+            if g is None or self.switched:
                 reset: bool | torch.Tensor = True
+                self.switched = False
             elif g.layout is torch.strided:
                 reset = sentinel_norm(g) == 0  # all zero (two small ops; none in a set_to_none loop)
             else:
