@@ -54,8 +54,8 @@ class SameBatch(Rule):
         self._fired_start = start
         rl = rollout_epochs(self, components)
         msg = (f"the training batch passed to step() had the same contents at {int(streak) + 1} consecutive steps "
-               f"from step {start} (a new tensor each step with identical values: a loader restarted every step, "
-               f"not full-batch data held in memory).{RL_NOTE if rl else ''}")
+               f"from step {start} (a new tensor each step with identical values: a loader restarted every step, or "
+               f"full-batch data converted anew from its array each step).{RL_NOTE if rl else ''}")
         return [self.make(start, msg, streak, self.patience, "input batch", [] if rl else ["persistent"])]
 
     def state_dict(self) -> dict[str, Any]:
