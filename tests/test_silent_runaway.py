@@ -198,3 +198,15 @@ def test_a_loss_that_starts_at_zero_is_recorded_not_raised() -> None:
     clearly_negative = [-1.0 + 0.05 * w for w in wiggle] + [-1.0 - 0.5 * i for i in range(190)]
     got = run(clearly_negative)
     assert len(got) == 1 and got[0].severity == "critical" and "beyond its start" in got[0].message, got
+
+
+def test_a_positive_start_falling_steeply_at_first_is_still_raised() -> None:
+    """A start whose first steps fall steeply (their spread above their median) but stay positive is no zero start:
+    a loss that then runs away below zero is raised as before."""
+    from trackdiag.core.record import Record
+
+    rule, got = LossRunaway(), []
+    steep = [8.0, 6.0, 4.5, 3.5, 2.9, 2.7, 2.5, 2.3, 2.2, 2.1] + [2.0 - 1.5 * i for i in range(190)]
+    for lo in range(0, len(steep), 10):
+        got += rule.check(Record(step=lo + 9, scalars={}, series={"diag/loss": list(enumerate(steep))[lo:lo + 10]}), [], [])
+    assert [a.severity for a in got] == ["critical"] and "below zero" in got[0].message, got

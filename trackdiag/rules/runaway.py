@@ -21,8 +21,8 @@ on the every-step values. (A dict of parts is read as an adversarial set under `
 - the finding is at the first such step, once per series and phase: evidence ``loss`` (the loss shows
   it), and ``persistent`` when the loss kept falling without slowing over all three windows (critical); a
   loss that crossed zero both ways before (a policy-gradient loss without ``objective="rl"``) is an info
-  finding whose hint names ``objective="rl"``; so is a loss that started at zero within its noise (the median
-  of its first values no farther from 0 than their spread): it has no size of its own to be "orders of magnitude
+  finding whose hint names ``objective="rl"``; so is a loss that started at zero within its noise (its first
+  values take both signs, or a median at or below 0 is no farther from it than their spread): it has no size of its own to be "orders of magnitude
   beyond", and a bounded loss starts there by symmetry (a negative cosine similarity, SimSiam's, starts near 0 with a
   spread of ~0.02 and falls along an S-curve to -0.7, still speeding up when it crosses any line drawn from that
   spread).
@@ -133,7 +133,9 @@ class LossRunaway(Rule):
             return None  # slowing down: converging
         # recorded, not raised: a loss that crossed zero both ways (a policy-gradient loss: the hint names
         # objective="rl"), or one that started at zero within its noise (no size of its own to be far beyond)
-        at_zero = abs(start) < scale  # the spread of the first values is larger than their median's distance to 0
+        # at zero within its noise: its first values take both signs, or their spread is larger than their median's
+        # distance to 0 below it (a positive start falling steeply in its first steps is no zero start)
+        at_zero = min(first) <= 0.0 <= max(first) or (start <= 0 and abs(start) < scale)
         evidence = [] if signed or at_zero else ["loss"] + (["persistent"] if before > 0 else [])
         where = "below zero" if start > 0 else "beyond its start"
         msg = (f"the minimised loss {key} fell to {value:.4g} at step {step}, {where}: it started at {start:.4g} "
