@@ -75,7 +75,7 @@ def kind(proc: Proc, names: dict[int, tuple[str, str]]) -> str:
     for mark in ("mlflow.worker", "mlflow.leftovers", "mlflow server", "mlflow ui", "uvicorn", "--multiprocessing-fork"):
         if mark in names[proc.pid][1]:
             return f"python {mark}"
-    if words[0] in ("-c", "-m"):  # argv as a .pth line sees it: the module or code comes later
+    if words[0] in ("-c", "-m"):  # the code's first word, or the module
         return f"python {' '.join(words[:2])}"[:60]
     return f"python {Path(words[0]).name}"
 

@@ -135,38 +135,36 @@ def test_normalizing_flow_negative_nll_is_silent(tmp_path) -> None:
     assert _runaway(diag) == [], [(a.step, a.message) for a in _runaway(diag)]
 
 
+def _fed(values: list[float]) -> list[trackdiag.Alert]:
+    """The rule alone, fed ``values`` (one a step) ten steps a record, as a logging step every 10 hands them over."""
+    from trackdiag.core.record import Record
+
+    rule, out = LossRunaway(), []
+    for lo in range(0, len(values), 10):
+        out += rule.check(Record(step=lo + 9, scalars={}, series={"diag/loss": list(enumerate(values))[lo:lo + 10]}), [], [])
+    return out
+
+
 def test_runaway_rule_on_series() -> None:
     """The rule alone: a positive start falling linearly far below zero is said at the step it crossed -10x;
     the same fall slowing down (converging at -12x) is not; nor is a loss that starts at -1 and converges at -8."""
-    from trackdiag.core.record import Record
-
-    def run(values: list[float]) -> list[trackdiag.Alert]:
-        rule, out = LossRunaway(), []
-        for lo in range(0, len(values), 10):
-            rec = Record(step=lo + 9, scalars={}, series={"diag/loss": list(enumerate(values))[lo:lo + 10]})
-            out += rule.check(rec, [], [])
-        return out
 
     linear = [10.0] * 40 + [10.0 - 3.0 * i for i in range(160)]
-    got = run(linear)
+    got = _fed(linear)
     assert [a.step for a in got] == [next(i for i, v in enumerate(linear) if v < -100.0)]
     assert got[0].severity == "critical"  # below zero and falling without slowing over three windows
     converging = [10.0] * 10 + [-120.0 + 130.0 * math.exp(-i / 15) for i in range(190)]
-    assert run(converging) == []
+    assert _fed(converging) == []
     negative = [-1.0] * 10 + [-8.0 + 7.0 * math.exp(-i / 30) for i in range(190)]
-    assert run(negative) == []
+    assert _fed(negative) == []
 
 
 def test_a_loss_that_crossed_zero_both_ways_is_recorded_not_raised() -> None:
     """A policy-gradient loss integrated without ``objective="rl"`` takes both signs before its magnitude grows
     with the returns: the same steady fall below -10x its start is an info finding naming ``objective="rl"``;
     a loss that crossed zero once (the KL flipped) stays critical (the previous test)."""
-    from trackdiag.core.record import Record
-
-    rule, got = LossRunaway(), []
     signed = [10.0, -4.0, 6.0, -3.0, 8.0, 5.0, -2.0, 7.0, 9.0, 4.0] * 3 + [10.0 - 3.0 * i for i in range(170)]
-    for lo in range(0, len(signed), 10):
-        got += rule.check(Record(step=lo + 9, scalars={}, series={"diag/loss": list(enumerate(signed))[lo:lo + 10]}), [], [])
+    got = _fed(signed)
     assert [a.severity for a in got] == ["info"], got
     assert 'objective="rl"' in got[0].hint and "crossed zero both ways" in got[0].message
 
@@ -177,14 +175,6 @@ def test_a_loss_that_starts_at_zero_is_recorded_not_raised() -> None:
     Two healthy SimSiam runs of the rehearsal (2026-12-03: critical at step 49 before) and a logistic fall get at most
     an info finding that says the start was zero within its noise; a loss that starts clearly below zero and keeps
     falling is still raised."""
-    from trackdiag.core.record import Record
-
-    def run(values: list[float]) -> list[trackdiag.Alert]:
-        rule, out = LossRunaway(), []
-        for lo in range(0, len(values), 10):
-            out += rule.check(Record(step=lo + 9, scalars={}, series={"diag/loss": list(enumerate(values))[lo:lo + 10]}),
-                              [], [])
-        return out
 
     wiggle = [-0.006, -0.004, -0.010, -0.012, 0.002, -0.007, -0.001, -0.022, -0.013, -0.002]
     s_curve = wiggle + [-0.72 / (1 + math.exp(-(i - 40) / 12)) + wiggle[i % 10] for i in range(390)]
@@ -193,20 +183,16 @@ def test_a_loss_that_starts_at_zero_is_recorded_not_raised() -> None:
                -0.688, -0.703, -0.707, -0.707, -0.709, -0.708, -0.719]  # of each 20 steps, as the run logged them
     simsiam_s3 += [medians[i // 20] + wiggle[i % 10] for i in range(10, 400)]
     for series in (s_curve, simsiam_s3):
-        got = run(series)
+        got = _fed(series)
         assert [a.severity for a in got] == ["info"] and "zero within its noise" in got[0].message, got
     clearly_negative = [-1.0 + 0.05 * w for w in wiggle] + [-1.0 - 0.5 * i for i in range(190)]
-    got = run(clearly_negative)
+    got = _fed(clearly_negative)
     assert len(got) == 1 and got[0].severity == "critical" and "beyond its start" in got[0].message, got
 
 
 def test_a_positive_start_falling_steeply_at_first_is_still_raised() -> None:
     """A start whose first steps fall steeply (their spread above their median) but stay positive is no zero start:
     a loss that then runs away below zero is raised as before."""
-    from trackdiag.core.record import Record
-
-    rule, got = LossRunaway(), []
     steep = [8.0, 6.0, 4.5, 3.5, 2.9, 2.7, 2.5, 2.3, 2.2, 2.1] + [2.0 - 1.5 * i for i in range(190)]
-    for lo in range(0, len(steep), 10):
-        got += rule.check(Record(step=lo + 9, scalars={}, series={"diag/loss": list(enumerate(steep))[lo:lo + 10]}), [], [])
+    got = _fed(steep)
     assert [a.severity for a in got] == ["critical"] and "below zero" in got[0].message, got
