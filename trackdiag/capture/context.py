@@ -146,6 +146,9 @@ class ProbeContext:
     phase_start: int = 0
     #: the user's loss computation, ``loss_fn(batch) -> loss`` (:mod:`trackdiag.capture.user_loss`), or None
     loss_fn: Callable[[Any], Any] | None = None
+    #: the losses given to the step being logged, as ``step()`` got them (graph and all), during its logging step
+    #: only (None otherwise: nothing holds a graph past its step); a probe may walk them there (``grad/reach``)
+    losses: Mapping[str, Any] | None = None
     #: ``() -> [(Component, Tap)]``: the measurements of backward passes not handed to the probes yet (the other
     #: components a pass reached, whose optimizers step later): a check made at one component's step can read them too
     waiting: Callable[[], list[tuple[Component, Any]]] | None = None

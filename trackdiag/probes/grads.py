@@ -17,6 +17,10 @@ Emits per component (``diag/`` or ``diag/<component>/``):
       ``max_norm=0``, a ``zero_grad`` between ``backward`` and ``step``), with the table
       ``grad/wiped`` = ``{"first": step, "run": n, "of": steps}``: the run of consecutive wiped steps
       going on at the window's end (carried across windows) and where it began.
+  ``grad/reach`` (a table, only when the window's last pre-clip norm is exactly 0: no gradient reached any parameter
+      the optimizer holds): ``{"backward": 1.0 if a backward pass reached them in that step (and left exactly 0),
+      "graph": 1.0 if the step's loss has an autograd graph, "reaches": 1.0 if that graph reaches those parameters
+      (0.0: it does not, -1.0: too large to tell)}``, read by ``grads_missing``.
 Cost: per step, the global norm the tap took (see :mod:`trackdiag.capture.gradtap`: one pass over the
 gradients, the sentinel's norm among its per-tensor norms) and, when the optimizer steps, a look at the
 sentinel's gradient: none when it is the tensor the backward pass left at the same version (two attribute
@@ -34,6 +38,7 @@ import torch
 
 from trackdiag.capture.context import Component, ProbeContext
 from trackdiag.capture.grad_records import GradView, sentinel_norm, totals
+from trackdiag.capture.graph_reach import graph_reach
 from trackdiag.core.record import Record
 from trackdiag.probes.base import Probe, take_pending
 from trackdiag.util.norms import cat_chunks, max_abs, plain, stack_scalars, tensor_norms  # noqa: F401  (re-exported for user probes)
@@ -189,7 +194,10 @@ class GradProbe(Probe):
                 self._publish_wiped(comp, [next(flags) if touched else 0.0 for touched in looked], record)
             series = get("global_norm_series")
             if series is not None:
-                record.series[comp.key("grad/global_norm")] = list(zip(self._steps.get(comp.name, []), map(float, series.tolist())))
+                points = list(zip(self._steps.get(comp.name, []), map(float, series.tolist())))
+                record.series[comp.key("grad/global_norm")] = points
+                if points and points[-1][1] == 0.0 and ctx.losses:  # no gradient reached it: why (grads_missing)
+                    self._publish_reach(ctx, comp, record)
             if get("pre_norm") is None:
                 continue
             for k in ("max_abs", "nonfinite_tensors"):
@@ -205,6 +213,17 @@ class GradProbe(Probe):
                 bad = first_bad_layer(comp, layer)
                 if bad:
                     record.tables.setdefault(comp.key("grad/nonfinite_layers"), {})[bad] = 1.0
+
+    @staticmethod
+    def _publish_reach(ctx: ProbeContext, comp: Component, record: Record) -> None:
+        """``grad/reach``: whether the loss given to this step has a graph and whether it reaches the parameters the
+        component's optimizers hold (:func:`~trackdiag.capture.graph_reach.graph_reach`), when none got a gradient."""
+        losses = ctx.losses or {}
+        loss = losses.get(comp.name, losses.get(""))
+        if loss is None and len(losses) == 1:
+            loss = next(iter(losses.values()))
+        reach = {"backward": float(comp.name in ctx.backward_seen), **graph_reach(loss, comp.index.params)}
+        record.tables[comp.key("grad/reach")] = reach
 
     def _publish_wiped(self, comp: Component, flags: list[float], record: Record) -> None:
         """The run of consecutive wiped steps (carried across windows): its first step and length."""

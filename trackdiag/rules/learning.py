@@ -219,9 +219,11 @@ class NotLearning(Rule):
             parts.append(f"validation accuracy {self._acc[-1][1]:.1%} is at chance")
         if at_chance and self._grads == (True, False):
             parts.append("and no parameter has had a gradient since the start (the pre-clip gradient norm is 0 at every "
-                         "step): the forward ran under torch.no_grad() or inference_mode (a loss given "
-                         ".requires_grad_(True) to silence autograd's error trains nothing), or the loss is cut off "
-                         "from the model (.detach(), a tensor rebuilt from .item())")
+                         "step): loss.backward() is not called, the model that computes the loss is not the one "
+                         "the optimizer was built over (replaced after it was built: grads_missing tells which), the "
+                         "forward ran under torch.no_grad() or inference_mode (a loss given .requires_grad_(True) to "
+                         "silence autograd's error trains nothing), or the loss is cut off from the model (.detach(), "
+                         "a tensor rebuilt from .item())")
         elif self._constant and at_chance:
             parts.append("and it does ignore it: the input is one value everywhere (constant_inputs)")
         elif at_chance and self._symmetric:

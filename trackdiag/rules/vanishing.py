@@ -30,7 +30,8 @@ class GradVanishing(Rule):
       was measured meanwhile.
     - **per layer**: a layer's norm stays below ``layer_ratio`` (1e-6) x the largest layer's norm for
       ``patience`` (3) logged steps (``persistent``): its gradient vanished on the way back.
-      Layers whose gradient is exactly zero are ``stale_params``' business.
+      Layers whose gradient is exactly zero are ``stale_params``' business, and a global norm exactly 0 at every
+      step of the span ``grads_missing``'s.
     ``threshold`` (default none): your own absolute floor for the global norm, ``patience`` logs.
     """
 
@@ -75,6 +76,8 @@ class GradVanishing(Rule):
         post = [v for v in g.between(now - self.span + 1, now) if math.isfinite(v)]
         pre = [v for v in g.between(now - 5 * self.span + 1, now - self.span) if math.isfinite(v)]
         if len(post) < self.span or len(pre) < 2 * self.span:
+            return []
+        if not any(post):  # exactly 0 at every step: no gradient reaches the weights at all (grads_missing's)
             return []
         p_now, p_before = statistics.median(post), statistics.median(pre)
         if not (p_before > 0 and p_now < p_before / self.factor):

@@ -246,7 +246,11 @@ class Diagnostics(OptimizerEvents, StepPlan, SetupChecks, FlightRecorder, RunEnd
             self._plan_after(ctx.step)
         if log_now:
             self._logging = ctx.step  # a Ctrl-C in here: close() logs this step's window again
-            raised = self._log(ctx.step)
+            ctx.losses = losses  # for the logging step only: no graph is held past it
+            try:
+                raised = self._log(ctx.step)
+            finally:
+                ctx.losses = None
             self._logging = None
             self._check_reindex()
             self._replan()
