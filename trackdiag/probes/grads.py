@@ -17,6 +17,11 @@ Emits per component (``diag/`` or ``diag/<component>/``):
       ``max_norm=0``, a ``zero_grad`` between ``backward`` and ``step``), with the table
       ``grad/wiped`` = ``{"first": step, "run": n, "of": steps}``: the run of consecutive wiped steps
       going on at the window's end (carried across windows) and where it began.
+  ``opt/unstepped`` (a table, while a run of such steps goes on): steps in a row in which a backward pass reached the
+      component and none of its optimizers stepped (a GradScaler's skipped steps not counted): ``{"first": step, "run":
+      n, "gap": the longest such run that ended in an optimizer step (accumulation over micro-batches each given to
+      step()), "from_start": 1.0 when it began at the component's first step, "others_step": 1.0 when some component's
+      optimizer has stepped}``, read by ``optimizer_idle``.
   ``grad/reach`` (a table, only when the window's last pre-clip norm is exactly 0: no gradient reached any parameter
       the optimizer holds): ``{"backward": 1.0 if a backward pass reached them in that step (and left exactly 0),
       "graph": 1.0 if the step's loss has an autograd graph, "reaches": 1.0 if that graph reaches those parameters
@@ -92,6 +97,12 @@ class GradProbe(Probe):
         self._kept_steps: dict[str, list[int]] = {}
         self._looked: dict[str, list[bool]] = {}  # per kept step: was the gradient touched (a wiped flag computed)
         self._run: dict[str, tuple[int, int]] = {}  # component -> (first step, length) of the current wiped run
+        #: component -> (first step, length) of the run of steps going on in which a backward pass reached it and its
+        #: optimizer did not step, and the longest such run that ended in an optimizer step (the loop's rhythm)
+        self._idle: dict[str, tuple[int, int, int]] = {}
+        self._gap: dict[str, int] = {}  # component -> the longest run of steps without an optimizer step, once ended
+        self._first: dict[str, int] = {}  # component -> the first step it was measured at
+        self._stepped = False  # some component's optimizer has stepped
 
     def on_grads(self, ctx: ProbeContext, comp: Component, view: GradView) -> None:
         if not comp.index.params:
@@ -100,6 +111,14 @@ class GradProbe(Probe):
             ring = self._ring.get(comp.name)
             if ring is None:
                 ring = self._ring[comp.name] = []
+                self._first.setdefault(comp.name, ctx.step)
+            if view.stepped:
+                self._stepped = True
+                if self._idle:  # an optimizer stepping again after steps without: the loop's rhythm (accumulation)
+                    self._end_idle(comp.name)
+            elif comp.optimizers and view.source == "backward":  # a backward pass reached it, its optimizer did not step
+                first, run, gap = self._idle.get(comp.name, (ctx.step, 0, 0))
+                self._idle[comp.name] = (first, run + 1, gap)
             tap = view.tap  # Tap.lazy() inline: a frame less on every step
             ring.append((ctx.step, tap.total_ if tap.total_ is not None else (tap.parts, tap.scale)))
             pre = tap.sentinel
@@ -192,6 +211,8 @@ class GradProbe(Probe):
                 flags = iter(wiped.reshape(-1).tolist())
                 looked = self._looked.get(comp.name, [])
                 self._publish_wiped(comp, [next(flags) if touched else 0.0 for touched in looked], record)
+            if self._idle:
+                self._publish_idle(comp, record)
             series = get("global_norm_series")
             if series is not None:
                 points = list(zip(self._steps.get(comp.name, []), map(float, series.tolist())))
@@ -224,6 +245,23 @@ class GradProbe(Probe):
             loss = next(iter(losses.values()))
         reach = {"backward": float(comp.name in ctx.backward_seen), **graph_reach(loss, comp.index.params)}
         record.tables[comp.key("grad/reach")] = reach
+
+    def _end_idle(self, name: str) -> None:
+        """The component's optimizer stepped: a run of steps without it, if one was going on, is the loop's rhythm."""
+        idle = self._idle.pop(name, None)
+        if idle is not None:
+            self._gap[name] = max(self._gap.get(name, 0), idle[1])
+
+    def _publish_idle(self, comp: Component, record: Record) -> None:
+        """``opt/unstepped``: the run going on of steps whose backward pass reached the component while its optimizer
+        did not step (``optimizer_idle``)."""
+        idle = self._idle.get(comp.name)
+        if idle is None:
+            return
+        first, run, _ = idle
+        record.tables[comp.key("opt/unstepped")] = {
+            "first": float(first), "run": float(run), "gap": float(self._gap.get(comp.name, 0)),
+            "from_start": float(first == self._first.get(comp.name)), "others_step": float(self._stepped)}
 
     def _publish_wiped(self, comp: Component, flags: list[float], record: Record) -> None:
         """The run of consecutive wiped steps (carried across windows): its first step and length."""
