@@ -30,7 +30,8 @@ def _net() -> nn.Module:
 def classify(out: Path, fault: str, *, level: str = "advanced", onset: int = ONSET) -> trackdiag.Diagnostics:
     """A learnable 4-class problem (labels from a fixed linear map), Adam, ``zero_grad(set_to_none=True)``; ``fault``
     planted from ``onset``: ``deepcopy`` (the model replaced by a copy, the optimizer kept), ``reload`` (a new instance
-    given the old one's ``state_dict``), ``no_backward`` (``loss.backward()`` dropped), ``no_grad`` (the forward under
+    given the old one's ``state_dict``), ``reinit`` (every parameter replaced by an assignment of a new
+    ``nn.Parameter``), ``no_backward`` (``loss.backward()`` dropped), ``no_grad`` (the forward under
     ``torch.no_grad()``, the loss given ``requires_grad_(True)`` to silence autograd's error), ``none``."""
     torch.manual_seed(0)
     model = _net()
@@ -42,6 +43,10 @@ def classify(out: Path, fault: str, *, level: str = "advanced", onset: int = ONS
         for step in range(STEPS):
             if step == onset and fault == "deepcopy":
                 model = copy.deepcopy(model)
+            elif step == onset and fault == "reinit":  # every parameter replaced by assignment, the optimizer kept
+                for layer in (model[0], model[2]):
+                    layer.weight = nn.Parameter(layer.weight.detach().clone())
+                    layer.bias = nn.Parameter(layer.bias.detach().clone())
             elif step == onset and fault == "reload":
                 state = model.state_dict()
                 model = _net()
@@ -72,6 +77,7 @@ CAUSES = {
     "reload": "does not depend on any parameter this optimizer holds",
     "no_backward": "loss.backward() is not called",
     "no_grad": "has no autograd graph",
+    "reinit": "the model's parameters were replaced after the optimizer was built",
 }
 
 

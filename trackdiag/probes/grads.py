@@ -25,7 +25,8 @@ Emits per component (``diag/`` or ``diag/<component>/``):
   ``grad/reach`` (a table, only when the window's last pre-clip norm is exactly 0: no gradient reached any parameter
       the optimizer holds): ``{"backward": 1.0 if a backward pass reached them in that step (and left exactly 0),
       "graph": 1.0 if the step's loss has an autograd graph, "reaches": 1.0 if that graph reaches those parameters
-      (0.0: it does not, -1.0: too large to tell)}``, read by ``grads_missing``.
+      (0.0: it does not, -1.0: too large to tell), "replaced": 1.0 if none of the model's own parameters is a tensor
+      the optimizer holds (each replaced after it was built)}``, read by ``grads_missing``.
 Cost: per step, the global norm the tap took (see :mod:`trackdiag.capture.gradtap`: one pass over the
 gradients, the sentinel's norm among its per-tensor norms) and, when the optimizer steps, a look at the
 sentinel's gradient: none when it is the tensor the backward pass left at the same version (two attribute
@@ -244,6 +245,10 @@ class GradProbe(Probe):
         if loss is None and len(losses) == 1:
             loss = next(iter(losses.values()))
         reach = {"backward": float(comp.name in ctx.backward_seen), **graph_reach(loss, comp.index.params)}
+        if comp.model is not None:  # the model's own parameters, none of them a tensor the optimizer holds
+            held = {id(p) for p in comp.index.params}
+            own = [p for p in comp.model.parameters() if p.requires_grad]
+            reach["replaced"] = float(bool(own) and not any(id(p) in held for p in own))
         record.tables[comp.key("grad/reach")] = reach
 
     def _end_idle(self, name: str) -> None:
