@@ -76,7 +76,7 @@ ALL_FAULTS = ("nan", "lr1000", "no_zero", "lr_start", "shuffled_labels", "eval_m
               "eval_wrong", "crash_lr", "reversed_ema", "dup_workers", "sorted_data", "sched_per_batch", "zero_inputs")
 #: the alert kind each silent fault is judged by (the first warning-or-worse alert must be of it)
 SILENT_KINDS = {"runaway": "loss_runaway", "detached": "stale_params", "frozen_majority": "stale_params",
-                "not_landing": "stale_params", "eval_wrong": ("eval_mismatch", "eval_frozen"), "crash_lr": "crash",
+                "not_landing": "grads_missing", "eval_wrong": ("eval_mismatch", "eval_frozen"), "crash_lr": "crash",
                 "dup_workers": "repeated_batches", "reversed_ema": "weights_moved", "sorted_data": "class_sorted_batches",
                 "sched_per_batch": "lr_vanished", "zero_inputs": "constant_inputs"}
 ZERO_INPUTS = ("from the onset the model input is zeros, as an integer division in the preprocessing (uint8 // 255) or a "
