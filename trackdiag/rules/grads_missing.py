@@ -9,7 +9,7 @@ causes, told apart by the ``grad/reach`` table the grads probe adds when it happ
 - the model was replaced after the optimizer was built (``model = copy.deepcopy(model)``, a new instance with
   ``load_state_dict``, a re-wrapped model): the loss's graph does not reach the parameters the optimizer holds;
 - ``loss.backward()`` is no longer called (moved under a condition, lost in a refactor): the graph reaches them;
-- the loss has no graph (computed under ``torch.no_grad()``, rebuilt from ``.item()``, detached);
+- the loss was made to require grad with no graph behind it (``requires_grad_(True)`` after a ``no_grad`` forward);
 - the model's parameters were replaced after the optimizer was built (``layer.weight = nn.Parameter(...)``).
 """
 from __future__ import annotations
@@ -25,14 +25,14 @@ from trackdiag.rules.base import Rule, phase_start
 
 def _cause(reach: dict[str, float]) -> str:
     """The cause ``grad/reach`` points to, as a clause of the message."""
-    if reach.get("graph") == 0.0:
-        return ("the loss given to step() has no autograd graph: it was computed under torch.no_grad() or "
-                "inference_mode, or detached (.detach(), a tensor rebuilt from .item()), so no backward pass can "
-                "reach the weights (a loss given .requires_grad_(True) to silence autograd's error trains nothing)")
-    if reach.get("reaches") == 0.0 and reach.get("replaced") == 1.0:
+    if reach.get("replaced") == 1.0:
         return ("the model's parameters were replaced after the optimizer was built (an assignment such as "
                 "layer.weight = nn.Parameter(...), a re-initialisation that makes new tensors): the optimizer holds the "
                 "old ones, which nothing uses any more")
+    if reach.get("leaf") == 1.0:
+        return ("the loss given to step() was made to require grad with no graph behind it (.requires_grad_(True) on a "
+                "loss computed under torch.no_grad() or inference_mode, or from .detach()ed outputs): its backward "
+                "reaches no weight")
     if reach.get("reaches") == 0.0:
         return ("the loss given to step() does not depend on any parameter this optimizer holds: the model that "
                 "computes it is not the one the optimizer was built over (a model replaced after the optimizer was "
@@ -42,7 +42,9 @@ def _cause(reach: dict[str, float]) -> str:
                 "loss.backward() is not called (moved under a condition, lost in a refactor) or is called on "
                 "another tensor")
     return ("loss.backward() is not called, the model was replaced after the optimizer was built (copy.deepcopy, a "
-            "new instance given load_state_dict), or the loss is cut off from the model (torch.no_grad(), .detach())")
+            "new instance given load_state_dict) or its parameters were (layer.weight = nn.Parameter(...)), or the "
+            "loss is cut off from the model (torch.no_grad(), .detach()); the loss given to step() does not tell which "
+            "(give it the loss you call backward() on)")
 
 
 class GradsMissing(Rule):
