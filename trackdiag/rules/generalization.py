@@ -155,10 +155,13 @@ class Overfitting(Rule):
         self._active = hit or (self._active and val > best + margin)
         if not fire:
             return []
+        lowest = min(vals)
+        said = f"{best:.4g}" + (f" (each evaluation read as the median of it and its neighbours; the lowest single "
+                                f"reading {lowest:.4g})" if f"{lowest:.4g}" != f"{best:.4g}" else "")
         if gap is not None and not trend and not above and not climb:
             onset, since_train = gap
             self._gap_at, self._onset = best, onset
-            why = (f"the validation {self.metric} has stayed within {level / best - 1:.0%} of its best {best:.4g} since step "
+            why = (f"the validation {self.metric} has stayed within {level / best - 1:.0%} of its best {said} since step "
                    f"{onset} while the train loss fell {since_train / train:.1f}x to {train:.4g} ({ratio:.1f}x below it)")
             return [self.make(onset, f"{why}: the model fits its training data and no longer generalises better "
                               f"(flat since step {onset}).", ratio, self.ratio, f"eval/{self.metric}", ["persistent"])]
@@ -166,9 +169,9 @@ class Overfitting(Rule):
         if onset == self._onset:
             return []
         self._onset = onset
-        why = (f"the validation {self.metric} rose from its best {best:.4g} to {val:.4g} while the train loss fell to "
+        why = (f"the validation {self.metric} rose from its best {said} to {val:.4g} while the train loss fell to "
                f"{train:.4g}" if trend or climb else f"validation {self.metric} {val:.4g} is {ratio:.1f}x the train loss {train:.4g} "
-               f"and above its best {best:.4g}")
+               f"and above its best {said}")
         leak = (" The train loss is ~0 while the validation loss is far higher: also check for label/data leakage "
                 "(targets visible in the training inputs, duplicates across the split)." if ratio > self.leak_ratio else "")
         return [self.make(onset, f"{why} (rising since step {onset}).{leak}", ratio, self.ratio, f"eval/{self.metric}", ["persistent"])]
