@@ -88,7 +88,8 @@ def test_ddp_corpus_model_whose_ranks_part() -> None:
 def test_optimizer_built_before_the_parameters_were_replaced_is_said(tmp_path) -> None:
     """``layer.weight = nn.Parameter(...)`` on every layer after Adam was built: the model trains tensors the
     optimizer does not hold, the optimizer holds tensors without gradients. Before: only ``param_not_optimized``
-    (info, read as an input optimised) and ``stale_params`` info ("(root) waiting for a later phase")."""
+    (info, read as an input optimised) and ``stale_params`` info ("(root) waiting for a later phase"); then
+    ``stale_params``, a warning at step 50; now ``grads_missing`` names it at step 9."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -97,8 +98,11 @@ def test_optimizer_built_before_the_parameters_were_replaced_is_said(tmp_path) -
         mod.bias = nn.Parameter(mod.bias.detach().clone())
     diag = _loop(tmp_path, model, opt, steps=60)
     loud = [a for a in diag.alerts if a.severity != "info"]
-    assert [a.kind for a in loud] == ["stale_params"], [(a.kind, a.severity, a.message[:90]) for a in diag.alerts]
-    assert loud[0].step == 0 and "the model no longer uses" in loud[0].message, loud[0].message
+    # grads_missing since 2026-12-03, critical at step 0 and raised at step 9 (stale_params, a warning raised at step
+    # 50, folds into it)
+    assert [a.kind for a in loud] == ["grads_missing"], [(a.kind, a.severity, a.message[:90]) for a in diag.alerts]
+    assert loud[0].step == 0 and "the model's parameters were replaced after the optimizer was built" in loud[0].message, \
+        loud[0].message
 
 
 def test_an_input_optimised_through_a_trainable_model_stays_quiet(tmp_path) -> None:
