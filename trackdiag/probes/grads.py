@@ -99,8 +99,8 @@ class GradProbe(Probe):
         self._looked: dict[str, list[bool]] = {}  # per kept step: was the gradient touched (a wiped flag computed)
         self._run: dict[str, tuple[int, int]] = {}  # component -> (first step, length) of the current wiped run
         #: component -> (first step, length) of the run of steps going on in which a backward pass reached it and its
-        #: optimizer did not step, and the longest such run that ended in an optimizer step (the loop's rhythm)
-        self._idle: dict[str, tuple[int, int, int]] = {}
+        #: optimizer did not step
+        self._idle: dict[str, tuple[int, int]] = {}
         self._gap: dict[str, int] = {}  # component -> the longest run of steps without an optimizer step, once ended
         self._first: dict[str, int] = {}  # component -> the first step it was measured at
         self._stepped = False  # some component's optimizer has stepped
@@ -118,8 +118,8 @@ class GradProbe(Probe):
                 if self._idle:  # an optimizer stepping again after steps without: the loop's rhythm (accumulation)
                     self._end_idle(comp.name)
             elif comp.optimizers and view.source == "backward":  # a backward pass reached it, its optimizer did not step
-                first, run, gap = self._idle.get(comp.name, (ctx.step, 0, 0))
-                self._idle[comp.name] = (first, run + 1, gap)
+                first, run = self._idle.get(comp.name, (ctx.step, 0))
+                self._idle[comp.name] = (first, run + 1)
             tap = view.tap  # Tap.lazy() inline: a frame less on every step
             ring.append((ctx.step, tap.total_ if tap.total_ is not None else (tap.parts, tap.scale)))
             pre = tap.sentinel
@@ -263,7 +263,7 @@ class GradProbe(Probe):
         idle = self._idle.get(comp.name)
         if idle is None:
             return
-        first, run, _ = idle
+        first, run = idle
         record.tables[comp.key("opt/unstepped")] = {
             "first": float(first), "run": float(run), "gap": float(self._gap.get(comp.name, 0)),
             "from_start": float(first == self._first.get(comp.name)), "others_step": float(self._stepped)}
