@@ -52,11 +52,12 @@ class GradsMissing(Rule):
     (10) optimizer steps in a row, either after steps with gradients (at least ``share``, 0.9, of the up to ``before``,
     40, steps before the run had a gradient: a component only some steps train, a head of a task sampled at random, is
     not this) or from the first step while no component of the session has had a gradient yet (one component without
-    a gradient from its start while others train is a head waiting for its task). Nor when a backward pass reached
+    a gradient from its start while others train is a head waiting for its task). Not when a backward pass reached
     the parameters and left their gradient exactly 0 (``grad/reach``'s ``backward``: a loss weight of 0, a mask that
-    keeps nothing: the loss does not move with the weights, ``not_learning`` says so). Nothing is said for a component none of whose parameters requires
-    a gradient (a model frozen on purpose: the set-up checks say so). ``unambiguous`` and ``persistent``; ``step`` is
-    the first step without a gradient, ``where`` the component. Once per run of such steps."""
+    keeps nothing: the loss does not move with the weights, ``not_learning`` says so), nor for a component none of
+    whose parameters requires a gradient (a model frozen on purpose: the set-up checks say so). ``unambiguous`` and
+    ``persistent``; ``step`` is the first step without a gradient, ``where`` the component. Once per run of such
+    steps."""
 
     kind = "grads_missing"
     hint = ("Build the optimizer after the last change to the model, over the parameters of the model that computes "
